@@ -1,0 +1,1 @@
+"""The `gspo` command: local training, the service's commands, and the API client's commands."""

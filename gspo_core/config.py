@@ -1,0 +1,98 @@
+"""The one documented configuration of a GSPO run (algorithm + job), validated with field names."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class GSPOConfig(BaseModel):
+    """Hyperparameters of one GSPO run. Defaults follow Zheng et al. 2025 (GSPO).
+
+    Each optimizer *step* samples ``prompts_per_step`` prompts, ``group_size`` completions each,
+    scores them, computes group-normalised advantages, then makes ``mini_batches`` optimizer
+    updates over that rollout batch (so later updates are off-policy and the ratio matters), then
+    pushes the new weights into the rollout engine.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- rollout ---
+    steps: int = Field(20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
+    prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per step (B).")
+    group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Completion length cap.")
+    max_prompt_tokens: int = Field(512, ge=8, le=131072, description="Prompts longer are left-truncated.")
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    ignore_eos: bool = Field(False, description="Always generate max_new_tokens (benchmarks).")
+    rollout_engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="auto = vLLM when installed, else transformers generate."
+    )
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95)
+
+    # --- objective ---
+    loss: str = Field("gspo", description="Registered loss name: gspo | gspo_token | grpo.")
+    advantage: str = Field("group_norm", description="Registered advantage estimator name.")
+    scale_rewards: bool = Field(True, description="Divide group-centred rewards by the group std.")
+    clip_eps_low: float = Field(3e-4, ge=0.0, le=1.0)
+    clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0)
+    beta: float = Field(0.0, ge=0.0, le=0.0, description="KL coefficient; GSPO uses none (must be 0).")
+    mini_batches: int = Field(4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute", description="Old-policy logprobs: trainer forward before updates, or the sampler's."
+    )
+
+    # --- optimisation ---
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6)
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
+    gradient_checkpointing: bool = False
+
+    # --- LoRA (full fine-tuning when lora_rank == 0) ---
+    lora_rank: int = Field(0, ge=0, le=1024)
+    lora_alpha: float = Field(32.0, gt=0.0, le=4096.0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    save_merged: bool = Field(True, description="With LoRA, also save a merged full model.")
+
+    # --- bookkeeping ---
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    save_every: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end).")
+    eval_every: int = Field(0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
+    eval_prompts: int = Field(32, ge=1, le=100_000)
+    samples_per_step: int = Field(4, ge=0, le=4096, description="Prompts whose rollouts are stored per step.")
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "GSPOConfig":
+        total = self.prompts_per_step * self.group_size
+        if total % self.mini_batches != 0:
+            raise ValueError(
+                f"mini_batches ({self.mini_batches}) must divide prompts_per_step*group_size ({total})"
+            )
+        return self
+
+
+class JobSpec(BaseModel):
+    """What one training job is: the same fields for `gspo train job.yaml` and `POST /v1/jobs`.
+
+    ``training_file`` / ``validation_file`` are local JSONL paths here; the service resolves its
+    file ids to paths before building a JobSpec.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., min_length=1, description="HF id or local directory of a causal LM.")
+    training_file: str = Field(..., min_length=1)
+    validation_file: str | None = None
+    reward: dict[str, Any] = Field(..., description="Grader spec (see gspo_core.rewards).")
+    hyperparameters: GSPOConfig = Field(default_factory=GSPOConfig)
+    output_dir: str = "runs/job"
+    name: str | None = None

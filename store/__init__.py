@@ -1,0 +1,1 @@
+"""store: persistence shared by the API and the worker (database, object storage, job state)."""

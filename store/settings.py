@@ -1,0 +1,62 @@
+"""The service's one Settings object (pydantic-settings), read from the environment when asked."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _env(name: str) -> AliasChoices:
+    """Accept both NAME and GSPO_NAME, so DATABASE_URL / REDIS_URL / S3_* work as documented."""
+    return AliasChoices(name, f"GSPO_{name}")
+
+
+class Settings(BaseSettings):
+    """Service configuration. With nothing set: SQLite + local data dir + a server-less broker."""
+
+    model_config = SettingsConfigDict(env_file=None, extra="ignore", populate_by_name=True)
+
+    data_dir: Path = Field(Path(".data"), validation_alias=_env("DATA_DIR"))
+    database_url: str | None = Field(None, validation_alias=_env("DATABASE_URL"),
+                                     description="SQLAlchemy URL; default sqlite:///<data_dir>/gspo.db")
+    redis_url: str | None = Field(None, validation_alias=_env("REDIS_URL"),
+                                  description="Celery broker; default a filesystem broker under data_dir")
+    # Object storage: S3 (MinIO, AWS) when S3_BUCKET is set, else <data_dir>/objects.
+    s3_bucket: str | None = Field(None, validation_alias=_env("S3_BUCKET"))
+    s3_endpoint_url: str | None = Field(None, validation_alias=_env("S3_ENDPOINT_URL"))
+    s3_access_key_id: str | None = Field(None, validation_alias=_env("S3_ACCESS_KEY_ID"))
+    s3_secret_access_key: str | None = Field(None, validation_alias=_env("S3_SECRET_ACCESS_KEY"))
+    s3_region: str = Field("us-east-1", validation_alias=_env("S3_REGION"))
+    s3_presign_downloads: bool = Field(True, validation_alias=_env("S3_PRESIGN_DOWNLOADS"))
+
+    # Models a job may name: local directories under models_dir, HF ids when allowed.
+    models_dir: Path = Field(Path(".data/models"), validation_alias=_env("MODELS_DIR"))
+    allow_hub_models: bool = Field(True, validation_alias=_env("ALLOW_HUB_MODELS"))
+
+    # Limits.
+    max_upload_bytes: int = Field(64 * 1024 * 1024, validation_alias=_env("MAX_UPLOAD_BYTES"))
+    max_file_rows: int = Field(1_000_000, validation_alias=_env("MAX_FILE_ROWS"))
+    max_request_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_REQUEST_BYTES"))
+    max_active_jobs_per_tenant: int = Field(16, validation_alias=_env("MAX_ACTIVE_JOBS_PER_TENANT"))
+
+    # Worker leases and retries.
+    lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))
+    heartbeat_seconds: float = Field(5.0, validation_alias=_env("HEARTBEAT_SECONDS"))
+    max_attempts: int = Field(3, validation_alias=_env("MAX_ATTEMPTS"))
+    reaper_interval_seconds: float = Field(15.0, validation_alias=_env("REAPER_INTERVAL_SECONDS"))
+    worker_queue: str = Field("gpu", validation_alias=_env("WORKER_QUEUE"))
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'gspo.db').resolve()}"
+
+    def broker_is_embedded(self) -> bool:
+        return not self.redis_url
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Settings from the environment, read once on first use (never at import time)."""
+    return Settings()
