@@ -1,0 +1,71 @@
+"""Checks the one direction of imports between the project's packages (read from the source)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"gspo_core", "api", "worker", "store", "gspo_client", "gspo_cli", "migrations"}
+WEB_QUEUE_DB = {"fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "sqlalchemy",
+                "alembic", "psycopg", "psycopg2", "boto3", "botocore"}
+
+# package -> packages of ours it may import (besides itself)
+ALLOWED = {
+    "gspo_core": set(),
+    "store": set(),
+    "api": {"store", "gspo_core"},
+    "worker": {"store", "gspo_core"},
+    "gspo_client": set(),
+}
+# api may use only these parts of gspo_core (config, reward specs, data validation).
+API_CORE_PREFIXES = ("gspo_core.config", "gspo_core.rewards", "gspo_core.data")
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def _files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_import_direction(package):
+    bad = []
+    for path in _files(package):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in OURS and top != package and top not in ALLOWED[package]:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+            if package == "api" and top == "gspo_core" and not name.startswith(API_CORE_PREFIXES):
+                bad.append(f"{path.relative_to(ROOT)} imports {name} (api may use config/rewards/data only)")
+    assert not bad, "\n".join(bad)
+
+
+def test_gspo_core_has_no_web_queue_or_database_imports():
+    bad = [
+        f"{p.relative_to(ROOT)} imports {n}"
+        for p in _files("gspo_core")
+        for n in _imports(p)
+        if n.split(".")[0] in WEB_QUEUE_DB
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_has_a_docstring():
+    missing = []
+    for package in sorted(OURS):
+        for path in _files(package):
+            if path.stat().st_size and ast.get_docstring(ast.parse(path.read_text())) is None:
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, "modules without a one-line docstring: " + ", ".join(missing)
