@@ -1,0 +1,26 @@
+"""Advantage estimators as pure tensor functions, registered by name."""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_core.registry import ADVANTAGES
+
+
+@ADVANTAGES.register("group_norm")
+def group_norm(rewards_B: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6):
+    """Group-relative advantages ``A_i = (r_i - mean_group) / (std_group + eps)``.
+
+    ``rewards_B`` holds ``B = num_groups * group_size`` rewards, each group contiguous. With
+    ``scale=False`` the std division is skipped (Dr. GRPO style). Returns ``(adv_B, metrics)``
+    where ``reward/frac_zero_std`` is the fraction of groups whose rewards are all equal (they
+    carry no learning signal).
+    """
+    r_GN = rewards_B.float().view(-1, group_size)
+    mean_G1 = r_GN.mean(-1, keepdim=True)
+    std_G1 = r_GN.std(-1, keepdim=True, unbiased=False)
+    adv_GN = r_GN - mean_G1
+    if scale:
+        adv_GN = adv_GN / (std_G1 + eps)
+    zero_std = (std_G1.squeeze(-1) < 1e-8).float()
+    return adv_GN.reshape(-1), {"reward/frac_zero_std": float(zero_std.mean())}

@@ -1,0 +1,95 @@
+"""Policy-gradient losses as pure tensor functions, registered by name (gspo, gspo_token, grpo).
+
+Every loss takes ``(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low, eps_high)`` where ``B`` is
+sequences, ``T`` completion positions, ``mask_BT`` is 1 on real completion tokens and 0 on padding,
+and ``adv`` is ``adv_B`` (one advantage per sequence) or ``adv_BT`` (per token, gspo_token only).
+Each returns ``(loss, metrics)``: a scalar to minimise and detached float metrics
+(``clip/low_frac``, ``clip/high_frac``, ``ratio/mean``, ``ratio/min``, ``ratio/max``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_core.registry import LOSSES
+
+
+def _seq_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's valid tokens -> ``[B]`` (a sequence with no tokens gives 0)."""
+    return (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+
+
+def _ratio_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, n: torch.Tensor) -> dict:
+    n = n.clamp(min=1)
+    return {
+        "clip/low_frac": float(low.sum() / n),
+        "clip/high_frac": float(high.sum() / n),
+        "ratio/mean": float(ratio.sum() / n) if ratio.numel() else 1.0,
+        "ratio/min": float(ratio.min()) if ratio.numel() else 1.0,
+        "ratio/max": float(ratio.max()) if ratio.numel() else 1.0,
+    }
+
+
+@LOSSES.register("gspo")
+def gspo_loss(logp_new_BT, logp_old_BT, adv_B, mask_BT, eps_low: float, eps_high: float):
+    """GSPO (Zheng et al. 2025): sequence ratio ``s_i = exp(mean_t(logp_new - logp_old))``.
+
+    Clipped per sequence to ``[1 - eps_low, 1 + eps_high]``; loss ``-mean_i min(s_i A_i,
+    clip(s_i) A_i)``, so a sequence's weight does not depend on its length.
+    """
+    mask_BT = mask_BT.to(logp_new_BT.dtype)
+    log_s_B = _seq_mean(logp_new_BT - logp_old_BT, mask_BT)
+    s_B = torch.exp(log_s_B)
+    clipped_B = s_B.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.min(s_B * adv_B, clipped_B * adv_B).mean()
+    with torch.no_grad():
+        # A clip is "active" where the clipped branch is the one min() picked with zero gradient.
+        low_B = (s_B < 1.0 - eps_low) & (adv_B < 0)
+        high_B = (s_B > 1.0 + eps_high) & (adv_B > 0)
+        metrics = _ratio_metrics(s_B.detach(), low_B, high_B, torch.tensor(float(s_B.numel())))
+    return loss, metrics
+
+
+@LOSSES.register("gspo_token")
+def gspo_token_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_high: float):
+    """GSPO-token: ``log s_it = sg(log s_i) + logp_t - sg(logp_t)``, per-token advantages allowed.
+
+    ``adv`` is ``adv_B`` or ``adv_BT``. Equal to ``gspo`` in value and gradient when every token of
+    a sequence has the same advantage. Aggregated per sequence (token mean), then over sequences.
+    """
+    mask_BT = mask_BT.to(logp_new_BT.dtype)
+    adv_BT = adv.unsqueeze(-1).expand_as(logp_new_BT) if adv.dim() == 1 else adv
+    log_s_B = _seq_mean(logp_new_BT - logp_old_BT, mask_BT)
+    log_s_BT = log_s_B.detach().unsqueeze(-1) + logp_new_BT - logp_new_BT.detach()
+    s_BT = torch.exp(log_s_BT)
+    clipped_BT = s_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_tok_BT = -torch.min(s_BT * adv_BT, clipped_BT * adv_BT)
+    loss = _seq_mean(per_tok_BT, mask_BT).mean()
+    with torch.no_grad():
+        valid = mask_BT.bool()
+        s = s_BT.detach()[valid]
+        a = adv_BT[valid]
+        metrics = _ratio_metrics(s, (s < 1 - eps_low) & (a < 0), (s > 1 + eps_high) & (a > 0),
+                                 torch.tensor(float(s.numel())))
+    return loss, metrics
+
+
+@LOSSES.register("grpo")
+def grpo_loss(logp_new_BT, logp_old_BT, adv_B, mask_BT, eps_low: float, eps_high: float):
+    """GRPO's token-level ratio ``r_it = exp(logp_new - logp_old)`` with token clipping (baseline).
+
+    Aggregated as the mean over each sequence's tokens, then over sequences (as in the paper).
+    """
+    mask_BT = mask_BT.to(logp_new_BT.dtype)
+    adv_BT = adv_B.unsqueeze(-1).expand_as(logp_new_BT) if adv_B.dim() == 1 else adv_B
+    r_BT = torch.exp(logp_new_BT - logp_old_BT)
+    clipped_BT = r_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_tok_BT = -torch.min(r_BT * adv_BT, clipped_BT * adv_BT)
+    loss = _seq_mean(per_tok_BT, mask_BT).mean()
+    with torch.no_grad():
+        valid = mask_BT.bool()
+        r = r_BT.detach()[valid]
+        a = adv_BT[valid]
+        metrics = _ratio_metrics(r, (r < 1 - eps_low) & (a < 0), (r > 1 + eps_high) & (a > 0),
+                                 torch.tensor(float(r.numel())))
+    return loss, metrics

@@ -1,0 +1,37 @@
+"""Name -> function registries for losses and advantage estimators (the trainer picks by name)."""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    """A small named registry: ``@REG.register("name")`` then ``REG.get("name")``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def deco(fn: F) -> F:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._items[name] = fn
+            return fn
+
+        return deco
+
+    def get(self, name: str) -> F:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._items))}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+
+LOSSES: Registry = Registry("loss")
+ADVANTAGES: Registry = Registry("advantage estimator")

@@ -1,0 +1,96 @@
+"""The `multi` grader: a safe arithmetic formula over named sub-graders (e.g. 0.8*correct + 0.2*fmt)."""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, build_grader, register
+
+_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Pow: operator.pow}
+_FUNCS = {"min": min, "max": max, "abs": abs}
+
+
+def _check(node: ast.AST, names: set[str], field: str) -> None:
+    """Allow numbers, sub-grader names, + - * / **, unary minus, min/max/abs calls only."""
+    if isinstance(node, ast.Expression):
+        return _check(node.body, names, field)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return
+    if isinstance(node, ast.Name):
+        if node.id not in names:
+            raise RewardSpecError(field, f"unknown name {node.id!r}; sub-graders are {', '.join(sorted(names))}")
+        return
+    if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
+        _check(node.left, names, field)
+        return _check(node.right, names, field)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _check(node.operand, names, field)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS
+            and not node.keywords and node.args):
+        for arg in node.args:
+            _check(arg, names, field)
+        return
+    raise RewardSpecError(field, f"unsupported expression {ast.unparse(node)!r}")
+
+
+def _eval(node: ast.AST, env: dict[str, float]) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body, env)
+    if isinstance(node, ast.Constant):
+        return float(node.value)
+    if isinstance(node, ast.Name):
+        return env[node.id]
+    if isinstance(node, ast.BinOp):
+        return _BIN[type(node.op)](_eval(node.left, env), _eval(node.right, env))
+    if isinstance(node, ast.UnaryOp):
+        v = _eval(node.operand, env)
+        return -v if isinstance(node.op, ast.USub) else v
+    return _FUNCS[node.func.id](*(_eval(a, env) for a in node.args))
+
+
+@register("multi")
+class MultiGrader(Grader):
+    """Combines ``graders`` (name -> spec) with ``calculate_output`` (default: their mean)."""
+
+    def __init__(self, spec, path):
+        super().__init__(spec, path)
+        self.check_keys({"graders", "calculate_output"})
+        subs = self.req("graders", dict)
+        if not subs:
+            raise RewardSpecError(self.field("graders"), "needs at least one sub-grader")
+        self.subs: dict[str, Grader] = {}
+        for name, sub in subs.items():
+            if not name.isidentifier():
+                raise RewardSpecError(self.field(f"graders.{name}"), "sub-grader names must be identifiers")
+            grader = build_grader(sub, self.field(f"graders.{name}"))
+            grader.name = name
+            self.subs[name] = grader
+        formula = self.opt("calculate_output", str, " + ".join(self.subs) + f") / {len(self.subs)}")
+        if "calculate_output" not in spec:
+            formula = "(" + formula
+        try:
+            self.tree = ast.parse(formula, mode="eval")
+        except SyntaxError as exc:
+            raise RewardSpecError(self.field("calculate_output"), f"not a formula: {exc.msg}") from None
+        _check(self.tree, set(self.subs), self.field("calculate_output"))
+
+    def combine(self, scores: dict[str, float]) -> float:
+        try:
+            return float(_eval(self.tree, scores))
+        except (ZeroDivisionError, OverflowError, ValueError) as exc:
+            raise GraderError("invalid_output", f"formula failed: {exc}") from None
+
+    def grade(self, sample, item):  # only used when a multi is nested inside a multi
+        scores = {}
+        for name, g in self.subs.items():
+            res = g.grade_batch([sample], [item])[0]
+            if isinstance(res, GraderError):
+                raise res
+            scores[name] = res
+        return self.combine(scores)
+
+    def close(self):
+        for g in self.subs.values():
+            g.close()
