@@ -1,0 +1,1 @@
+"""api: the FastAPI service (jobs, files, metrics, checkpoints, dashboard)."""

@@ -1,0 +1,53 @@
+"""The API's one error shape ``{"error": {type, message, field, line}}`` and its handlers."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ApiError(Exception):
+    """Raise from anywhere in a request: becomes ``status`` with the error body."""
+
+    def __init__(self, status: int, type_: str, message: str, field: str | None = None,
+                 line: int | None = None, headers: dict | None = None) -> None:
+        self.status, self.type, self.message, self.field, self.line = status, type_, message, field, line
+        self.headers = headers
+        super().__init__(message)
+
+
+def body(type_: str, message: str, field: str | None = None, line: int | None = None) -> dict:
+    return {"error": {"type": type_, "message": message, "field": field, "line": line}}
+
+
+def not_found(what: str, ident: str) -> ApiError:
+    return ApiError(404, "not_found", f"{what} {ident} not found")
+
+
+def _loc(loc) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(body(exc.type, exc.message, exc.field, exc.line), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        field = _loc(err.get("loc", ()))
+        return JSONResponse(body("invalid_request", f"{field}: {err.get('msg')}", field), 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return JSONResponse(body("http_error", str(exc.detail)), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OperationalError)
+    async def _db_down(_: Request, exc: OperationalError):
+        return JSONResponse(body("unavailable", "the database is unreachable; retry shortly"), 503,
+                            headers={"Retry-After": "5"})

@@ -1,0 +1,43 @@
+"""Liveness, readiness (database + broker reachable) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from api.deps import SettingsDep
+from store.queue import broker_reachable
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz():
+    return {"status": "ok"}
+
+
+def _db_ok(db) -> bool:
+    try:
+        with db.session() as s:
+            s.execute(text("SELECT 1"))
+        return True
+    except Exception:
+        return False
+
+
+@router.get("/readyz")
+async def readyz(request: Request, settings: SettingsDep):
+    db_ok, broker_ok = await asyncio.gather(asyncio.to_thread(_db_ok, request.app.state.db),
+                                            asyncio.to_thread(broker_reachable, settings))
+    body = {"database": "ok" if db_ok else "unreachable", "broker": "ok" if broker_ok else "unreachable"}
+    return JSONResponse(body, status_code=200 if db_ok and broker_ok else 503)
+
+
+@router.get("/metrics", include_in_schema=False)
+def prometheus(request: Request):
+    request.app.state.observe_jobs()
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,42 @@
+"""/v1/jobs: create (validated, idempotent), list (cursor), get, cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+
+from api.deps import JobDep, SessionDep, SettingsDep, TenantDep
+from api.schemas import ErrorBody, JobCreate, JobOut, JobStatus, Page
+from api.services import jobs as svc
+from store import jobs as job_state
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 422: {"model": ErrorBody}, 429: {"model": ErrorBody}}
+
+
+@router.post("", response_model=JobOut, status_code=201, responses=ERRORS)
+def create_job(req: JobCreate, s: SessionDep, settings: SettingsDep, tenant: TenantDep, response: Response,
+               idempotency_key: Annotated[str | None, Header(max_length=200)] = None):
+    job, created = svc.create_job(s, settings, tenant, req, idempotency_key)
+    if not created:
+        response.status_code = 200
+    return svc.to_out(s, job)
+
+
+@router.get("", response_model=Page[JobOut], responses=ERRORS)
+def list_jobs(s: SessionDep, tenant: TenantDep, status: JobStatus | None = None,
+              limit: Annotated[int, Query(ge=1, le=200)] = 50, cursor: Annotated[str | None, Query(max_length=512)] = None):
+    rows, nxt = svc.list_jobs(s, tenant, status, limit, cursor)
+    return Page[JobOut](data=[svc.to_out(s, j) for j in rows], next_cursor=nxt)
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
+def get_job(job: JobDep, s: SessionDep):
+    return svc.to_out(s, job)
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)
+def cancel_job(job: JobDep, s: SessionDep):
+    job_state.request_cancel(s, job)
+    return svc.to_out(s, job)

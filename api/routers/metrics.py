@@ -1,0 +1,61 @@
+"""A job's step metrics (JSON or CSV), its live event stream (SSE) and its stored rollouts."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from sqlalchemy import select
+
+from api.deps import JobDep, SessionDep
+from api.errors import ApiError
+from api.schemas import ErrorBody, Page, SamplesOut, StepMetricsOut
+from api.services.events import stream
+from store.models import Sample, StepMetric
+
+router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["metrics"])
+ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}}
+
+
+def _csv(rows: list[StepMetric]) -> str:
+    keys = sorted({k for r in rows for k in r.metrics})
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["step", *keys])
+    for r in rows:
+        w.writerow([r.step, *(r.metrics.get(k, "") for k in keys)])
+    return buf.getvalue()
+
+
+@router.get("/metrics", response_model=Page[StepMetricsOut],
+            responses={200: {"content": {"text/csv": {}}}, **ERRORS})
+def get_metrics(job: JobDep, s: SessionDep, after_step: Annotated[int, Query(ge=0)] = 0,
+                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000, format: Literal["json", "csv"] = "json"):
+    rows = list(s.scalars(select(StepMetric).where(StepMetric.job_id == job.id, StepMetric.step > after_step)
+                          .order_by(StepMetric.step).limit(limit)))
+    if format == "csv":
+        return PlainTextResponse(_csv(rows), media_type="text/csv")
+    return Page[StepMetricsOut](data=[StepMetricsOut(step=r.step, metrics=r.metrics, created_at=r.created_at) for r in rows])
+
+
+@router.get("/events", responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
+def job_events(job: JobDep, request: Request, last_event_id: Annotated[str | None, Header(max_length=64)] = None):
+    """Server-sent events: `status`, `log`, `checkpoint`, `metrics` (one per step), then `end`."""
+    return StreamingResponse(stream(request.app.state.db, job.id, last_event_id), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/samples", response_model=SamplesOut, responses=ERRORS)
+def get_samples(job: JobDep, s: SessionDep, step: Annotated[int | None, Query(ge=1)] = None):
+    """The stored rollouts of ``step`` (default: the latest): prompts, completions, rewards, grader errors."""
+    steps = list(s.scalars(select(Sample.step).where(Sample.job_id == job.id).order_by(Sample.step)))
+    if not steps:
+        raise ApiError(404, "not_found", f"job {job.id} has no stored samples yet")
+    want = step if step is not None else steps[-1]
+    row = s.scalar(select(Sample).where(Sample.job_id == job.id, Sample.step == want))
+    if row is None:
+        raise ApiError(404, "not_found", f"no samples stored for step {want}", "step")
+    return SamplesOut(step=want, rows=row.rows, steps_available=steps)

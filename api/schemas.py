@@ -1,0 +1,120 @@
+"""Pydantic request/response schemas of the API (separate from the SQLAlchemy tables)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+T = TypeVar("T")
+JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    field: str | None = None
+    line: int | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Page(BaseModel, Generic[T]):
+    data: list[T]
+    next_cursor: str | None = None
+
+
+class FileOut(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    filename: str
+    bytes: int
+    rows: int
+    item_fields: list[str]
+    created_at: datetime
+
+
+class JobCreate(BaseModel):
+    """``POST /v1/jobs``. ``hyperparameters`` are gspo_core's GSPOConfig fields (unknown = 422)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., min_length=1, max_length=512,
+                       description="HF id (org/name), a directory under the models dir, or ckpt:<id>.")
+    training_file: str = Field(..., min_length=1, max_length=64)
+    validation_file: str | None = Field(None, max_length=64)
+    reward: dict[str, Any] = Field(..., description="Grader spec (see README: reward spec).")
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    name: str | None = Field(None, max_length=200)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    model: str
+    status: JobStatus
+    step: int
+    total_steps: int
+    queue_position: int | None
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    training_file: str
+    validation_file: str | None
+    reward: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    metadata: dict[str, Any]
+    seed: int
+    attempts: int
+    latest_metrics: dict[str, float] | None
+
+
+class StepMetricsOut(BaseModel):
+    step: int
+    metrics: dict[str, float]
+    created_at: datetime
+
+
+class SamplesOut(BaseModel):
+    step: int
+    rows: list[dict[str, Any]]
+    steps_available: list[int]
+
+
+class CheckpointOut(BaseModel):
+    id: str
+    object: Literal["checkpoint"] = "checkpoint"
+    job_id: str
+    step: int
+    size_bytes: int
+    final: bool
+    metrics: dict[str, float]
+    created_at: datetime
+    download_url: str
+
+
+class RewardRunIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: dict[str, Any]
+    item: dict[str, Any] = Field(default_factory=dict)
+    samples: list[str] = Field(..., min_length=1, max_length=64, description="Completion texts to grade.")
+
+
+class RewardRunResult(BaseModel):
+    output_text: str
+    reward: float
+    scores: dict[str, float]
+    errors: dict[str, str]
+
+
+class RewardRunOut(BaseModel):
+    results: list[RewardRunResult]
+    grader_names: list[str]

@@ -1,0 +1,1 @@
+"""What the routers delegate to: validation and persistence logic of each resource."""

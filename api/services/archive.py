@@ -1,0 +1,83 @@
+"""Streams a checkpoint as one .tar.gz built on the fly from object storage (bounded memory)."""
+
+from __future__ import annotations
+
+import queue
+import tarfile
+import threading
+import time
+from typing import Iterator
+
+CHUNK = 1024 * 1024
+_DONE = object()
+
+
+class _QueueWriter:
+    """A write-only file object whose writes become chunks in a bounded queue."""
+
+    def __init__(self, q: queue.Queue) -> None:
+        self.q, self.buf = q, bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buf += data
+        if len(self.buf) >= CHUNK:
+            self.q.put(bytes(self.buf))
+            self.buf.clear()
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buf:
+            self.q.put(bytes(self.buf))
+            self.buf.clear()
+
+
+class _StreamReader:
+    """A read-only file object over an iterator of byte chunks (what tarfile.addfile reads)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.it, self.buf = iter(chunks), b""
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self.buf) < n:
+            try:
+                self.buf += next(self.it)
+            except StopIteration:
+                break
+        if n < 0:
+            out, self.buf = self.buf, b""
+        else:
+            out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+
+def archive_members(objects, prefix: str) -> list[tuple[str, str, int]]:
+    """``(key, name in archive, size)`` of the downloadable parts: model/ and adapter/."""
+    out = []
+    for part in ("model", "adapter"):
+        for key, size in objects.list(f"{prefix}/{part}"):
+            out.append((key, key[len(prefix) + 1:], size))
+    return out
+
+
+def stream_tar_gz(objects, members: list[tuple[str, str, int]], root: str) -> Iterator[bytes]:
+    """Yield a gzip'd tar of ``members`` under ``root/``; a producer thread fills a bounded queue."""
+    q: queue.Queue = queue.Queue(maxsize=8)
+
+    def produce() -> None:
+        writer = _QueueWriter(q)
+        try:
+            with tarfile.open(fileobj=writer, mode="w|gz") as tar:
+                for key, name, size in members:
+                    info = tarfile.TarInfo(f"{root}/{name}")
+                    info.size, info.mtime, info.mode = size, int(time.time()), 0o644
+                    tar.addfile(info, _StreamReader(objects.open_stream(key)))
+            writer.flush()
+        except Exception as exc:  # surfaces as a broken download, never a silent truncation
+            q.put(exc)
+        q.put(_DONE)
+
+    threading.Thread(target=produce, name="tar-stream", daemon=True).start()
+    while (item := q.get()) is not _DONE:
+        if isinstance(item, Exception):
+            raise item
+        yield item

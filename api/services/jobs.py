@@ -1,0 +1,150 @@
+"""Job submission checks (hyperparameters, grader spec, model, files), creation and listing."""
+
+from __future__ import annotations
+
+import base64
+import re
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.errors import ApiError
+from api.schemas import JobCreate, JobOut
+from gspo_core.config import GSPOConfig
+from gspo_core.rewards import RewardSpecError, build_reward
+from store import jobs as job_state
+from store.models import Checkpoint, File, Job, StepMetric, Tenant
+from store.queue import enqueue_run_job
+from store.settings import Settings
+
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def check_hyperparameters(raw: dict) -> GSPOConfig:
+    try:
+        return GSPOConfig(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        field = f"hyperparameters.{loc}" if loc else "hyperparameters"
+        raise ApiError(422, "invalid_hyperparameters", f"{field}: {err['msg']}", field) from None
+
+
+def check_reward(spec: dict, fields: set[str] | None) -> None:
+    """The spec builds, and every ``{{item.x}}`` it uses exists in the training file."""
+    try:
+        fn = build_reward(spec)
+    except RewardSpecError as exc:
+        raise ApiError(422, "invalid_reward", str(exc), f"reward.{exc.field}" if exc.field else "reward") from None
+    try:
+        missing = sorted(fn.item_fields() - fields) if fields is not None else []
+    finally:
+        fn.close()
+    if missing:
+        raise ApiError(422, "invalid_reward", f"reward uses item field(s) {', '.join(missing)} that the "
+                       f"training file's rows do not all have", "reward")
+
+
+def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> None:
+    """A checkpoint of this tenant, a directory under models_dir, or a hub id when allowed."""
+    if model.startswith("ckpt:"):
+        ckpt = s.get(Checkpoint, model[5:])
+        if ckpt is None or ckpt.tenant_id != tenant.id:
+            raise ApiError(404, "not_found", f"checkpoint {model[5:]} not found", "model")
+        return
+    if model.startswith(("/", ".", "~")) or "\\" in model or ".." in model.split("/"):
+        root = settings.models_dir.resolve()
+        path = (root / model).resolve() if not model.startswith("/") else Path(model).resolve()
+        if root not in path.parents and path != root:
+            raise ApiError(422, "invalid_model", f"model path must be inside the models directory {root}", "model")
+        if not (path / "config.json").is_file():
+            raise ApiError(422, "invalid_model", f"no model (config.json) at {model}", "model")
+        return
+    local = (settings.models_dir / model).resolve()
+    if settings.models_dir.resolve() in local.parents and (local / "config.json").is_file():
+        return
+    if HF_ID.match(model) and settings.allow_hub_models:
+        return
+    raise ApiError(422, "invalid_model", f"unknown model {model!r}: use an org/name hub id, a directory "
+                   f"under the models directory, or ckpt:<checkpoint id>", "model")
+
+
+def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
+    f = s.get(File, file_id)
+    if f is None or f.tenant_id != tenant.id:
+        raise ApiError(404, "not_found", f"file {file_id} not found", field)
+    return f
+
+
+def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None) -> tuple[Job, bool]:
+    """Validate everything, insert the job, enqueue it. Returns (job, created)."""
+    if idem_key:
+        prior = s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key))
+        if prior is not None:
+            return prior, False
+    cfg = check_hyperparameters(req.hyperparameters)
+    train = _owned_file(s, tenant, req.training_file, "training_file")
+    if req.validation_file:
+        _owned_file(s, tenant, req.validation_file, "validation_file")
+    check_reward(req.reward, set(train.item_fields))
+    check_model(s, settings, tenant, req.model)
+    if job_state.count_active(s, tenant.id) >= settings.max_active_jobs_per_tenant:
+        raise ApiError(429, "too_many_jobs", f"at most {settings.max_active_jobs_per_tenant} queued or running "
+                       "jobs per tenant; wait for one to finish or cancel one")
+    job = Job(tenant_id=tenant.id, name=req.name, model=req.model,
+              training_file_id=train.id, validation_file_id=req.validation_file, reward=req.reward,
+              hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), job_metadata=req.metadata,
+              seed=req.seed, total_steps=cfg.steps, idempotency_key=idem_key, max_attempts=settings.max_attempts)
+    s.add(job)
+    try:
+        s.flush()
+    except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
+        s.rollback()
+        return s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key)), False
+    job_state.add_event(s, job.id, "status", "queued", {"status": "queued"})
+    s.commit()
+    enqueue_run_job(settings, job.id)
+    return job, True
+
+
+def latest_metrics(s: Session, job_id: str) -> dict | None:
+    return s.scalar(select(StepMetric.metrics).where(StepMetric.job_id == job_id).order_by(StepMetric.step.desc()).limit(1))
+
+
+def to_out(s: Session, job: Job, with_metrics: bool = True) -> JobOut:
+    return JobOut(
+        id=job.id, name=job.name, model=job.model, status=job.status, step=job.step, total_steps=job.total_steps,
+        queue_position=job_state.queue_position(s, job), error=job.error, created_at=job.created_at,
+        started_at=job.started_at, finished_at=job.finished_at, training_file=job.training_file_id,
+        validation_file=job.validation_file_id, reward=job.reward, hyperparameters={**job.hyperparameters, "seed": job.seed},
+        metadata=job.job_metadata or {}, seed=job.seed, attempts=job.attempts,
+        latest_metrics=latest_metrics(s, job.id) if with_metrics else None)
+
+
+def encode_cursor(created_at: datetime, job_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{job_id}".encode()).decode()
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        ts, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(ts), job_id
+    except Exception:
+        raise ApiError(400, "invalid_cursor", "cursor is not one this API returned", "cursor") from None
+
+
+def list_jobs(s: Session, tenant: Tenant, status: str | None, limit: int, cursor: str | None) -> tuple[list[Job], str | None]:
+    """Newest first; the cursor is the last row's (created_at, id)."""
+    q = select(Job).where(Job.tenant_id == tenant.id)
+    if status:
+        q = q.where(Job.status == status)
+    if cursor:
+        ts, jid = decode_cursor(cursor)
+        q = q.where((Job.created_at < ts) | ((Job.created_at == ts) & (Job.id < jid)))
+    rows = list(s.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    nxt = encode_cursor(rows[limit - 1].created_at, rows[limit - 1].id) if len(rows) > limit else None
+    return rows[:limit], nxt

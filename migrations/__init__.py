@@ -1,0 +1,1 @@
+"""Alembic migrations: the only way the schema changes (SQLite and PostgreSQL)."""

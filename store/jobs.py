@@ -1,0 +1,164 @@
+"""Job state machine and worker leases: the ONE place a job's status changes."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, utcnow
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+ACTIVE = {"queued", "running", "cancelling"}
+LEGAL = {
+    "queued": {"running", "cancelled", "failed"},
+    "running": {"succeeded", "failed", "cancelling", "queued"},
+    "cancelling": {"cancelled", "failed", "succeeded"},
+}
+
+
+class IllegalTransition(ValueError):
+    """A status change the state machine refuses (e.g. succeeded -> running)."""
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def add_event(s: Session, job_id: str, kind: str, message: str, data: dict | None = None) -> JobEvent:
+    ev = JobEvent(job_id=job_id, kind=kind, message=message, data=data)
+    s.add(ev)
+    s.flush()
+    return ev
+
+
+def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Job:
+    """Move ``job`` to ``to`` if legal, stamping times and recording a status event."""
+    if to not in LEGAL.get(job.status, set()):
+        raise IllegalTransition(f"job {job.id}: {job.status} -> {to} is not allowed")
+    job.status = to
+    if to == "running" and job.started_at is None:
+        job.started_at = utcnow()
+    if to in TERMINAL:
+        job.finished_at = utcnow()
+        job.worker_id, job.lease_until = None, None
+    if to == "queued":
+        job.worker_id, job.lease_until = None, None
+    if error is not None:
+        job.error = error
+    add_event(s, job.id, "status", to if not error else f"{to}: {error}", {"status": to, "error": error})
+    return job
+
+
+def claim(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
+    """Take the job's lease if it is queued or its holder's lease expired (atomic UPDATE).
+
+    Returns the job (now ``running``, attempts + 1) or None when another live worker holds it or
+    it is no longer runnable: a duplicated delivery then exits at once.
+    """
+    now = _now()
+    res = s.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .where(or_(Job.status == "queued",
+                   and_(Job.status.in_(("running", "cancelling")), or_(Job.lease_until.is_(None), Job.lease_until < now))))
+        .values(worker_id=worker_id, lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now,
+                attempts=Job.attempts + 1)
+        .execution_options(synchronize_session=False)
+    )
+    if res.rowcount != 1:
+        return None
+    job = s.get(Job, job_id, populate_existing=True)
+    if job.status == "queued":
+        transition(s, job, "running")
+    add_event(s, job.id, "log", f"attempt {job.attempts} started on {worker_id}")
+    return job
+
+
+def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> bool:
+    """Renew the lease; False when this worker no longer holds it (it must stop)."""
+    now = _now()
+    res = s.execute(
+        update(Job).where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .values(lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
+        .execution_options(synchronize_session=False))
+    return res.rowcount == 1
+
+
+def _upsert(s: Session, table, values: dict, keys: list[str], update_cols: list[str]) -> None:
+    dialect = s.get_bind().dialect.name
+    ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)
+    s.execute(ins.on_conflict_do_update(index_elements=keys, set_={c: ins.excluded[c] for c in update_cols}))
+
+
+def record_step(s: Session, job_id: str, step: int, metrics: dict) -> None:
+    """Store a step's metrics (idempotent on (job, step): a resumed job rewrites, never duplicates)."""
+    _upsert(s, StepMetric.__table__, {"job_id": job_id, "step": step, "metrics": metrics, "created_at": utcnow()},
+            ["job_id", "step"], ["metrics"])
+    s.execute(update(Job).where(Job.id == job_id).values(step=step).execution_options(synchronize_session=False))
+
+
+def record_samples(s: Session, job_id: str, step: int, rows: list[dict]) -> None:
+    _upsert(s, Sample.__table__, {"job_id": job_id, "step": step, "rows": rows}, ["job_id", "step"], ["rows"])
+
+
+def record_checkpoint(s: Session, job: Job, step: int, prefix: str, size: int, final: bool) -> Checkpoint:
+    """A checkpoint row with the metrics of its step (idempotent on (job, step))."""
+    metrics = s.scalar(select(StepMetric.metrics).where(StepMetric.job_id == job.id, StepMetric.step == step)) or {}
+    ckpt = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
+    if ckpt is None:
+        ckpt = Checkpoint(job_id=job.id, tenant_id=job.tenant_id, step=step)
+        s.add(ckpt)
+    ckpt.object_prefix, ckpt.size_bytes, ckpt.metrics, ckpt.final = prefix, size, metrics, final
+    s.flush()
+    add_event(s, job.id, "checkpoint", f"checkpoint at step {step}", {"checkpoint_id": ckpt.id, "step": step})
+    return ckpt
+
+
+def latest_checkpoint(s: Session, job_id: str) -> Checkpoint | None:
+    return s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1))
+
+
+def request_cancel(s: Session, job: Job) -> Job:
+    """Queued jobs are cancelled at once; running ones go to ``cancelling`` (seen within a step)."""
+    if job.status == "queued":
+        return transition(s, job, "cancelled")
+    if job.status == "running":
+        return transition(s, job, "cancelling")
+    return job
+
+
+def stale_jobs(s: Session) -> list[Job]:
+    """Running/cancelling jobs whose lease expired (their worker died or hung)."""
+    return list(s.scalars(select(Job).where(Job.status.in_(("running", "cancelling")), Job.lease_until < _now())))
+
+
+def reap(s: Session) -> tuple[list[str], list[str]]:
+    """Requeue jobs with stale leases; fail those past their retry budget. Returns (requeued, failed)."""
+    requeued, failed = [], []
+    for job in stale_jobs(s):
+        if job.status == "cancelling":
+            transition(s, job, "cancelled")
+        elif job.attempts >= job.max_attempts:
+            transition(s, job, "failed", error=f"worker lost {job.attempts} times (lease expired); retry budget exhausted")
+            failed.append(job.id)
+        else:
+            add_event(s, job.id, "log", f"lease of {job.worker_id} expired; requeued")
+            transition(s, job, "queued")
+            requeued.append(job.id)
+    return requeued, failed
+
+
+def queue_position(s: Session, job: Job) -> int | None:
+    """1-based position among queued jobs (all tenants, oldest first), None unless queued."""
+    if job.status != "queued":
+        return None
+    ahead = s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued", Job.created_at < job.created_at))
+    return int(ahead or 0) + 1
+
+
+def count_active(s: Session, tenant_id: str) -> int:
+    return int(s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))) or 0)

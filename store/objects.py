@@ -1,0 +1,157 @@
+"""Object storage behind one small interface: a local directory (default) or S3 (MinIO, AWS)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+from store.settings import Settings
+
+CHUNK = 1024 * 1024
+ARCHIVE_NAME = "archive.tar.gz"  # a checkpoint's pre-built download (stored on S3 for presigned URLs)
+
+
+class BadKey(ValueError):
+    """A key that could escape its storage prefix (``..``, absolute, empty parts)."""
+
+
+def check_key(key: str) -> str:
+    parts = PurePosixPath(key).parts
+    if not key or key.startswith("/") or "\\" in key or any(p in ("..", ".", "") for p in parts):
+        raise BadKey(f"invalid object key {key!r}")
+    return key
+
+
+class LocalObjectStore:
+    """Objects as files under ``root``; keys are validated so nothing escapes it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / check_key(key)).resolve()
+        if self.root not in path.parents:
+            raise BadKey(f"object key {key!r} escapes the store")
+        return path
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+    def put_file(self, key: str, src: str | Path) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        shutil.copyfile(src, tmp)
+        tmp.replace(path)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def open_stream(self, key: str) -> Iterator[bytes]:
+        with open(self._path(key), "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix`` (a folder-like key)."""
+        base = self._path(prefix.rstrip("/"))
+        if not base.is_dir():
+            return []
+        return sorted((str(p.relative_to(self.root)), p.stat().st_size) for p in base.rglob("*")
+                      if p.is_file() and not p.name.endswith(".part"))
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = self._path(prefix.rstrip("/"))
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+    def presigned_url(self, key: str, expires: int = 3600) -> str | None:
+        return None
+
+
+class S3ObjectStore:
+    """Objects in an S3 bucket through boto3 (AWS, MinIO, or moto's server in tests)."""
+
+    def __init__(self, settings: Settings) -> None:
+        import boto3
+
+        self.bucket = settings.s3_bucket
+        self.client = boto3.client(
+            "s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
+            aws_access_key_id=settings.s3_access_key_id, aws_secret_access_key=settings.s3_secret_access_key)
+        self.presign = settings.s3_presign_downloads
+
+    def ensure_bucket(self) -> None:
+        existing = {b["Name"] for b in self.client.list_buckets().get("Buckets", [])}
+        if self.bucket not in existing:
+            self.client.create_bucket(Bucket=self.bucket)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=check_key(key), Body=data)
+
+    def put_file(self, key: str, src: str | Path) -> None:
+        self.client.upload_file(str(src), self.bucket, check_key(key))
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=check_key(key))["Body"].read()
+
+    def open_stream(self, key: str) -> Iterator[bytes]:
+        body = self.client.get_object(Bucket=self.bucket, Key=check_key(key))["Body"]
+        yield from body.iter_chunks(CHUNK)
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        prefix = check_key(prefix.rstrip("/")) + "/"
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            out += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
+        return sorted(out)
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = [k for k, _ in self.list(prefix)] or [check_key(prefix)]
+        for k in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket,
+                                       Delete={"Objects": [{"Key": key} for key in keys[k:k + 1000]]})
+
+    def presigned_url(self, key: str, expires: int = 3600) -> str | None:
+        if not self.presign:
+            return None
+        return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": check_key(key)},
+                                                  ExpiresIn=expires)
+
+
+def get_object_store(settings: Settings):
+    """S3 when ``S3_BUCKET`` is set, else ``<data_dir>/objects``."""
+    if settings.s3_bucket:
+        return S3ObjectStore(settings)
+    return LocalObjectStore(settings.data_dir / "objects")
+
+
+def put_dir(store, prefix: str, src: Path) -> int:
+    """Upload every file under ``src`` to ``prefix/<relative path>``; returns total bytes."""
+    total = 0
+    for path in sorted(Path(src).rglob("*")):
+        if path.is_file():
+            store.put_file(f"{prefix}/{path.relative_to(src).as_posix()}", path)
+            total += path.stat().st_size
+    return total
+
+
+def get_dir(store, prefix: str, dest: Path) -> Path:
+    """Download every object under ``prefix`` into ``dest`` (relative layout kept)."""
+    dest = Path(dest)
+    for key, _ in store.list(prefix):
+        rel = key[len(prefix.rstrip("/")) + 1:]
+        target = (dest / check_key(rel)).resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            for chunk in store.open_stream(key):
+                f.write(chunk)
+    return dest

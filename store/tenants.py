@@ -1,0 +1,61 @@
+"""Tenants and API keys: keys are random, shown once, stored as sha256 hashes, revocable."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from store.models import ApiKey, Tenant, utcnow
+
+KEY_PREFIX = "gspo_"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def get_or_create_tenant(s: Session, name: str) -> Tenant:
+    tenant = s.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        tenant = Tenant(name=name)
+        s.add(tenant)
+        s.flush()
+    return tenant
+
+
+def create_key(s: Session, tenant: Tenant) -> tuple[ApiKey, str]:
+    """A new key for ``tenant``; the plaintext is returned once and never stored."""
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    key = ApiKey(tenant_id=tenant.id, prefix=plaintext[:12], key_hash=hash_key(plaintext))
+    s.add(key)
+    s.flush()
+    return key, plaintext
+
+
+def create_tenant_and_key(s: Session, name: str) -> tuple[Tenant, str]:
+    tenant = get_or_create_tenant(s, name)
+    _, plaintext = create_key(s, tenant)
+    return tenant, plaintext
+
+
+def authenticate(s: Session, plaintext: str) -> Tenant | None:
+    """The tenant of a valid, unrevoked key, else None."""
+    if not plaintext:
+        return None
+    key = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(plaintext)))
+    if key is None or key.revoked_at is not None:
+        return None
+    return s.get(Tenant, key.tenant_id)
+
+
+def revoke_key(s: Session, key_id_or_plaintext: str) -> bool:
+    """Revoke by key id or by the key itself; effective on the next request."""
+    key = s.get(ApiKey, key_id_or_plaintext) or s.scalar(
+        select(ApiKey).where(ApiKey.key_hash == hash_key(key_id_or_plaintext)))
+    if key is None:
+        return False
+    key.revoked_at = utcnow()
+    return True

@@ -1,0 +1,108 @@
+"""Trainer callbacks that persist a job's progress: metrics, samples, checkpoints, events, status."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from sqlalchemy.exc import OperationalError
+
+from gspo_core.callbacks import Callbacks
+from store import jobs
+from store.models import Job
+from store.objects import put_dir
+
+log = logging.getLogger(__name__)
+
+
+def with_db_retry(fn, *, what: str, deadline_s: float = 600.0):
+    """Run ``fn()``; while the database is unreachable retry with backoff (a restart must not
+    lose a metric), giving up after ``deadline_s``."""
+    t0, delay = time.monotonic(), 0.5
+    while True:
+        try:
+            return fn()
+        except OperationalError as exc:
+            if time.monotonic() - t0 > deadline_s:
+                raise
+            log.warning("database unavailable while %s (%s); retrying in %.1fs", what, exc.__class__.__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+class PersistCallbacks(Callbacks):
+    """Writes through store/ what the trainer reports; stops on cancel, shutdown or lost lease."""
+
+    def __init__(self, db, objects, job_id: str, tenant_id: str, shutdown: threading.Event,
+                 lease_lost: threading.Event) -> None:
+        self.db, self.objects, self.job_id, self.tenant_id = db, objects, job_id, tenant_id
+        self.shutdown, self.lease_lost = shutdown, lease_lost
+        self.stop_reason: str | None = None
+
+    def _tx(self, fn, what: str):
+        def run():
+            with self.db.session() as s:
+                return fn(s)
+
+        return with_db_retry(run, what=what)
+
+    def on_step(self, step, metrics):
+        self._tx(lambda s: jobs.record_step(s, self.job_id, step, metrics), f"recording step {step}")
+
+    def on_samples(self, step, rows):
+        self._tx(lambda s: jobs.record_samples(s, self.job_id, step, rows), f"recording samples of step {step}")
+
+    def on_checkpoint(self, step, path, final):
+        prefix = f"jobs/{self.job_id}/checkpoints/step-{step:06d}"
+        size = put_dir(self.objects, prefix, Path(path))
+
+        def rec(s):
+            job = s.get(Job, self.job_id)
+            jobs.record_checkpoint(s, job, step, prefix, size, final)
+
+        self._tx(rec, f"recording checkpoint {step}")
+
+    def on_log(self, message):
+        self._tx(lambda s: jobs.add_event(s, self.job_id, "log", message), "logging")
+
+    def should_stop(self) -> bool:
+        if self.lease_lost.is_set():
+            self.stop_reason = "lease_lost"
+        elif self.shutdown.is_set():
+            self.stop_reason = "shutdown"
+        else:
+            status = self._tx(lambda s: s.get(Job, self.job_id, populate_existing=True).status, "polling status")
+            if status == "cancelling":
+                self.stop_reason = "cancel"
+        return self.stop_reason is not None
+
+
+class Heartbeat:
+    """Renews the job's lease in a thread; sets ``lost`` if another worker took it over."""
+
+    def __init__(self, db, job_id: str, worker_id: str, lease_s: float, every_s: float) -> None:
+        self.db, self.job_id, self.worker_id, self.lease_s, self.every_s = db, job_id, worker_id, lease_s, every_s
+        self.lost, self._stop = threading.Event(), threading.Event()
+        self._th = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                with self.db.session() as s:
+                    ok = jobs.heartbeat(s, self.job_id, self.worker_id, self.lease_s)
+            except OperationalError as exc:  # database down: keep training, try again
+                log.warning("heartbeat failed: %s", exc.__class__.__name__)
+                continue
+            if not ok:
+                self.lost.set()
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self._th.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._th.join(timeout=5)

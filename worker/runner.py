@@ -1,0 +1,140 @@
+"""Runs one job: claim its lease, fetch inputs, train with persisting callbacks, settle its status."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import uuid
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from gspo_core.config import GSPOConfig, JobSpec
+from gspo_core.data import DataError
+from gspo_core.trainer import train
+from store import jobs
+from store.models import Checkpoint, File, Job
+from store.objects import get_dir
+from store.queue import enqueue_run_job
+from store.settings import get_settings
+from worker.context import get_db, get_store
+from worker.persist import Heartbeat, PersistCallbacks, with_db_retry
+
+log = logging.getLogger(__name__)
+SHUTDOWN = threading.Event()  # set on the worker's warm shutdown (SIGTERM)
+
+
+class JobInputError(Exception):
+    """The job's model or data cannot be used; the message tells the user what to fix."""
+
+
+def resolve_model(models_dir: Path, model: str) -> str:
+    """A name under the models directory becomes its path; hub ids and ckpt: refs pass through."""
+    if model.startswith("ckpt:"):
+        return model
+    local = (models_dir / model).resolve()
+    if models_dir.resolve() in local.parents and (local / "config.json").is_file():
+        return str(local)
+    return model
+
+
+def _fetch_inputs(s, objects, job: Job, work: Path, settings_models_dir: Path) -> tuple[str, str, str | None]:
+    """Local paths of the model, training file and validation file of ``job``."""
+    def fetch_file(file_id: str, name: str) -> str:
+        f = s.get(File, file_id)
+        if f is None:
+            raise JobInputError(f"dataset {file_id} no longer exists (was it deleted?)")
+        dest = work / name
+        dest.write_bytes(objects.get_bytes(f.object_key))
+        return str(dest)
+
+    train_path = fetch_file(job.training_file_id, "train.jsonl")
+    val_path = fetch_file(job.validation_file_id, "val.jsonl") if job.validation_file_id else None
+    model = resolve_model(settings_models_dir, job.model)
+    if model.startswith("ckpt:"):
+        ckpt = s.get(Checkpoint, model[5:])
+        if ckpt is None or ckpt.tenant_id != job.tenant_id:
+            raise JobInputError(f"checkpoint {model[5:]} not found")
+        model = str(get_dir(objects, f"{ckpt.object_prefix}/model", work / "base_model"))
+    return model, train_path, val_path
+
+
+def _resume_dir(s, objects, job_id: str, out_dir: Path) -> str | None:
+    """Download the job's latest checkpoint (model + trainer state) for an exact resume."""
+    ckpt = jobs.latest_checkpoint(s, job_id)
+    if ckpt is None:
+        return None
+    return str(get_dir(objects, ckpt.object_prefix, out_dir / "checkpoints" / f"step-{ckpt.step:06d}"))
+
+
+def _settle(db, job_id: str, cb: PersistCallbacks, settings) -> str:
+    reason = cb.stop_reason
+    with db.session() as s:
+        job = s.get(Job, job_id, populate_existing=True)
+        if reason == "lease_lost":
+            return "lease_lost"
+        if reason == "cancel" or job.status == "cancelling":
+            jobs.transition(s, job, "cancelled")
+            return "cancelled"
+        if reason == "shutdown":
+            jobs.add_event(s, job_id, "log", "worker shutting down: checkpointed and requeued")
+            jobs.transition(s, job, "queued")
+            job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt
+        else:
+            jobs.transition(s, job, "succeeded")
+            return "succeeded"
+    enqueue_run_job(settings, job_id)
+    return "requeued"
+
+
+def _fail(db, job_id: str, message: str) -> None:
+    def run():
+        with db.session() as s:
+            job = s.get(Job, job_id, populate_existing=True)
+            if job.status in ("running", "cancelling", "queued"):
+                jobs.transition(s, job, "failed", error=message)
+    with_db_retry(run, what="marking the job failed")
+
+
+def run_job(job_id: str) -> str:
+    """The body of the Celery task. Returns what happened (for logs and tests)."""
+    settings = get_settings()
+    db, objects = get_db(settings), get_store(settings)
+    worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    with db.session() as s:
+        job = jobs.claim(s, job_id, worker_id, settings.lease_seconds)
+        if job is None:
+            return "skipped"  # another live worker holds it, or it is finished
+        tenant_id, hp, seed, reward, status = job.tenant_id, dict(job.hyperparameters), job.seed, job.reward, job.status
+    work = settings.data_dir / "work" / job_id
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds) as hb:
+            with db.session() as s:
+                job = s.get(Job, job_id)
+                model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
+                resume = _resume_dir(s, objects, job_id, work / "output")
+            spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
+                           hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
+            cb = PersistCallbacks(db, objects, job_id, tenant_id, SHUTDOWN, hb.lost)
+            if status == "cancelling":
+                cb.stop_reason = "cancel"
+            else:
+                train(spec, cb, resume_from=resume)
+            return _settle(db, job_id, cb, settings)
+    except (JobInputError, DataError, ValidationError) as exc:
+        _fail(db, job_id, f"invalid job input: {exc}")
+        return "failed"
+    except OSError as exc:
+        _fail(db, job_id, f"could not load the model or data: {exc}")
+        return "failed"
+    except Exception as exc:
+        log.exception("job %s failed", job_id)
+        _fail(db, job_id, f"{type(exc).__name__}: {exc}")
+        return "failed"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
