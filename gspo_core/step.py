@@ -113,7 +113,7 @@ def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfi
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
-        for k, v in {**m, "loss": float(loss), "grad_norm": float(grad_norm), "entropy": entropy}.items():
+        for k, v in {**m, "loss": float(loss.detach()), "grad_norm": float(grad_norm), "entropy": entropy}.items():
             acc.setdefault(k, []).append(v)
     out = {k: sum(v) / len(v) for k, v in acc.items()}
     out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])

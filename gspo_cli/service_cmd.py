@@ -1,0 +1,141 @@
+"""Service commands: `gspo up` (embedded: API + worker + dashboard), `api`, `worker`, `migrate`,
+`admin create-key|revoke-key`, and `demo` (the README's first command)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def _settings():
+    from store.settings import get_settings
+
+    return get_settings()
+
+
+def migrate(_args=None) -> int:
+    from store.db import run_migrations
+
+    s = _settings()
+    s.data_dir.mkdir(parents=True, exist_ok=True)
+    run_migrations(s.resolved_database_url())
+    return 0
+
+
+def create_key(tenant: str) -> str:
+    from store.db import Database
+    from store.tenants import create_tenant_and_key
+
+    db = Database(_settings().resolved_database_url())
+    try:
+        with db.session() as s:
+            _, key = create_tenant_and_key(s, tenant)
+    finally:
+        db.dispose()
+    return key
+
+
+def worker_command(loglevel: str = "INFO") -> list[str]:
+    """Solo pool: SIGTERM reaches the running job (it checkpoints and requeues); one job at a time."""
+    quiet = ["--quiet"] if loglevel.upper() in ("WARNING", "ERROR") else []
+    return [sys.executable, "-m", "celery", *quiet, "-A", "worker.celery_app", "worker", "--pool", "solo",
+            "--concurrency", "1", "-Q", _settings().worker_queue, "--without-gossip", "--without-mingle",
+            "-n", "gspo@%h", "--loglevel", loglevel]
+
+
+def start_worker(loglevel: str = "WARNING") -> subprocess.Popen:
+    return subprocess.Popen(worker_command(loglevel), env=os.environ.copy())
+
+
+def stop_worker(proc: subprocess.Popen, timeout: float = 30) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_api(host: str, port: int) -> None:
+    import uvicorn
+
+    from api.app import create_app
+
+    uvicorn.run(create_app(_settings()), host=host, port=port, log_level="warning")
+
+
+def up(args) -> int:
+    migrate()
+    key = create_key(args.tenant)
+    proc = start_worker()
+    print(f"GSPO service on http://{args.host}:{args.port}  (dashboard: /, API docs: /docs)")
+    print(f"API key for tenant {args.tenant!r}: {key}")
+    print(f"data directory: {_settings().data_dir.resolve()}")
+    try:
+        run_api(args.host, args.port)
+    finally:
+        stop_worker(proc)
+    return 0
+
+
+def api_cmd(args) -> int:
+    run_api(args.host, args.port)
+    return 0
+
+
+def worker_cmd(args) -> int:
+    return subprocess.call(worker_command(args.loglevel))
+
+
+def admin_create_key(args) -> int:
+    print(create_key(args.tenant))
+    return 0
+
+
+def admin_revoke_key(args) -> int:
+    from store.db import Database
+    from store.tenants import revoke_key
+
+    db = Database(_settings().resolved_database_url())
+    with db.session() as s:
+        ok = revoke_key(s, args.key)
+    print("revoked" if ok else "no such key")
+    return 0 if ok else 1
+
+
+def demo(args) -> int:
+    from gspo_cli.demo import run_demo
+
+    return run_demo(args)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="run API + worker + dashboard on this machine (embedded default)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tenant", default="default")
+    p.set_defaults(func=up)
+    p = sub.add_parser("api", help="run the API server only")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=api_cmd)
+    p = sub.add_parser("worker", help="run a GPU worker (Celery, one job at a time)")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(func=worker_cmd)
+    p = sub.add_parser("migrate", help="apply database migrations")
+    p.set_defaults(func=migrate)
+    admin = sub.add_parser("admin", help="administration").add_subparsers(dest="admin_command", required=True)
+    p = admin.add_parser("create-key", help="create an API key for a tenant (created if new)")
+    p.add_argument("--tenant", required=True)
+    p.set_defaults(func=admin_create_key)
+    p = admin.add_parser("revoke-key", help="revoke an API key (by id or the key itself)")
+    p.add_argument("key")
+    p.set_defaults(func=admin_revoke_key)
+    p = sub.add_parser("demo", help="start the embedded service, train a tiny model, download its checkpoint")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"])
+    p.set_defaults(func=demo)

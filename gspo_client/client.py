@@ -1,0 +1,146 @@
+"""`Client`: files, jobs, metrics, events (SSE), samples, checkpoints and reward runs over HTTP."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+
+
+class ApiError(Exception):
+    """An error answer of the API, with its type, message and the field (and line) it names."""
+
+    def __init__(self, status: int, type_: str, message: str, field: str | None = None, line: int | None = None):
+        self.status, self.type, self.message, self.field, self.line = status, type_, message, field, line
+        where = f" [field {field}" + (f", line {line}" if line else "") + "]" if field or line else ""
+        super().__init__(f"{status} {type_}: {message}{where}")
+
+
+class Client:
+    """``Client(base_url, api_key)``; every method raises :class:`ApiError` on a 4xx/5xx answer."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _check(resp: httpx.Response) -> httpx.Response:
+        if resp.status_code < 400:
+            return resp
+        try:
+            err = resp.json()["error"]
+            raise ApiError(resp.status_code, err.get("type", "error"), err.get("message", ""), err.get("field"),
+                           err.get("line"))
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(resp.status_code, "http_error", resp.text[:500] or resp.reason_phrase) from None
+
+    def _get(self, path: str, **params) -> Any:
+        return self._check(self.http.get(path, params={k: v for k, v in params.items() if v is not None})).json()
+
+    # --- files ---------------------------------------------------------------------------
+    def upload_file(self, path: str | Path) -> dict:
+        p = Path(path)
+        with open(p, "rb") as f:
+            return self._check(self.http.post("/v1/files", files={"file": (p.name, f, "application/jsonl")})).json()
+
+    def list_files(self) -> list[dict]:
+        return self._get("/v1/files")["data"]
+
+    def delete_file(self, file_id: str) -> None:
+        self._check(self.http.delete(f"/v1/files/{file_id}"))
+
+    # --- jobs ----------------------------------------------------------------------------
+    def create_job(self, *, model: str, training_file: str, reward: dict, hyperparameters: dict | None = None,
+                   validation_file: str | None = None, name: str | None = None, metadata: dict | None = None,
+                   seed: int = 0, idempotency_key: str | None = None) -> dict:
+        body = {"model": model, "training_file": training_file, "reward": reward,
+                "hyperparameters": hyperparameters or {}, "seed": seed, "metadata": metadata or {}}
+        if validation_file:
+            body["validation_file"] = validation_file
+        if name:
+            body["name"] = name
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._check(self.http.post("/v1/jobs", json=body, headers=headers)).json()
+
+    def list_jobs(self, status: str | None = None, limit: int = 50, cursor: str | None = None) -> dict:
+        return self._get("/v1/jobs", status=status, limit=limit, cursor=cursor)
+
+    def get_job(self, job_id: str) -> dict:
+        return self._get(f"/v1/jobs/{job_id}")
+
+    def cancel_job(self, job_id: str) -> dict:
+        return self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")).json()
+
+    def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
+        return self._get(f"/v1/jobs/{job_id}/metrics", after_step=after_step)["data"]
+
+    def metrics_csv(self, job_id: str) -> str:
+        return self._check(self.http.get(f"/v1/jobs/{job_id}/metrics", params={"format": "csv"})).text
+
+    def samples(self, job_id: str, step: int | None = None) -> dict:
+        return self._get(f"/v1/jobs/{job_id}/samples", step=step)
+
+    def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[tuple[str, dict, str]]:
+        """Follow the job's server-sent events: yields ``(event, data, id)`` until ``end``."""
+        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=None) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                self._check(resp)
+            event, data, ident = "message", [], ""
+            for line in resp.iter_lines():
+                if not line:
+                    if data:
+                        yield event, json.loads("\n".join(data)), ident
+                        if event == "end":
+                            return
+                    event, data = "message", []
+                elif line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].strip())
+                elif line.startswith("id:"):
+                    ident = line[3:].strip()
+
+    # --- checkpoints ---------------------------------------------------------------------
+    def list_checkpoints(self, job_id: str) -> list[dict]:
+        return self._get(f"/v1/jobs/{job_id}/checkpoints")["data"]
+
+    def download_checkpoint(self, checkpoint_id: str, dest: str | Path,
+                            progress: Callable[[int], None] | None = None) -> Path:
+        """Save the .tar.gz to ``dest`` (a file path) and verify it: a readable archive whose files
+        add up to the size the server announced."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with self.http.stream("GET", f"/v1/checkpoints/{checkpoint_id}/download", follow_redirects=True,
+                              timeout=None) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                self._check(resp)
+            expected = resp.headers.get("X-Checkpoint-Bytes")
+            with open(dest, "wb") as f:
+                for chunk in resp.iter_bytes(1024 * 1024):
+                    f.write(chunk)
+                    if progress:
+                        progress(len(chunk))
+        with tarfile.open(dest, "r:gz") as tar:
+            total = sum(m.size for m in tar.getmembers() if m.isfile())
+        if expected is not None and int(expected) != total:
+            raise ApiError(0, "corrupt_download", f"archive holds {total} bytes of files, server announced {expected}")
+        return dest
+
+    # --- rewards -------------------------------------------------------------------------
+    def run_reward(self, reward: dict, item: dict, samples: list[str]) -> dict:
+        return self._check(self.http.post("/v1/rewards/run", json={"reward": reward, "item": item, "samples": samples})).json()
