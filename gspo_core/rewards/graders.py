@@ -117,7 +117,9 @@ class MathAnswer(Grader):
             from math_verify import parse, verify
         except ImportError:
             return float(answer.replace(" ", "") == ref.replace(" ", ""))
-        return float(verify(parse(f"${ref}$"), parse(f"${answer}$")))
+        # Graders run in threads: math-verify must not use its signal-based timeout there.
+        gold, pred = parse(f"${ref}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None)
+        return float(verify(gold, pred, timeout_seconds=None))
 
 
 @register("json_schema")

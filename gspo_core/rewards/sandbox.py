@@ -35,7 +35,7 @@ os.dup2(2, 1)  # user prints go to stderr, never into the protocol stream
 job = json.loads(sys.stdin.read())
 # Import the stdlib a grader commonly needs BEFORE dropping privileges: the interpreter may live
 # in a directory the unprivileged user cannot read.
-import collections, decimal, difflib, fractions, itertools, math, random, re, statistics, string, unicodedata
+import collections, decimal, difflib, fractions, functools, hashlib, itertools, math, random, re, socket, statistics, string, time, typing, unicodedata
 import resource
 if os.geteuid() == 0:
     os.setgroups([])
