@@ -18,7 +18,7 @@ class BadKey(ValueError):
 
 def check_key(key: str) -> str:
     parts = PurePosixPath(key).parts
-    if not key or key.startswith("/") or "\\" in key or any(p in ("..", ".", "") for p in parts):
+    if not key or key.startswith("/") or "\\" in key or "//" in key or any(p in ("..", ".", "") for p in parts):
         raise BadKey(f"invalid object key {key!r}")
     return key
 

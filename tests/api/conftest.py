@@ -1,0 +1,114 @@
+"""API test fixtures: the real app on SQLite and on a fresh PostgreSQL database, two tenants."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from fastapi.testclient import TestClient
+
+from gspo_core.toy import build_tiny_model, write_toy_dataset
+from store.db import run_migrations
+from store.settings import Settings
+from store.tenants import create_tenant_and_key
+from tests.conftest import POSTGRES_URL
+
+ADMIN_PG = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+
+
+@pytest.fixture(scope="session")
+def pg_database():
+    """A fresh, randomly named PostgreSQL database for this session (dropped at the end)."""
+    name = f"gspo_test_{uuid.uuid4().hex[:10]}"
+    try:
+        with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"PostgreSQL not reachable: {exc}")
+    url = POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}"
+    run_migrations(url)
+    yield url
+    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def truncate_all(url: str) -> None:
+    """Each test starts from empty tables (the migrated schema is kept)."""
+    from sqlalchemy import create_engine, text
+
+    from store.models import Base
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        names = ", ".join(t.name for t in Base.metadata.sorted_tables)
+        conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def settings(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'gspo.db'}"
+        run_migrations(url)
+    else:
+        url = request.getfixturevalue("pg_database")
+        truncate_all(url)
+    return Settings(data_dir=tmp_path, database_url=url, models_dir=tmp_path / "models", max_upload_bytes=200_000,
+                    max_file_rows=500, max_active_jobs_per_tenant=3)
+
+
+@pytest.fixture()
+def app(settings):
+    from api.app import create_app
+
+    app = create_app(settings)
+    yield app
+    app.state.db.dispose()
+
+
+@pytest.fixture()
+def client(app):
+    with TestClient(app) as c:
+        yield c
+
+
+def _key(app, name: str) -> str:
+    with app.state.db.session() as s:
+        _, key = create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")
+    return key
+
+
+@pytest.fixture()
+def auth(app) -> dict:
+    return {"Authorization": f"Bearer {_key(app, 'acme')}"}
+
+
+@pytest.fixture()
+def other_auth(app) -> dict:
+    return {"Authorization": f"Bearer {_key(app, 'globex')}"}
+
+
+@pytest.fixture(scope="session")
+def toy_dataset(tmp_path_factory):
+    return write_toy_dataset(tmp_path_factory.mktemp("data") / "toy.jsonl", n=16).read_bytes()
+
+
+@pytest.fixture()
+def model_name(settings) -> str:
+    build_tiny_model(settings.models_dir / "toy", shape="toy")
+    return "toy"
+
+
+@pytest.fixture()
+def uploaded(client, auth, toy_dataset) -> dict:
+    r = client.post("/v1/files", files={"file": ("toy.jsonl", toy_dataset)}, headers=auth)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def job_body(file_id: str, model: str = "toy", **hp) -> dict:
+    from gspo_core.toy import TOY_REWARD
+
+    return {"model": model, "training_file": file_id, "reward": TOY_REWARD,
+            "hyperparameters": {"steps": 2, "group_size": 4, "prompts_per_step": 2, **hp}}

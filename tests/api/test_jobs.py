@@ -1,0 +1,94 @@
+"""/v1/jobs: submit-time checks naming the field, idempotency, listing, cancel, limits."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from store.models import Job
+from tests.api.conftest import job_body
+
+
+def count_jobs(app) -> int:
+    with app.state.db.session() as s:
+        return s.scalar(select(func.count()).select_from(Job))
+
+
+def test_create_get_list_cancel(client, auth, uploaded, model_name):
+    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "name": "first", "metadata": {"team": "rl"}, "seed": 7},
+                    headers=auth)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["queue_position"] >= 1 and job["total_steps"] == 2
+    assert job["hyperparameters"]["clip_eps_low"] == 3e-4 and job["hyperparameters"]["seed"] == 7
+    assert job["model"] == "toy" and job["metadata"] == {"team": "rl"}
+    got = client.get(f"/v1/jobs/{job['id']}", headers=auth).json()
+    assert got["id"] == job["id"] and got["latest_metrics"] is None
+    cancelled = client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth).json()
+    assert cancelled["status"] == "cancelled" and cancelled["queue_position"] is None
+    assert client.get("/v1/jobs?status=cancelled", headers=auth).json()["data"][0]["id"] == job["id"]
+    assert client.get("/v1/jobs?status=queued", headers=auth).json()["data"] == []
+
+
+def test_cursor_pagination(client, auth, uploaded, model_name, settings):
+    ids = []
+    for _ in range(3):
+        ids.append(client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).json()["id"])
+        client.post(f"/v1/jobs/{ids[-1]}/cancel", headers=auth)
+    page1 = client.get("/v1/jobs?limit=2", headers=auth).json()
+    page2 = client.get(f"/v1/jobs?limit=2&cursor={page1['next_cursor']}", headers=auth).json()
+    assert len(page1["data"]) == 2 and len(page2["data"]) == 1 and page2["next_cursor"] is None
+    assert sorted(j["id"] for j in page1["data"] + page2["data"]) == sorted(ids)
+    assert client.get("/v1/jobs?cursor=garbage", headers=auth).status_code == 400
+
+
+def test_idempotency_key_returns_the_same_job(client, app, auth, uploaded, model_name):
+    h = {**auth, "Idempotency-Key": "abc-123"}
+    a = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h)
+    b = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h)
+    assert a.status_code == 201 and b.status_code == 200 and a.json()["id"] == b.json()["id"]
+    assert count_jobs(app) == 1
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"hyperparameters": {"group_size": 1}}, "hyperparameters.group_size"),
+    ({"hyperparameters": {"learning_rate": -1}}, "hyperparameters.learning_rate"),
+    ({"hyperparameters": {"warp_speed": 9}}, "hyperparameters.warp_speed"),
+    ({"hyperparameters": {"prompts_per_step": 3, "group_size": 3, "mini_batches": 4}}, "hyperparameters"),
+    ({"reward": {"type": "nope"}}, "reward.type"),
+    ({"reward": {"type": "string_check", "reference": "{{item.missing}}", "operation": "eq"}}, "reward"),
+    ({"model": "../../etc"}, "model"),
+    ({"model": "/etc"}, "model"),
+    ({"model": "not a model!"}, "model"),
+    ({"model": "ckpt:ckpt_doesnotexist"}, "model"),
+    ({"training_file": "file_nope"}, "training_file"),
+    ({"validation_file": "file_nope"}, "validation_file"),
+    ({"surprise": 1}, "surprise"),
+])
+def test_bad_jobs_are_refused_naming_the_field(client, app, auth, uploaded, model_name, patch, field):
+    body = {**job_body(uploaded["id"]), **patch}
+    if "hyperparameters" in patch:
+        body["hyperparameters"] = patch["hyperparameters"]
+    r = client.post("/v1/jobs", json=body, headers=auth)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["field"] == field, r.json()
+    assert count_jobs(app) == 0
+
+
+def test_hub_ids_are_accepted_when_allowed(client, auth, uploaded):
+    r = client.post("/v1/jobs", json=job_body(uploaded["id"], model="Qwen/Qwen2.5-0.5B-Instruct"), headers=auth)
+    assert r.status_code == 201
+
+
+def test_per_tenant_active_job_cap(client, auth, other_auth, uploaded, model_name, toy_dataset):
+    for _ in range(3):
+        assert client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).status_code == 201
+    r = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "too_many_jobs"
+    other = client.post("/v1/files", files={"file": ("t.jsonl", toy_dataset)}, headers=other_auth).json()
+    assert client.post("/v1/jobs", json=job_body(other["id"]), headers=other_auth).status_code == 201
+
+
+def test_request_body_limit(client, auth):
+    r = client.post("/v1/jobs", content=b"{" + b" " * 2_000_000 + b"}", headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413

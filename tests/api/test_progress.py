@@ -1,0 +1,116 @@
+"""Metrics (JSON, CSV), events (SSE with Last-Event-ID), samples, checkpoints and their download."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from store import jobs
+from store.models import Job
+from store.objects import put_dir
+from tests.api.conftest import job_body
+
+
+@pytest.fixture()
+def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_path):
+    """A job that 'ran' 3 steps: rows written through store/ exactly as the worker writes them."""
+    job_id = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).json()["id"]
+    ckpt_dir = tmp_path / "ckpt"
+    (ckpt_dir / "model").mkdir(parents=True)
+    (ckpt_dir / "model" / "config.json").write_text('{"a": 1}')
+    (ckpt_dir / "model" / "model.safetensors").write_bytes(b"x" * 5000)
+    (ckpt_dir / "trainer_state.pt").write_bytes(b"state")
+    with app.state.db.session() as s:
+        job = jobs.claim(s, job_id, "w1", 30)
+        for step in (1, 2, 3):
+            jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "loss": -step})
+            jobs.record_samples(s, job_id, step, [{"prompt": "say a:", "item": {"answer": "a"},
+                                                   "completions": [{"text": "aa", "reward": 0.5, "scores": {"m": 0.5},
+                                                                    "errors": {}, "tokens": 2, "finish_reason": "stop"}]}])
+        prefix = f"jobs/{job_id}/checkpoints/step-000003"
+        size = put_dir(app.state.objects, prefix, ckpt_dir)
+        jobs.record_checkpoint(s, job, 3, prefix, size, True)
+        jobs.transition(s, s.get(Job, job_id), "succeeded")
+    return job_id
+
+
+def test_metrics_json_after_step_and_csv(client, auth, job_with_progress):
+    data = client.get(f"/v1/jobs/{job_with_progress}/metrics", headers=auth).json()["data"]
+    assert [m["step"] for m in data] == [1, 2, 3] and data[1]["metrics"]["reward/mean"] == 0.2
+    after = client.get(f"/v1/jobs/{job_with_progress}/metrics?after_step=2", headers=auth).json()["data"]
+    assert [m["step"] for m in after] == [3]
+    csv = client.get(f"/v1/jobs/{job_with_progress}/metrics?format=csv", headers=auth).text.splitlines()
+    assert csv[0] == "step,loss,reward/mean" and csv[3] == "3,-3,0.3"
+    job = client.get(f"/v1/jobs/{job_with_progress}", headers=auth).json()
+    assert job["status"] == "succeeded" and job["step"] == 3 and job["latest_metrics"]["reward/mean"] == 0.3
+
+
+def parse_sse(text: str) -> list[tuple[str, str, dict]]:
+    out = []
+    for block in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line and not line.startswith(":"))
+        if "data" in fields:
+            out.append((fields.get("event", "message"), fields.get("id", ""), json.loads(fields["data"])))
+    return out
+
+
+def test_events_stream_and_resume(client, auth, job_with_progress):
+    events = parse_sse(client.get(f"/v1/jobs/{job_with_progress}/events", headers=auth).text)
+    kinds = [e for e, _, _ in events]
+    assert kinds.count("metrics") == 3 and kinds[-1] == "end" and "checkpoint" in kinds
+    statuses = [d["data"]["status"] for e, _, d in events if e == "status"]
+    assert statuses == ["queued", "running", "succeeded"]
+    mid = [i for e, i, d in events if e == "metrics" and d["step"] == 2][0]
+    resumed = parse_sse(client.get(f"/v1/jobs/{job_with_progress}/events", headers={**auth, "Last-Event-ID": mid}).text)
+    assert [d["step"] for e, _, d in resumed if e == "metrics"] == [3]
+
+
+def test_samples(client, auth, job_with_progress):
+    latest = client.get(f"/v1/jobs/{job_with_progress}/samples", headers=auth).json()
+    assert latest["step"] == 3 and latest["steps_available"] == [1, 2, 3]
+    assert latest["rows"][0]["completions"][0]["scores"] == {"m": 0.5}
+    assert client.get(f"/v1/jobs/{job_with_progress}/samples?step=1", headers=auth).json()["step"] == 1
+    assert client.get(f"/v1/jobs/{job_with_progress}/samples?step=9", headers=auth).status_code == 404
+
+
+def test_checkpoints_list_and_download(client, auth, job_with_progress):
+    ckpts = client.get(f"/v1/jobs/{job_with_progress}/checkpoints", headers=auth).json()["data"]
+    assert len(ckpts) == 1 and ckpts[0]["step"] == 3 and ckpts[0]["final"]
+    assert ckpts[0]["metrics"]["reward/mean"] == 0.3 and ckpts[0]["size_bytes"] == 5000 + 8 + 5
+    r = client.get(f"/v1/checkpoints/{ckpts[0]['id']}/download", headers=auth)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/gzip"
+    with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tar:
+        names = sorted(tar.getnames())
+        total = sum(m.size for m in tar.getmembers())
+    root = f"{job_with_progress}-step-000003"
+    assert names == [f"{root}/model/config.json", f"{root}/model/model.safetensors"]  # no trainer state
+    assert int(r.headers["X-Checkpoint-Bytes"]) == total == 5008
+
+
+def test_new_job_from_checkpoint(client, auth, job_with_progress, uploaded):
+    ckpt = client.get(f"/v1/jobs/{job_with_progress}/checkpoints", headers=auth).json()["data"][0]
+    r = client.post("/v1/jobs", json=job_body(uploaded["id"], model=f"ckpt:{ckpt['id']}"), headers=auth)
+    assert r.status_code == 201 and r.json()["model"] == f"ckpt:{ckpt['id']}"
+
+
+def test_rewards_run(client, auth):
+    spec = {"type": "multi", "graders": {"c": {"type": "string_check", "reference": "{{item.answer}}", "operation": "eq"},
+                                         "boom": {"type": "python", "source": "def grade(sample, item):\n    raise RuntimeError('x')"}}}
+    r = client.post("/v1/rewards/run", json={"reward": spec, "item": {"answer": "a"}, "samples": ["a", "b"]}, headers=auth)
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert res[0]["scores"]["c"] == 1.0 and res[1]["scores"]["c"] == 0.0
+    assert res[0]["errors"]["boom"].startswith("exception")
+    bad = client.post("/v1/rewards/run", json={"reward": {"type": "regex"}, "samples": ["a"]}, headers=auth)
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "reward.pattern"
+
+
+def test_health_ready_prometheus(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json() == {"database": "ok", "broker": "ok"}
+    text = client.get("/metrics").text
+    assert "gspo_http_requests_total" in text and 'gspo_jobs{status="queued"}' in text
