@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 
 from api import errors
 from api.routers import checkpoints, files, health, jobs, metrics, rewards
+from api.schemas import ErrorBody
 from store.db import Database
 from store.models import Job
 from store.objects import get_object_store
@@ -50,7 +51,8 @@ def _instrument(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
-    app = FastAPI(title="GSPO training service", version="0.1.0",
+    common = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 503)}
+    app = FastAPI(title="GSPO training service", version="0.1.0", responses=common,
                   description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.")
     app.state.settings = settings
     app.state.db = Database(settings.resolved_database_url())
