@@ -26,10 +26,14 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
     """Load the causal LM (fp32 master weights) + tokenizer; wrap with LoRA when ``lora_rank > 0``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    except (OSError, ValueError) as exc:
+        raise OSError(f"cannot load model {model_path!r} (a Hugging Face id the machine can download, or a "
+                      f"local directory with config.json and weights): {str(exc).splitlines()[0][:300]}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

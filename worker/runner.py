@@ -130,7 +130,7 @@ def run_job(job_id: str) -> str:
         _fail(db, job_id, f"invalid job input: {exc}")
         return "failed"
     except OSError as exc:
-        _fail(db, job_id, f"could not load the model or data: {exc}")
+        _fail(db, job_id, str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}")
         return "failed"
     except Exception as exc:
         log.exception("job %s failed", job_id)

@@ -1,0 +1,117 @@
+"""Worker test rig: a fresh PostgreSQL database, a Redis db, real `celery worker` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
+from store.models import Job, StepMetric
+from store.settings import Settings
+from store.tenants import create_tenant_and_key
+from tests.api.conftest import pg_database, truncate_all  # noqa: F401  (fixture)
+from tests.conftest import REDIS_URL
+
+ROOT = Path(__file__).resolve().parents[2]
+SLOW_GRADER = {"type": "python", "source": "import time\ndef grade(sample, item):\n    time.sleep(0.03)\n    return 0.0"}
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Rig:
+    """Settings + env for workers, an in-process API client, and helpers to read the job's state."""
+
+    def __init__(self, settings: Settings, env: dict, tmp: Path) -> None:
+        from api.app import create_app
+
+        self.settings, self.env, self.tmp = settings, env, tmp
+        self.app = create_app(settings)
+        self.client = TestClient(self.app)
+        with self.app.state.db.session() as s:
+            _, key = create_tenant_and_key(s, f"t-{uuid.uuid4().hex[:6]}")
+        self.h = {"Authorization": f"Bearer {key}"}
+        self.workers: list[subprocess.Popen] = []
+        build_tiny_model(settings.models_dir / "toy")
+        data = write_toy_dataset(tmp / "toy.jsonl", n=32).read_bytes()
+        self.file_id = self.client.post("/v1/files", files={"file": ("t.jsonl", data)}, headers=self.h).json()["id"]
+
+    def start_worker(self) -> subprocess.Popen:
+        log = open(self.tmp / f"worker-{len(self.workers)}.log", "w")
+        cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool", "solo",
+               "-Q", "gpu", "--without-gossip", "--without-mingle", "-n", f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h",
+               "--loglevel", "INFO"]
+        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.workers.append(proc)
+        return proc
+
+    def submit(self, steps: int, slow: bool = True, **hp) -> str:
+        reward = {"type": "multi", "graders": {"match": TOY_REWARD, "slow": SLOW_GRADER},
+                  "calculate_output": "match + 0*slow"} if slow else TOY_REWARD
+        body = {"model": "toy", "training_file": self.file_id, "reward": reward,
+                "hyperparameters": {"steps": steps, "prompts_per_step": 2, "group_size": 8, "max_new_tokens": 4,
+                                    "learning_rate": 3e-3, "rollout_engine": "transformers", **hp}}
+        r = self.client.post("/v1/jobs", json=body, headers=self.h)
+        assert r.status_code == 201, r.text
+        return r.json()["id"]
+
+    def job(self, job_id: str) -> dict:
+        return self.client.get(f"/v1/jobs/{job_id}", headers=self.h).json()
+
+    def steps(self, job_id: str) -> list[int]:
+        with self.app.state.db.session() as s:
+            return list(s.scalars(select(StepMetric.step).where(StepMetric.job_id == job_id).order_by(StepMetric.step)))
+
+    def db_job(self, job_id: str) -> Job:
+        with self.app.state.db.session() as s:
+            return s.get(Job, job_id)
+
+    def wait_status(self, job_id: str, statuses: set[str], timeout: float = 120) -> dict:
+        return wait_for(lambda: (j := self.job(job_id))["status"] in statuses and j, timeout, f"{job_id} in {statuses}")
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text()[-3000:] for p in sorted(self.tmp.glob("worker-*.log")))
+
+    def stop_all(self) -> None:
+        for p in self.workers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(10)
+        self.client.close()
+        self.app.state.db.dispose()
+
+
+@pytest.fixture()
+def rig(pg_database, tmp_path):  # noqa: F811
+    truncate_all(pg_database)
+    db_index = 11
+    redis_url = REDIS_URL.rsplit("/", 1)[0] + f"/{db_index}"
+    try:
+        redis.Redis.from_url(redis_url).flushdb()
+    except redis.ConnectionError as exc:
+        pytest.skip(f"Redis not reachable: {exc}")
+    env_vals = {"GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": pg_database, "REDIS_URL": redis_url,
+                "GSPO_MODELS_DIR": str(tmp_path / "models"), "GSPO_LEASE_SECONDS": "4",
+                "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3"}
+    settings = Settings(**{k.removeprefix("GSPO_").lower(): v for k, v in env_vals.items()})
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
+    r = Rig(settings, env, tmp_path)
+    yield r
+    r.stop_all()
