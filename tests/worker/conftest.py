@@ -98,20 +98,26 @@ class Rig:
         self.app.state.db.dispose()
 
 
+def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 4) -> Rig:
+    from store.db import run_migrations
+
+    run_migrations(db_url)
+    env_vals = {"GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": db_url, "REDIS_URL": redis_url,
+                "GSPO_MODELS_DIR": str(tmp_path / "models"), "GSPO_LEASE_SECONDS": str(lease_s),
+                "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3"}
+    settings = Settings(**{k.removeprefix("GSPO_").lower(): v for k, v in env_vals.items()})
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
+    return Rig(settings, env, tmp_path)
+
+
 @pytest.fixture()
 def rig(pg_database, tmp_path):  # noqa: F811
     truncate_all(pg_database)
-    db_index = 11
-    redis_url = REDIS_URL.rsplit("/", 1)[0] + f"/{db_index}"
+    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
     try:
         redis.Redis.from_url(redis_url).flushdb()
     except redis.ConnectionError as exc:
         pytest.skip(f"Redis not reachable: {exc}")
-    env_vals = {"GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": pg_database, "REDIS_URL": redis_url,
-                "GSPO_MODELS_DIR": str(tmp_path / "models"), "GSPO_LEASE_SECONDS": "4",
-                "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3"}
-    settings = Settings(**{k.removeprefix("GSPO_").lower(): v for k, v in env_vals.items()})
-    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
-    r = Rig(settings, env, tmp_path)
+    r = build_rig(tmp_path, pg_database, redis_url)
     yield r
     r.stop_all()
