@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ for _k, _v in {
 
 POSTGRES_URL = os.environ.get("GSPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("GSPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ADMIN_PG = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +40,36 @@ def has_vllm() -> bool:
     except Exception:
         return False
     return True
+
+
+@pytest.fixture(scope="session")
+def pg_database():
+    """A fresh, randomly named PostgreSQL database for this session (dropped at the end)."""
+    name = f"gspo_test_{uuid.uuid4().hex[:10]}"
+    import psycopg
+
+    try:
+        with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"PostgreSQL not reachable: {exc}")
+    url = POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}"
+    from store.db import run_migrations
+
+    run_migrations(url)
+    yield url
+    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def truncate_all(url: str) -> None:
+    """Each test starts from empty tables (the migrated schema is kept)."""
+    from sqlalchemy import create_engine, text
+
+    from store.models import Base
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        names = ", ".join(t.name for t in Base.metadata.sorted_tables)
+        conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+    engine.dispose()

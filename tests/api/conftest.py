@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-import psycopg
 import pytest
 from fastapi.testclient import TestClient
 
@@ -12,38 +11,8 @@ from gspo_core.toy import build_tiny_model, write_toy_dataset
 from store.db import run_migrations
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
-from tests.conftest import POSTGRES_URL
+from tests.conftest import truncate_all
 
-ADMIN_PG = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
-
-
-@pytest.fixture(scope="session")
-def pg_database():
-    """A fresh, randomly named PostgreSQL database for this session (dropped at the end)."""
-    name = f"gspo_test_{uuid.uuid4().hex[:10]}"
-    try:
-        with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-    except psycopg.OperationalError as exc:
-        pytest.skip(f"PostgreSQL not reachable: {exc}")
-    url = POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}"
-    run_migrations(url)
-    yield url
-    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def truncate_all(url: str) -> None:
-    """Each test starts from empty tables (the migrated schema is kept)."""
-    from sqlalchemy import create_engine, text
-
-    from store.models import Base
-
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        names = ", ".join(t.name for t in Base.metadata.sorted_tables)
-        conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
-    engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -19,7 +19,7 @@ from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
 from store.models import Job, StepMetric
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
-from tests.api.conftest import pg_database, truncate_all  # noqa: F401  (fixture)
+from tests.conftest import truncate_all
 from tests.conftest import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 4) -
 
 
 @pytest.fixture()
-def rig(pg_database, tmp_path):  # noqa: F811
+def rig(pg_database, tmp_path):
     truncate_all(pg_database)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
     try:

@@ -73,7 +73,7 @@ def redis_server():
 
 
 def test_redis_restart_mid_job(redis_server, pg_database, tmp_path):
-    from tests.api.conftest import truncate_all
+    from tests.conftest import truncate_all
 
     truncate_all(pg_database)
     rig = build_rig(tmp_path, pg_database, f"redis://127.0.0.1:{redis_server.port}/0")
