@@ -73,3 +73,18 @@ def truncate_all(url: str) -> None:
         names = ", ".join(t.name for t in Base.metadata.sorted_tables)
         conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
     engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def s3_settings():
+    """S3 over real HTTP: moto's standalone S3-compatible server on loopback."""
+    from moto.server import ThreadedMotoServer
+
+    from store.settings import Settings
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield Settings(s3_bucket="gspo-test", s3_endpoint_url=f"http://{host}:{port}", s3_access_key_id="test",
+                   s3_secret_access_key="test")
+    server.stop()

@@ -12,7 +12,7 @@ from sqlalchemy.exc import OperationalError
 from gspo_core.callbacks import Callbacks
 from store import jobs
 from store.models import Job
-from store.objects import put_dir
+from store.objects import ARCHIVE_NAME, put_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,18 @@ def with_db_retry(fn, *, what: str, deadline_s: float = 600.0):
             log.warning("database unavailable while %s (%s); retrying in %.1fs", what, exc.__class__.__name__, delay)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+
+def build_archive(ckpt_dir: Path, root: str) -> Path:
+    """``<ckpt>.tar.gz`` of the downloadable parts (model/, adapter/), next to the checkpoint."""
+    import tarfile
+
+    out = ckpt_dir.with_name(ckpt_dir.name + ".tar.gz")
+    with tarfile.open(out, "w:gz") as tar:
+        for part in ("model", "adapter"):
+            if (ckpt_dir / part).is_dir():
+                tar.add(ckpt_dir / part, arcname=f"{root}/{part}")
+    return out
 
 
 class PersistCallbacks(Callbacks):
@@ -57,6 +69,9 @@ class PersistCallbacks(Callbacks):
     def on_checkpoint(self, step, path, final):
         prefix = f"jobs/{self.job_id}/checkpoints/step-{step:06d}"
         size = put_dir(self.objects, prefix, Path(path))
+        if self.objects.presigned_url(f"{prefix}/{ARCHIVE_NAME}") is not None:
+            # Object stores that hand out presigned URLs get the download archive ready-made.
+            self.objects.put_file(f"{prefix}/{ARCHIVE_NAME}", build_archive(Path(path), f"{self.job_id}-step-{step:06d}"))
 
         def rec(s):
             job = s.get(Job, self.job_id)
