@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+
 import time
 
 from fastapi import FastAPI, Request
@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, select
 
 from api import errors
-from api.routers import checkpoints, files, health, jobs, metrics, rewards
+from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui
 from api.schemas import ErrorBody
 from store.db import Database
 from store.models import Job
@@ -61,8 +61,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _instrument(app)
     for router in (files.router, jobs.router, metrics.router, checkpoints.router, rewards.router, health.router):
         app.include_router(router)
-    try:  # the dashboard, when its package is present
-        app.include_router(importlib.import_module("api.routers.ui").router)
-    except ModuleNotFoundError:
-        pass
+    app.include_router(ui.router)
+    app.mount("/static", ui.static_app, name="static")
     return app

@@ -1,0 +1,142 @@
+"""The dashboard in real headless Chromium (Debian's) over a real service running a real tiny job."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed")]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """Embedded default: SQLite, local objects, filesystem broker, a real worker subprocess, uvicorn."""
+    import uvicorn
+
+    from api.app import create_app
+    from gspo_client import Client
+    from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
+    from store.db import run_migrations
+    from store.settings import Settings
+    from store.tenants import create_tenant_and_key
+
+    tmp = tmp_path_factory.mktemp("dash")
+    env_vals = {"GSPO_DATA_DIR": str(tmp), "GSPO_MODELS_DIR": str(tmp / "models")}
+    settings = Settings(data_dir=tmp, models_dir=tmp / "models")
+    run_migrations(settings.resolved_database_url())
+    build_tiny_model(settings.models_dir / "toy")
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "worker", "--loglevel", "WARNING"], env=env,
+                              cwd=ROOT, stdout=open(tmp / "worker.log", "w"), stderr=subprocess.STDOUT)
+    app = create_app(settings)
+    with app.state.db.session() as s:
+        _, key = create_tenant_and_key(s, "dash")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with Client(url, key) as c:
+        f = c.upload_file(write_toy_dataset(tmp / "toy.jsonl", n=32))
+        job = c.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="dashboard-demo",
+                           hyperparameters={"steps": 12, "prompts_per_step": 4, "group_size": 8, "max_new_tokens": 4,
+                                            "learning_rate": 3e-3, "rollout_engine": "transformers", "save_every": 6})
+        second = c.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="second",
+                              hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4,
+                                               "rollout_engine": "transformers"})
+        for j in (job, second):
+            for _ in c.events(j["id"]):
+                pass
+        assert c.get_job(job["id"])["status"] == "succeeded", (tmp / "worker.log").read_text()[-3000:]
+    yield url, key, job["id"], second["id"]
+    server.should_exit = True
+    th.join(10)
+    worker.terminate()
+    worker.wait(30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+@pytest.fixture()
+def page(browser, service):
+    url, key, _, _ = service
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url + "/")
+    page.evaluate(f"localStorage.setItem('gspo_api_key', {key!r})")
+    yield page
+    assert not errors, errors
+    ctx.close()
+
+
+def colours(png: bytes) -> int:
+    import io
+
+    from PIL import Image
+
+    return len(Image.open(io.BytesIO(png)).convert("RGB").getcolors(1 << 24) or [])
+
+
+def test_jobs_list(page, service):
+    url, _, job_id, _ = service
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-jobs-ready='1']")
+    row = page.locator(f"tr[data-job='{job_id}']")
+    assert "succeeded" in row.inner_text() and "12/12" in row.inner_text()
+    assert row.locator("svg.spark polyline").count() == 1
+    page.screenshot(path=str(ARTIFACTS / "dashboard-jobs.png"), full_page=True)
+
+
+def test_job_page_charts_inspector_and_download(page, service):
+    url, _, job_id, _ = service
+    page.goto(f"{url}/jobs/{job_id}")
+    page.wait_for_selector("body[data-charts-ready='1']")
+    page.wait_for_selector("body[data-stream-ended='1']")  # the live stream replayed and closed
+    assert page.get_attribute("body", "data-points") == "12"
+    for chart in ("reward", "clip", "ratio", "gap", "time", "tps", "entropy", "length"):
+        el = page.locator(f"#chart-{chart}")
+        assert el.get_attribute("data-points") == "12", chart
+        assert colours(el.locator("canvas").screenshot()) > 10, f"{chart} chart is blank"
+    page.wait_for_selector("body[data-samples-ready='1']")
+    assert page.locator("#samples .completion").count() == 4 * 8
+    assert "Prompt:" in page.locator("#samples").inner_text()
+    assert "succeeded" in page.locator("#job-status").inner_text()
+    assert '"clip_eps_low": 0.0003' in page.locator("#config").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-job.png"), full_page=True)
+    with page.expect_download() as dl:
+        page.locator("a.download").last.click()
+    path = dl.value.path()
+    assert dl.value.suggested_filename.endswith(".tar.gz") and Path(path).stat().st_size > 1000
+
+
+def test_compare_page(page, service):
+    url, _, job_id, second = service
+    page.goto(f"{url}/compare?jobs={job_id},{second}")
+    page.wait_for_selector("body[data-compare-ready='2']")
+    assert colours(page.locator("#compare-chart canvas").screenshot()) > 10
+    page.screenshot(path=str(ARTIFACTS / "dashboard-compare.png"), full_page=True)
