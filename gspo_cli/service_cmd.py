@@ -87,7 +87,8 @@ def api_cmd(args) -> int:
 
 
 def worker_cmd(args) -> int:
-    return subprocess.call(worker_command(args.loglevel))
+    cmd = worker_command(args.loglevel)
+    os.execv(cmd[0], cmd)  # become the worker, so SIGTERM from an orchestrator reaches Celery itself
 
 
 def admin_create_key(args) -> int:
