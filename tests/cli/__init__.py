@@ -1,0 +1,1 @@
+"""Tests of the gspo command and the Python client."""
