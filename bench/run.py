@@ -1,0 +1,133 @@
+"""`python -m bench.run`: our GSPO vs TRL (GSPO mode) on the same work, alternating A B A B, one run.
+
+Each run is a fresh subprocess (clean memory numbers); results go to bench/results/ as JSON, a
+Markdown table and a PNG plot. ``--one ours|trl`` runs a single trainer (used by the parent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.workload import Workload
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _child(trainer: str, w: Workload, root: str, engine: str) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "bench.run", "--one", trainer, "--workload", w.to_json(), "--root", root,
+           "--engine", engine]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{\"trainer\"")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{trainer} run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median per-step time (first step excluded: engine and graph warm-up) per trainer, and ratio."""
+    out: dict = {}
+    for name in ("ours", "trl"):
+        mine = [r for r in runs if r["trainer"] == name]
+        if not mine:
+            continue
+        steady = [s for r in mine for s in (r["step_s"][1:] or r["step_s"])]
+        phases = {k: statistics.median([v for r in mine for v in r["phases"][k][1:] or r["phases"][k]])
+                  for k in mine[0]["phases"]}
+        out[name] = {"step_s_median": statistics.median(steady), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
+                     "final_reward_mean": statistics.mean(r["reward"][-1] for r in mine), "phases_s": phases,
+                     "engine": mine[0]["engine"]}
+    if "ours" in out and "trl" in out:
+        out["ratio_ours_over_trl"] = out["ours"]["step_s_median"] / out["trl"]["step_s_median"]
+    return out
+
+
+def markdown(w: Workload, s: dict) -> str:
+    lines = [f"Workload: shape={w.shape}, {w.prompts} prompts x {w.group} samples x {w.tokens} tokens, "
+             f"{w.updates} updates per rollout batch, {w.steps} steps.", "",
+             "| trainer | engine | step s (median) | peak RSS MB | final reward | phases (s) |", "|---|---|---|---|---|---|"]
+    for name in ("ours", "trl"):
+        if name in s:
+            r = s[name]
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items()) or "(not split)"
+            lines.append(f"| {name} | {r['engine']} | {r['step_s_median']:.3f} | {r['peak_rss_mb']:.0f} | "
+                         f"{r['final_reward_mean']:.3f} | {ph} |")
+    if "ratio_ours_over_trl" in s:
+        lines += ["", f"**Step time ratio ours / TRL: {s['ratio_ours_over_trl']:.3f}** (target <= 0.5)"]
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        style = "-" if r["trainer"] == "ours" else "--"
+        a.plot(range(1, len(r["step_s"]) + 1), r["step_s"], style, label=r["trainer"])
+        b.plot(range(1, len(r["reward"]) + 1), r["reward"], style, label=r["trainer"])
+    a.set(title="step time (s)", xlabel="step")
+    b.set(title="mean reward", xlabel="step")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run")
+    p.add_argument("--shape", default="small", choices=["toy", "small"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--runs", type=int, default=2, help="runs per trainer, alternating ours/TRL")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
+    p.add_argument("--trainers", default="ours,trl")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        from bench.trainers import run_ours, run_trl
+
+        w = Workload(**json.loads(a.workload))
+        res = run_ours(w, Path(a.root), a.engine) if a.one == "ours" else run_trl(w, Path(a.root))
+        print(json.dumps(res))
+        return 0
+    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens)
+    root = tempfile.mkdtemp(prefix="gspo-bench-")
+    runs = []
+    for i in range(a.runs):
+        for trainer in a.trainers.split(","):
+            t0 = time.perf_counter()
+            runs.append(_child(trainer, w, root, a.engine))
+            print(f"run {i + 1}/{a.runs} {trainer}: steps {['%.2f' % s for s in runs[-1]['step_s']]} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    s = summarize(runs)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{w.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
+    (out / f"{tag}.json").write_text(json.dumps({"workload": asdict(w), "summary": s, "runs": runs}, indent=2))
+    md = markdown(w, s)
+    (out / f"{tag}.md").write_text(md + "\n")
+    plot(runs, out / f"{tag}.png")
+    print(md)
+    print(f"results: {out / tag}.json|.md|.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
