@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM ?= false
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip install -q -e '.[cpu,dev,bench]'
 	# PyPI's torchvision/torchaudio are CUDA builds that break transformers on a CPU torch.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
@@ -32,9 +32,7 @@ test: install services
 	$(BIN)/python -m pytest -q -ra tests
 
 bench: install
-	$(BIN)/pip install -q -e '.[cpu,bench]'
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .data runs test-artifacts
