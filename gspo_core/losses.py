@@ -50,6 +50,23 @@ def gspo_loss(logp_new_BT, logp_old_BT, adv_B, mask_BT, eps_low: float, eps_high
     return loss, metrics
 
 
+def _token_clipped(ratio_BT, adv_BT, mask_BT, eps_low: float, eps_high: float):
+    """Per-token clipped surrogate, averaged per sequence then over sequences, with clip metrics."""
+    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_tok_BT = -torch.min(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    loss = _seq_mean(per_tok_BT, mask_BT).mean()
+    with torch.no_grad():
+        valid = mask_BT.bool()
+        r, a = ratio_BT.detach()[valid], adv_BT[valid]
+        metrics = _ratio_metrics(r, (r < 1 - eps_low) & (a < 0), (r > 1 + eps_high) & (a > 0),
+                                 torch.tensor(float(r.numel())))
+    return loss, metrics
+
+
+def _per_token(adv, like_BT):
+    return adv.unsqueeze(-1).expand_as(like_BT) if adv.dim() == 1 else adv
+
+
 @LOSSES.register("gspo_token")
 def gspo_token_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_high: float):
     """GSPO-token: ``log s_it = sg(log s_i) + logp_t - sg(logp_t)``, per-token advantages allowed.
@@ -58,38 +75,17 @@ def gspo_token_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_
     a sequence has the same advantage. Aggregated per sequence (token mean), then over sequences.
     """
     mask_BT = mask_BT.to(logp_new_BT.dtype)
-    adv_BT = adv.unsqueeze(-1).expand_as(logp_new_BT) if adv.dim() == 1 else adv
     log_s_B = _seq_mean(logp_new_BT - logp_old_BT, mask_BT)
     log_s_BT = log_s_B.detach().unsqueeze(-1) + logp_new_BT - logp_new_BT.detach()
-    s_BT = torch.exp(log_s_BT)
-    clipped_BT = s_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
-    per_tok_BT = -torch.min(s_BT * adv_BT, clipped_BT * adv_BT)
-    loss = _seq_mean(per_tok_BT, mask_BT).mean()
-    with torch.no_grad():
-        valid = mask_BT.bool()
-        s = s_BT.detach()[valid]
-        a = adv_BT[valid]
-        metrics = _ratio_metrics(s, (s < 1 - eps_low) & (a < 0), (s > 1 + eps_high) & (a > 0),
-                                 torch.tensor(float(s.numel())))
-    return loss, metrics
+    return _token_clipped(torch.exp(log_s_BT), _per_token(adv, logp_new_BT), mask_BT, eps_low, eps_high)
 
 
 @LOSSES.register("grpo")
-def grpo_loss(logp_new_BT, logp_old_BT, adv_B, mask_BT, eps_low: float, eps_high: float):
+def grpo_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_high: float):
     """GRPO's token-level ratio ``r_it = exp(logp_new - logp_old)`` with token clipping (baseline).
 
     Aggregated as the mean over each sequence's tokens, then over sequences (as in the paper).
     """
     mask_BT = mask_BT.to(logp_new_BT.dtype)
-    adv_BT = adv_B.unsqueeze(-1).expand_as(logp_new_BT) if adv_B.dim() == 1 else adv_B
     r_BT = torch.exp(logp_new_BT - logp_old_BT)
-    clipped_BT = r_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
-    per_tok_BT = -torch.min(r_BT * adv_BT, clipped_BT * adv_BT)
-    loss = _seq_mean(per_tok_BT, mask_BT).mean()
-    with torch.no_grad():
-        valid = mask_BT.bool()
-        r = r_BT.detach()[valid]
-        a = adv_BT[valid]
-        metrics = _ratio_metrics(r, (r < 1 - eps_low) & (a < 0), (r > 1 + eps_high) & (a > 0),
-                                 torch.tensor(float(r.numel())))
-    return loss, metrics
+    return _token_clipped(r_BT, _per_token(adv, logp_new_BT), mask_BT, eps_low, eps_high)
