@@ -1,0 +1,119 @@
+"""Bounded load test on loopback: N concurrent clients poll job status and metrics while a job writes
+metrics. Reports p50/p99 latency and errors. ``python -m bench.load_api [--clients 200] [--seconds 20]``.
+
+Uses PostgreSQL at $DATABASE_URL (default: a fresh database on 127.0.0.1:5432) and a real uvicorn
+server; only 127.0.0.1 is contacted. A benchmark, not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+import uuid
+
+import httpx
+
+
+def _serve(settings):
+    import uvicorn
+
+    from api.app import create_app
+
+    app = create_app(settings)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", backlog=2048))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return app, server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _writer(app, job_id: str, stop: threading.Event, every: float) -> None:
+    from store import jobs
+
+    step = 0
+    while not stop.wait(every):
+        step += 1
+        with app.state.db.session() as s:
+            jobs.record_step(s, job_id, step, {"reward/mean": step / 1000, "loss": 0.1})
+
+
+async def _client(c: httpx.AsyncClient, job_id: str, until: float, lat: list, errors: list) -> None:
+    i = 0
+    while time.monotonic() < until:
+        path = f"/v1/jobs/{job_id}" if i % 2 == 0 else f"/v1/jobs/{job_id}/metrics?after_step=0&limit=50"
+        t0 = time.perf_counter()
+        try:
+            r = await c.get(path)
+            (lat if r.status_code == 200 else errors).append(time.perf_counter() - t0 if r.status_code == 200 else r.status_code)
+        except httpx.HTTPError as exc:
+            errors.append(type(exc).__name__)
+        i += 1
+
+
+async def _load(url: str, key: str, job_id: str, clients: int, seconds: float) -> tuple[list, list]:
+    lat: list[float] = []
+    errors: list = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits,
+                                 timeout=30) as c:
+        until = time.monotonic() + seconds
+        await asyncio.gather(*(_client(c, job_id, until, lat, errors) for _ in range(clients)))
+    return lat, errors
+
+
+def _setup_db(url: str | None) -> str:
+    if url:
+        return url
+    import psycopg
+
+    name = f"gspo_load_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    from gspo_core.toy import TOY_REWARD, write_toy_dataset
+    from store.db import run_migrations
+    from store.settings import Settings
+    from store.tenants import create_tenant_and_key
+
+    ap = argparse.ArgumentParser(prog="python -m bench.load_api")
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=20)
+    a = ap.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="gspo-load-")
+    db_url = _setup_db(os.environ.get("DATABASE_URL"))
+    run_migrations(db_url)
+    settings = Settings(data_dir=tmp, database_url=db_url, models_dir=f"{tmp}/models")
+    app, server, url = _serve(settings)
+    with app.state.db.session() as s:
+        _, key = create_tenant_and_key(s, f"load-{uuid.uuid4().hex[:6]}")
+    h = {"Authorization": f"Bearer {key}"}
+    fid = httpx.post(url + "/v1/files", headers=h, files={"file": ("t.jsonl", write_toy_dataset(f"{tmp}/t.jsonl").read_bytes())}).json()["id"]
+    job_id = httpx.post(url + "/v1/jobs", headers=h, json={"model": "org/model", "training_file": fid, "reward": TOY_REWARD}).json()["id"]
+    stop = threading.Event()
+    threading.Thread(target=_writer, args=(app, job_id, stop, 0.2), daemon=True).start()
+    lat, errors = asyncio.run(_load(url, key, job_id, a.clients, a.seconds))
+    stop.set()
+    server.should_exit = True
+    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
+    report = {"clients": a.clients, "seconds": a.seconds, "requests": len(lat) + len(errors), "errors": len(errors),
+              "error_kinds": sorted({str(e) for e in errors}), "rps": len(lat) / a.seconds,
+              "p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000}
+    print(json.dumps(report, indent=2))
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
