@@ -77,14 +77,27 @@ def truncate_all(url: str) -> None:
 
 @pytest.fixture(scope="session")
 def s3_settings():
-    """S3 over real HTTP: moto's standalone S3-compatible server on loopback."""
-    from moto.server import ThreadedMotoServer
+    """S3 over real HTTP: moto's standalone S3-compatible server on loopback, in its own process
+    (its Flask app must not be imported here: vLLM's start-up walks loaded modules and trips on it)."""
+    import socket
+    import subprocess
+    import sys
+    import time
 
     from store.settings import Settings
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield Settings(s3_bucket="gspo-test", s3_endpoint_url=f"http://{host}:{port}", s3_access_key_id="test",
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield Settings(s3_bucket="gspo-test", s3_endpoint_url=f"http://127.0.0.1:{port}", s3_access_key_id="test",
                    s3_secret_access_key="test")
-    server.stop()
+    proc.terminate()
+    proc.wait(10)
