@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import asyncio
 import time
 
 from fastapi import FastAPI, Request
@@ -32,6 +33,7 @@ def _instrument(app: FastAPI) -> None:
             job_gauge.labels(status).set(counts.get(status, 0))
 
     app.state.registry, app.state.observe_jobs = reg, observe_jobs
+    gate = asyncio.Semaphore(32)
 
     @app.middleware("http")
     async def _metrics_and_limits(request: Request, call_next):
@@ -41,7 +43,13 @@ def _instrument(app: FastAPI) -> None:
         if length and length.isdigit() and int(length) > limit:
             return JSONResponse(errors.body("request_too_large", f"request body exceeds {limit} bytes"), 413)
         t0 = time.perf_counter()
-        response = await call_next(request)
+        if request.url.path.endswith("/events"):  # long-lived streams use their own short sessions
+            response = await call_next(request)
+        else:
+            # Bound requests in flight below the DB pool: a request holds its connection while it
+            # waits for a worker thread, so unbounded concurrency would exhaust the pool.
+            async with gate:
+                response = await call_next(request)
         route = getattr(request.scope.get("route"), "path", "unmatched")
         requests.labels(request.method, route, str(response.status_code)).inc()
         latency.labels(request.method, route).observe(time.perf_counter() - t0)

@@ -20,28 +20,33 @@ import uuid
 import httpx
 
 
-def _serve(settings):
-    import uvicorn
+def _serve(env: dict):
+    """The API in its own process (as deployed), so the load generator does not share its GIL."""
+    import subprocess
+    import sys
 
-    from api.app import create_app
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
+                            env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("API did not start")
 
-    app = create_app(settings)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", backlog=2048))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return app, server, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
-
-def _writer(app, job_id: str, stop: threading.Event, every: float) -> None:
+def _writer(db, job_id: str, stop: threading.Event, every: float) -> None:
     from store import jobs
 
     step = 0
     while not stop.wait(every):
         step += 1
-        with app.state.db.session() as s:
+        with db.session() as s:
             jobs.record_step(s, job_id, step, {"reward/mean": step / 1000, "loss": 0.1})
 
 
@@ -85,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from gspo_core.toy import TOY_REWARD, write_toy_dataset
     from store.db import run_migrations
-    from store.settings import Settings
     from store.tenants import create_tenant_and_key
 
     ap = argparse.ArgumentParser(prog="python -m bench.load_api")
@@ -95,18 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="gspo-load-")
     db_url = _setup_db(os.environ.get("DATABASE_URL"))
     run_migrations(db_url)
-    settings = Settings(data_dir=tmp, database_url=db_url, models_dir=f"{tmp}/models")
-    app, server, url = _serve(settings)
-    with app.state.db.session() as s:
+    from store.db import Database
+
+    db = Database(db_url)
+    proc, url = _serve({"GSPO_DATA_DIR": tmp, "DATABASE_URL": db_url, "GSPO_MODELS_DIR": f"{tmp}/models"})
+    with db.session() as s:
         _, key = create_tenant_and_key(s, f"load-{uuid.uuid4().hex[:6]}")
     h = {"Authorization": f"Bearer {key}"}
     fid = httpx.post(url + "/v1/files", headers=h, files={"file": ("t.jsonl", write_toy_dataset(f"{tmp}/t.jsonl").read_bytes())}).json()["id"]
     job_id = httpx.post(url + "/v1/jobs", headers=h, json={"model": "org/model", "training_file": fid, "reward": TOY_REWARD}).json()["id"]
     stop = threading.Event()
-    threading.Thread(target=_writer, args=(app, job_id, stop, 0.2), daemon=True).start()
+    threading.Thread(target=_writer, args=(db, job_id, stop, 0.2), daemon=True).start()
     lat, errors = asyncio.run(_load(url, key, job_id, a.clients, a.seconds))
     stop.set()
-    server.should_exit = True
+    proc.terminate()
+    proc.wait(10)
     q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
     report = {"clients": a.clients, "seconds": a.seconds, "requests": len(lat) + len(errors), "errors": len(errors),
               "error_kinds": sorted({str(e) for e in errors}), "rps": len(lat) / a.seconds,

@@ -30,7 +30,9 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800)
+    # More connections than the API's 40 worker threads: a request whose dependency cleanup waits for a
+    # thread while every thread waits for a connection would otherwise deadlock the pool.
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=40, pool_timeout=10, pool_recycle=1800)
 
 
 class Database:
