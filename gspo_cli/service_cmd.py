@@ -74,6 +74,8 @@ def up(args) -> int:
     print(f"GSPO service on http://{args.host}:{args.port}  (dashboard: /, API docs: /docs)")
     print(f"API key for tenant {args.tenant!r}: {key}")
     print(f"data directory: {_settings().data_dir.resolve()}")
+    # uvicorn re-raises SIGTERM after its shutdown; turn it into SystemExit so the worker is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         run_api(args.host, args.port)
     finally:
