@@ -29,11 +29,13 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self._on_gpu = current_platform.is_cuda_alike()
+        # On CPU, vLLM reads gpu_memory_utilization as the share of host memory it requires free at
+        # start (default 0.92): always pass ours, or a busy machine refuses to start the engine.
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                       enforce_eager=not self._on_gpu, logprobs_mode="processed_logprobs",
-                      enable_prefix_caching=True)
+                      enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization)
         if self._on_gpu:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+            kwargs.update(enable_sleep_mode=True)
         self.llm = LLM(**kwargs)
         self._asleep = False
 
