@@ -45,7 +45,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(body("http_error", str(exc.detail)), exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(body(getattr(exc, "error_type", "http_error"), str(exc.detail)), exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError):

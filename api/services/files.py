@@ -44,8 +44,9 @@ def create_file(s: Session, objects, settings: Settings, tenant: Tenant, filenam
         f = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "data.jsonl", bytes=len(data),
                  rows=len(rows), object_key=key, item_fields=_item_fields(rows))
         s.add(f)
-        s.flush()
+        s.commit()  # here, not after the response: a failed insert must not leave the object behind
     except Exception:
+        s.rollback()
         objects.delete_prefix(key)
         raise
     return f
@@ -56,5 +57,5 @@ def delete_file(s: Session, objects, f: File) -> None:
     if used:
         raise ApiError(409, "file_in_use", f"file {f.id} is used by job {used}", "file_id")
     s.delete(f)
-    s.flush()
+    s.commit()  # the row goes first: a failed delete leaves the file whole, never a row without content
     objects.delete_prefix(f.object_key)
