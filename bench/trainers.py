@@ -34,7 +34,7 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", old_logprobs: str = 
 
     cfg = GSPOConfig(steps=w.steps, prompts_per_step=w.prompts, group_size=w.group, max_new_tokens=w.tokens,
                      ignore_eos=w.fixed_length, mini_batches=w.updates, learning_rate=w.lr, seed=w.seed,
-                     rollout_engine=engine, old_logprobs=old_logprobs, samples_per_step=0, precision="fp32")
+                     rollout_engine=engine, old_logprobs=old_logprobs, samples_per_step=0)
     spec = JobSpec(model=str(model), training_file=str(data), reward=TOY_REWARD, hyperparameters=cfg,
                    output_dir=str(root / f"out-ours-{engine}"))
     t0 = time.perf_counter()
@@ -61,11 +61,14 @@ def _timed(obj, name: str, sink: list[float]) -> None:
 
 
 def trl_args(w: Workload, out_dir: Path, engine: str):
-    """TRL GRPOConfig in GSPO mode, on the same work as ours: fp32 and no gradient checkpointing like
-    ours (TRL defaults to bf16 autocast, emulated and slow on a CPU without bf16 units, and to
-    gradient checkpointing), constant LR, the same AdamW betas, clipping and grad-norm cap."""
+    """TRL GRPOConfig in GSPO mode, on the same work as ours: the precision ours picks (fp32 on CPU,
+    bf16 autocast on GPU; TRL's bf16 default is emulated and slow on a CPU without bf16 units), no
+    gradient checkpointing (TRL's default is on, ours off), constant LR, the same AdamW betas,
+    clipping and grad-norm cap."""
+    import torch
     from trl import GRPOConfig
 
+    gpu = torch.cuda.is_available()
     n = w.prompts * w.group
     vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
                 vllm_max_model_length=512) if engine == "vllm" else {}
@@ -73,8 +76,8 @@ def trl_args(w: Workload, out_dir: Path, engine: str):
         output_dir=str(out_dir), importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4,
         epsilon_high=4e-4, beta=0.0, num_generations=w.group,
         per_device_train_batch_size=n // w.updates, steps_per_generation=w.updates, gradient_accumulation_steps=1,
-        max_completion_length=w.tokens, learning_rate=w.lr, max_steps=w.steps * w.updates, use_cpu=True,
-        bf16=False, gradient_checkpointing=False,
+        max_completion_length=w.tokens, learning_rate=w.lr, max_steps=w.steps * w.updates, use_cpu=not gpu,
+        bf16=gpu, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", report_to="none", seed=w.seed, temperature=1.0, top_p=1.0,
         generation_kwargs=({"ignore_eos": True} if engine == "vllm" else {"min_new_tokens": w.tokens})
         if w.fixed_length else None, disable_tqdm=True,
