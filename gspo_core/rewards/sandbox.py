@@ -1,13 +1,13 @@
 """Runs user grader code (`def grade(sample, item) -> float`) in a locked-down child process.
 
-Isolation (Linux): a fresh process per chunk of samples, its own session (killed as a group),
-RLIMIT_CPU / RLIMIT_AS / RLIMIT_NPROC / RLIMIT_FSIZE / RLIMIT_NOFILE, an environment scrubbed to
-PATH/LANG/HOME, a temporary working directory deleted afterwards, a new empty network namespace
-when the worker may create one (root), and the unprivileged user ``nobody`` for the user code when
-the worker runs as root (so RLIMIT_NPROC binds and root-only files, such as other processes'
-environments, are out of reach; common stdlib modules are imported before the switch). What is NOT
-isolated: files readable by every user (e.g. site-packages), and CPU time of other tenants' graders
-on the same machine; without root there is no network namespace and no user switch.
+Per chunk of samples a fresh ``python -I`` child: its own session (killed as a group),
+RLIMIT_CPU / RLIMIT_AS / RLIMIT_NPROC / RLIMIT_FSIZE / RLIMIT_NOFILE / no core dumps, an
+environment reduced to PATH/LANG/HOME, a fresh temporary working directory removed afterwards, and a
+per-call wall-clock timeout. When the worker runs as root the child also gets a new, empty network
+namespace (no interface but a downed loopback) and runs as a throw-away uid of its own (so
+RLIMIT_NPROC counts only its processes, other processes' /proc entries and root-only files are out
+of reach, and everything it forked is killed by uid afterwards, even what escaped the process group).
+See docs/rewards.md for what is and is not isolated.
 """
 
 from __future__ import annotations
@@ -15,18 +15,22 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from gspo_core.rewards.base import GraderError
 
 CLONE_NEWNET = 0x40000000
-NOBODY = 65534
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+UID_BASE = 200_000  # far above system and login uids; 16 slots per worker pid, unique among live pids
+SLOTS = 16
 
 RUNNER = r'''
 import json, os, signal, sys
@@ -34,11 +38,11 @@ proto = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # user prints go to stderr, never into the protocol stream
 job = json.loads(sys.stdin.read())
 # Import the stdlib a grader commonly needs BEFORE dropping privileges: the interpreter may live
-# in a directory the unprivileged user cannot read.
+# in a directory the throw-away uid cannot read.
 import collections, decimal, difflib, fractions, functools, hashlib, itertools, math, random, re, socket, statistics, string, time, typing, unicodedata
 import encodings.idna, encodings.ascii, encodings.latin_1
 import resource
-if os.geteuid() == 0:
+if job["uid"] is not None:
     os.setgroups([])
     os.setgid(job["uid"])
     os.setuid(job["uid"])
@@ -54,54 +58,109 @@ try:
     exec(compile(job["source"], "<grader>", "exec"), ns)
     grade = ns["grade"]
 except BaseException as exc:
-    proto.write(json.dumps({"fatal": "exception", "message": f"{type(exc).__name__}: {exc}"}) + "\n")
+    proto.write(json.dumps({"fatal": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")
     sys.exit(0)
 for i, task in job["tasks"]:
     signal.setitimer(signal.ITIMER_REAL, job["timeout"])
     try:
         out = grade(task["sample"], task["item"])
         signal.setitimer(signal.ITIMER_REAL, 0)
-        try:
-            msg = {"i": i, "ok": float(out)}
-        except (TypeError, ValueError):
+        if isinstance(out, bool) or not isinstance(out, (int, float)):
             msg = {"i": i, "error": "invalid_output", "message": f"returned {type(out).__name__}, not a number"}
+        else:
+            msg = {"i": i, "ok": float(out)}
     except _Timeout:
         msg = {"i": i, "error": "timeout", "message": f"took longer than {job['timeout']} s"}
     except MemoryError:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        msg = {"i": i, "error": "memory", "message": "memory limit exceeded"}
+        msg = {"i": i, "error": "memory", "message": f"memory limit of {job['memory_mb']} MB exceeded"}
     except BaseException as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
         msg = {"i": i, "error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
-    proto.write(json.dumps(msg) + "\n")
+    proto.write(json.dumps(msg, allow_nan=True) + "\n")
 '''
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-sample wall time, address-space cap, process cap and file-size cap of the child."""
+    """Per-sample wall time, address-space cap, process cap, file-size and open-file caps."""
 
     timeout_s: float = 2.0
     memory_mb: int = 512
-    max_procs: int = 32
+    max_procs: int = 16
     max_file_mb: int = 16
+    max_open_files: int = 64
+
+
+class _UidSlots:
+    """Throw-away uids, one per concurrently running child, unique to this worker process."""
+
+    def __init__(self) -> None:
+        self._free: queue.Queue[int] = queue.Queue()
+        for k in range(SLOTS):
+            self._free.put(UID_BASE + os.getpid() * SLOTS + k)
+
+    def take(self) -> int:
+        return self._free.get()
+
+    def give(self, uid: int) -> None:
+        self._free.put(uid)
+
+
+_SLOTS: _UidSlots | None = None
+_SLOTS_PID = 0
+
+
+def _uid_slots() -> _UidSlots:
+    global _SLOTS, _SLOTS_PID
+    if _SLOTS is None or _SLOTS_PID != os.getpid():  # a forked worker gets its own range
+        _SLOTS, _SLOTS_PID = _UidSlots(), os.getpid()
+    return _SLOTS
 
 
 def _preexec(limits: SandboxLimits, n_tasks: int):
     def setup() -> None:
         os.setsid()
-        if os.geteuid() == 0:
-            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)  # best effort: no network
+        if IS_ROOT:
+            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)  # no network (best effort)
         cpu = int(limits.timeout_s * n_tasks) + 2
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         mem = limits.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         fsize = limits.max_file_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     return setup
+
+
+def _uid_alive(uid: int) -> bool:
+    """Whether any process runs with ``uid`` (real uid, from /proc)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            return True
+                        break
+        except OSError:
+            continue
+    return False
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``: kill(-1) sent by a helper running as that uid reaches all
+    of them, also children that left the process group with setsid."""
+    for _ in range(50):
+        if not _uid_alive(uid):
+            return
+        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
+        time.sleep(0.02)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -112,58 +171,81 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _run_chunk(source: str, tasks: list[tuple[int, dict]], limits: SandboxLimits) -> dict[int, object]:
-    """One child process for ``tasks``; returns index -> float or GraderError for those it finished."""
-    workdir = tempfile.mkdtemp(prefix="gspo-grader-")
-    if os.geteuid() == 0:
-        os.chown(workdir, NOBODY, NOBODY)
+def _spawn(source, tasks, limits, workdir, uid):
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "PYTHONDONTWRITEBYTECODE": "1"}
-    payload = json.dumps({"source": source, "timeout": limits.timeout_s, "uid": NOBODY,
-                          "max_procs": limits.max_procs, "workdir": workdir,
-                          "tasks": [[i, t] for i, t in tasks]})
+    payload = json.dumps({"source": source, "timeout": limits.timeout_s, "uid": uid, "memory_mb": limits.memory_mb,
+                          "max_procs": limits.max_procs, "workdir": workdir, "tasks": [[i, t] for i, t in tasks]})
     proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd="/",
                             preexec_fn=_preexec(limits, len(tasks)))
+    return proc, payload.encode()
+
+
+def _run_chunk(source: str, tasks: list[tuple[int, dict]], limits: SandboxLimits) -> dict[int, object]:
+    """One child process for ``tasks``; returns index -> float or GraderError for those it finished."""
+    workdir = tempfile.mkdtemp(prefix="gspo-grader-")
+    uid = _uid_slots().take() if IS_ROOT else None
+    out, timed_out, returncode = b"", False, None
     try:
-        out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s * len(tasks) + 5)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out = b""
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        proc, payload = _spawn(source, tasks, limits, workdir, uid)
+        try:
+            out, _ = proc.communicate(payload, timeout=limits.timeout_s * len(tasks) + 5)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc)
+            returncode = proc.returncode
+    except OSError as exc:  # could not start the child at all (fork limit, no memory)
+        return {i: GraderError("killed", f"could not start the sandbox: {exc}") for i, _ in tasks}
     finally:
-        _kill_group(proc)  # also reaps anything the user code forked
+        if uid is not None:
+            _kill_uid(uid)  # also reaps what the user code forked outside the group
+            _uid_slots().give(uid)
         shutil.rmtree(workdir, ignore_errors=True)
+    return _parse(out, tasks, returncode, timed_out, limits)
+
+
+def _parse(out: bytes, tasks, returncode: int, timed_out: bool, limits: SandboxLimits) -> dict[int, object]:
     results: dict[int, object] = {}
+    wanted = {i for i, _ in tasks}
     for line in out.decode(errors="replace").splitlines():
         try:
             msg = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(msg, dict):
+            continue
         if "fatal" in msg:
-            err = GraderError(msg["fatal"], msg["message"])
-            return {i: err for i, _ in tasks}
-        results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(msg["error"], msg["message"])
-    if len(results) < len(tasks) and proc.returncode not in (0, None):
+            err = GraderError(msg["fatal"], str(msg.get("message")))
+            return {i: err for i in wanted}
+        if msg.get("i") in wanted and msg["i"] not in results:
+            results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(msg["error"], msg["message"])
+    if len(results) < len(tasks):  # the child died on the first task it did not report
         first = next(i for i, _ in tasks if i not in results)
-        results[first] = _death_error(proc.returncode, limits)
+        results[first] = _death_error(returncode, timed_out, limits)
     return results
 
 
-def _death_error(returncode: int, limits: SandboxLimits) -> GraderError:
-    sig = -returncode if returncode < 0 else None
-    if sig in (signal.SIGXCPU, signal.SIGKILL):
+def _death_error(returncode: int, timed_out: bool, limits: SandboxLimits) -> GraderError:
+    sig = -returncode if returncode is not None and returncode < 0 else None
+    if timed_out or sig == signal.SIGXCPU:
         return GraderError("timeout", f"killed after exceeding its {limits.timeout_s:g} s time limit")
-    return GraderError("killed", f"grader process died (exit {returncode})")
+    if sig == signal.SIGKILL:
+        return GraderError("killed", "grader process was killed (SIGKILL; out of memory?)")
+    if sig is not None:
+        return GraderError("killed", f"grader process died of signal {signal.Signals(sig).name}")
+    return GraderError("killed", f"grader process exited ({returncode}) without a result")
 
 
 def run_sandboxed(source: str, tasks: list[dict], limits: SandboxLimits, chunk: int = 16) -> list[object]:
-    """Grade ``tasks`` (each ``{"sample", "item"}``); each result is a float or a GraderError."""
+    """Grade ``tasks`` (each ``{"sample", "item"}``) in one child after another; each result is a
+    float or a GraderError. A child that dies is blamed on its first unreported task and the rest
+    are run again in a fresh child."""
     pending = list(enumerate(tasks))
     results: dict[int, object] = {}
     while pending:
-        batch = pending[:chunk]
-        done = _run_chunk(source, batch, limits)
-        if not done:  # the child produced nothing for its first task: blame it and move on
-            done = {batch[0][0]: GraderError("killed", "grader process produced no result")}
-        results.update(done)
+        results.update(_run_chunk(source, pending[:chunk], limits))
         pending = [(i, t) for i, t in pending if i not in results]
     return [results[i] for i in range(len(tasks))]
