@@ -99,17 +99,15 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
     if job_state.count_active(s, tenant.id) >= settings.max_active_jobs_per_tenant:
         raise ApiError(429, "too_many_jobs", f"at most {settings.max_active_jobs_per_tenant} queued or running "
                        "jobs per tenant; wait for one to finish or cancel one")
-    job = Job(tenant_id=tenant.id, name=req.name, model=req.model,
-              training_file_id=train.id, validation_file_id=req.validation_file, reward=req.reward,
-              hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), job_metadata=req.metadata,
-              seed=req.seed, total_steps=cfg.steps, idempotency_key=idem_key, max_attempts=settings.max_attempts)
-    s.add(job)
     try:
-        s.flush()
+        job = job_state.create_job(
+            s, tenant_id=tenant.id, name=req.name, model=req.model, training_file_id=train.id,
+            validation_file_id=req.validation_file, reward=req.reward, metadata=req.metadata, seed=req.seed,
+            hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), total_steps=cfg.steps,
+            idempotency_key=idem_key, max_attempts=settings.max_attempts)
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
         s.rollback()
         return s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key)), False
-    job_state.add_event(s, job.id, "status", "queued", {"status": "queued"})
     s.commit()
     try:
         enqueue_run_job(settings, job.id)
