@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,8 @@ CLONE_NEWNET = 0x40000000
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 UID_BASE = 200_000  # far above system and login uids; 16 slots per worker pid, unique among live pids
 SLOTS = 16
+START_GRACE_S = 10.0  # interpreter start and imports on a loaded machine
+GRACE_S = 2.0  # beyond the per-sample alarm, before the parent kills a child that ignores it
 
 RUNNER = r'''
 import json, os, signal, sys
@@ -42,24 +45,34 @@ job = json.loads(sys.stdin.read())
 import collections, decimal, difflib, fractions, functools, hashlib, itertools, math, random, re, socket, statistics, string, time, typing, unicodedata
 import encodings.idna, encodings.ascii, encodings.latin_1
 import resource
-if job["uid"] is not None:
-    os.setgroups([])
-    os.setgid(job["uid"])
-    os.setuid(job["uid"])
-resource.setrlimit(resource.RLIMIT_NPROC, (job["max_procs"], job["max_procs"]))
-os.chdir(job["workdir"])
+try:
+    if job["uid"] is not None:
+        os.setgroups([])
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
+    resource.setrlimit(resource.RLIMIT_NPROC, (job["max_procs"], job["max_procs"]))
+    os.chdir(job["workdir"])
+except BaseException as exc:
+    proto.write(json.dumps({"fatal": "killed", "message": f"sandbox set-up failed: {type(exc).__name__}: {exc}"}) + "\n")
+    sys.exit(0)
 class _Timeout(BaseException):
     pass
 def _alarm(signum, frame):
     raise _Timeout()
 signal.signal(signal.SIGALRM, _alarm)
 ns = {"__name__": "user_grader"}
+signal.setitimer(signal.ITIMER_REAL, job["timeout"])
 try:
     exec(compile(job["source"], "<grader>", "exec"), ns)
     grade = ns["grade"]
+    signal.setitimer(signal.ITIMER_REAL, 0)
+except _Timeout:
+    proto.write(json.dumps({"fatal": "timeout", "message": "module code took longer than the time limit"}) + "\n")
+    sys.exit(0)
 except BaseException as exc:
     proto.write(json.dumps({"fatal": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")
     sys.exit(0)
+proto.write('{"ready": true}\n')
 for i, task in job["tasks"]:
     signal.setitimer(signal.ITIMER_REAL, job["timeout"])
     try:
@@ -135,32 +148,46 @@ def _preexec(limits: SandboxLimits, n_tasks: int):
     return setup
 
 
+def _has_uid(pid: int | str, uid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process with real uid ``uid`` (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            status = dict(line.split(":", 1) for line in fh if ":" in line)
+    except (OSError, ValueError):
+        return False
+    return (status.get("Uid", "").split()[:1] == [str(uid)]
+            and not status.get("State", "").strip().startswith(("Z", "X")))
+
+
+def _uid_pids(uid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _has_uid(p, uid)]
+
+
 def _uid_alive(uid: int) -> bool:
-    """Whether any process runs with ``uid`` (real uid, from /proc)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                for line in fh:
-                    if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            return True
-                        break
-        except OSError:
-            continue
-    return False
+    """Whether any live process runs with real uid ``uid``."""
+    return bool(_uid_pids(uid))
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid``: kill(-1) sent by a helper running as that uid reaches all
-    of them, also children that left the process group with setsid."""
-    for _ in range(50):
-        if not _uid_alive(uid):
+    """SIGKILL every process of the throw-away ``uid``, also children that left the process group
+    with setsid. Through a pidfd, re-checked after opening, so a recycled pid is never hit."""
+    for _ in range(200):
+        pids = _uid_pids(uid)
+        if not pids:
             return
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
-        time.sleep(0.02)
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if _has_uid(pid, uid):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        time.sleep(0.005)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -178,25 +205,72 @@ def _spawn(source, tasks, limits, workdir, uid):
     proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd="/",
                             preexec_fn=_preexec(limits, len(tasks)))
-    return proc, payload.encode()
+    try:
+        proc.stdin.write(payload.encode())  # the child reads all of it before it writes anything
+        proc.stdin.close()
+    except OSError:  # it died at start; its exit status tells why
+        pass
+    return proc
+
+
+def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple[dict[int, object], bool]:
+    """Protocol lines until every task is reported, the child exits, or it makes no progress for
+    ``timeout_s`` + grace. Does not wait for EOF: a grandchild may hold the pipe open."""
+    wanted = {i for i, _ in tasks}
+    results: dict[int, object] = {}
+    buf, fd = b"", proc.stdout.fileno()
+    deadline = time.monotonic() + limits.timeout_s + START_GRACE_S
+    while len(results) < len(wanted):
+        now = time.monotonic()
+        if now > deadline:
+            return results, True
+        ready, _, _ = select.select([fd], [], [], min(0.1, deadline - now))
+        if not ready:
+            if proc.poll() is not None and not select.select([fd], [], [], 0.05)[0]:
+                break  # exited and nothing more to read
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            msg = _message(line)
+            if msg is None:
+                continue
+            if "fatal" in msg:
+                err = GraderError(str(msg["fatal"]), str(msg.get("message")))
+                return {i: err for i in wanted}, False
+            if msg.get("ready"):
+                deadline = time.monotonic() + limits.timeout_s + GRACE_S
+            elif msg.get("i") in wanted and msg["i"] not in results:
+                results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(str(msg["error"]), str(msg["message"]))
+                deadline = time.monotonic() + limits.timeout_s + GRACE_S
+    return results, False
+
+
+def _message(line: bytes) -> dict | None:
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    return msg if isinstance(msg, dict) else None
 
 
 def _run_chunk(source: str, tasks: list[tuple[int, dict]], limits: SandboxLimits) -> dict[int, object]:
-    """One child process for ``tasks``; returns index -> float or GraderError for those it finished."""
+    """One child process for ``tasks``; returns index -> float or GraderError for those it finished
+    (and, if it died or hung, an error for the task it was on)."""
     workdir = tempfile.mkdtemp(prefix="gspo-grader-")
     uid = _uid_slots().take() if IS_ROOT else None
-    out, timed_out, returncode = b"", False, None
     try:
         if uid is not None:
             os.chown(workdir, uid, uid)
-        proc, payload = _spawn(source, tasks, limits, workdir, uid)
+        proc = _spawn(source, tasks, limits, workdir, uid)
         try:
-            out, _ = proc.communicate(payload, timeout=limits.timeout_s * len(tasks) + 5)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            results, timed_out = _read_results(proc, tasks, limits)
         finally:
             _kill_group(proc)
-            returncode = proc.returncode
+            proc.stdout.close()
     except OSError as exc:  # could not start the child at all (fork limit, no memory)
         return {i: GraderError("killed", f"could not start the sandbox: {exc}") for i, _ in tasks}
     finally:
@@ -204,27 +278,9 @@ def _run_chunk(source: str, tasks: list[tuple[int, dict]], limits: SandboxLimits
             _kill_uid(uid)  # also reaps what the user code forked outside the group
             _uid_slots().give(uid)
         shutil.rmtree(workdir, ignore_errors=True)
-    return _parse(out, tasks, returncode, timed_out, limits)
-
-
-def _parse(out: bytes, tasks, returncode: int, timed_out: bool, limits: SandboxLimits) -> dict[int, object]:
-    results: dict[int, object] = {}
-    wanted = {i for i, _ in tasks}
-    for line in out.decode(errors="replace").splitlines():
-        try:
-            msg = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(msg, dict):
-            continue
-        if "fatal" in msg:
-            err = GraderError(msg["fatal"], str(msg.get("message")))
-            return {i: err for i in wanted}
-        if msg.get("i") in wanted and msg["i"] not in results:
-            results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(msg["error"], msg["message"])
-    if len(results) < len(tasks):  # the child died on the first task it did not report
+    if len(results) < len(tasks):  # the child died or hung on the first task it did not report
         first = next(i for i, _ in tasks if i not in results)
-        results[first] = _death_error(returncode, timed_out, limits)
+        results[first] = _death_error(proc.returncode, timed_out, limits)
     return results
 
 
