@@ -76,7 +76,7 @@ class RegexGrader(Grader):
         try:
             re.compile(pattern, self.flags)  # the documented syntax is Python's re
             return self.engine.compile(pattern, self.flags)
-        except (re.error, ValueError) as exc:
+        except (re.error, ValueError, OverflowError, RecursionError) as exc:
             if spec_error:
                 raise RewardSpecError(self.field("pattern"), f"invalid regex: {exc}") from None
             raise GraderError("exception", f"rendered pattern is not a valid regex: {exc}") from None

@@ -77,8 +77,8 @@ class MultiGrader(Grader):
             raise RewardSpecError(self.field("calculate_output"), "longer than 2000 characters")
         try:
             self.tree = ast.parse(formula, mode="eval")
-        except SyntaxError as exc:
-            raise RewardSpecError(self.field("calculate_output"), f"not a formula: {exc.msg}") from None
+        except (SyntaxError, ValueError) as exc:
+            raise RewardSpecError(self.field("calculate_output"), f"not a formula: {getattr(exc, 'msg', exc)}") from None
         _check(self.tree, set(self.subs), self.field("calculate_output"))
 
     def combine(self, scores: dict[str, float]) -> float:

@@ -39,6 +39,8 @@ class PythonGrader(Grader):
             tree = compile(self.source, "<grader>", "exec", flags=0x400, dont_inherit=True)  # PyCF_ONLY_AST
         except SyntaxError as exc:
             raise RewardSpecError(self.field("source"), f"syntax error line {exc.lineno}: {exc.msg}") from None
+        except ValueError as exc:  # e.g. a NUL byte
+            raise RewardSpecError(self.field("source"), str(exc)) from None
         if not any(getattr(node, "name", None) == "grade" for node in tree.body):
             raise RewardSpecError(self.field("source"), "must define grade(sample, item) at top level")
         timeout = self.num("timeout_s", 2.0, 0.01, 60)

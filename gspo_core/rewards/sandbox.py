@@ -305,3 +305,20 @@ def run_sandboxed(source: str, tasks: list[dict], limits: SandboxLimits, chunk: 
         results.update(_run_chunk(source, pending[:chunk], limits))
         pending = [(i, t) for i, t in pending if i not in results]
     return [results[i] for i in range(len(tasks))]
+
+
+_PROBE = """
+import os, socket
+def grade(sample, item):
+    ifaces = [name for _, name in socket.if_nameindex()]
+    return float(os.getuid() != 0) + 2.0 * float(ifaces in ([], ["lo"]))
+"""
+
+
+def isolation_report() -> dict[str, bool]:
+    """What the sandbox really gets on this machine, probed with a real child: ``uid_switched``
+    (a throw-away uid) and ``network_isolated`` (a new network namespace: the default Docker
+    seccomp profile refuses ``unshare`` without CAP_SYS_ADMIN). The worker logs it at start."""
+    out = run_sandboxed(_PROBE, [{"sample": {}, "item": {}}], SandboxLimits(timeout_s=10))[0]
+    code = int(out) if isinstance(out, float) else 0
+    return {"root": IS_ROOT, "uid_switched": bool(code & 1), "network_isolated": bool(code & 2)}

@@ -223,3 +223,33 @@ def test_importing_rewards_is_cheap():
             "if m in sys.modules]\nprint(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _junk():
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-10, 10 ** 12), st.floats(allow_nan=True),
+                       st.text(max_size=20), st.sampled_from(["{{item.a}}", "{{sample.x}}", "(", "\x00", "a+b"]))
+    return st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                        st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                        max_leaves=8)
+
+
+def test_junk_specs_only_ever_raise_reward_spec_errors():
+    """What the API passes straight from a request body: anything but a RewardSpecError is a 500."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    keys = ["input", "reference", "operation", "pattern", "mode", "flags", "schema", "min", "max", "target", "unit",
+            "evaluation_metric", "source", "url", "graders", "calculate_output", "range", "model", "timeout_s",
+            "retries", "headers", "sampling_params", "tolerance", "name", "memory_mb", "activation"]
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(sorted(GRADERS)), st.dictionaries(st.sampled_from(keys), _junk(), max_size=5))
+    def check(kind, fields):
+        try:
+            build_reward({"type": kind, **fields}).close()
+        except RewardSpecError as exc:
+            assert isinstance(exc.field, str) and exc.field
+
+    check()

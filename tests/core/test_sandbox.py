@@ -224,3 +224,10 @@ def test_sandbox_throughput(capsys):
     with capsys.disabled():
         print(f"\n[sandbox] 64 samples: {per_sample_ms:.1f} ms per sample")
     assert per_sample_ms < 50
+
+
+@needs_root
+def test_isolation_report_probes_the_real_child():
+    from gspo_core.rewards.sandbox import isolation_report
+
+    assert isolation_report() == {"root": True, "uid_switched": True, "network_isolated": True}
