@@ -7,11 +7,11 @@ import asyncio
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, select
 
 from api import errors
-from api.middleware import BodyLimitMiddleware
 from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui
 from api.schemas import ErrorBody
 from store.db import Database
@@ -33,14 +33,15 @@ def _instrument(app: FastAPI) -> None:
             job_gauge.labels(status).set(counts.get(status, 0))
 
     app.state.registry, app.state.observe_jobs = reg, observe_jobs
-    settings = app.state.settings
-    # Added first, so it sits inside the metrics middleware and its 413s are counted too.
-    app.add_middleware(BodyLimitMiddleware, limit_for=lambda path: settings.max_upload_bytes + 65536
-                       if path == "/v1/files" else settings.max_request_bytes)
     gate = asyncio.Semaphore(32)
 
     @app.middleware("http")
     async def _metrics_and_limits(request: Request, call_next):
+        length = request.headers.get("content-length")
+        limit = app.state.settings.max_upload_bytes + 65536 if request.url.path == "/v1/files" \
+            else app.state.settings.max_request_bytes
+        if length and length.isdigit() and int(length) > limit:
+            return JSONResponse(errors.body("request_too_large", f"request body exceeds {limit} bytes"), 413)
         t0 = time.perf_counter()
         if request.url.path.endswith("/events"):  # long-lived streams use their own short sessions
             response = await call_next(request)

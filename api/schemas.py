@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 T = TypeVar("T")
-
-
-def as_utc(value: datetime) -> datetime:
-    """SQLite hands back naive datetimes (stored as UTC); RFC 3339 needs the offset spelled out."""
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
-
-
-UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
-EXAMPLE_REWARD = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
-                  "reference": "{{item.answer}}", "operation": "eq"}
 JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
 
@@ -44,16 +34,13 @@ class FileOut(BaseModel):
     bytes: int
     rows: int
     item_fields: list[str]
-    created_at: UtcDatetime
+    created_at: datetime
 
 
 class JobCreate(BaseModel):
     """``POST /v1/jobs``. ``hyperparameters`` are gspo_core's GSPOConfig fields (unknown = 422)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
-        "model": "Qwen/Qwen2.5-0.5B-Instruct", "training_file": "file_0123456789abcdef01234567",
-        "reward": EXAMPLE_REWARD, "hyperparameters": {"steps": 20, "group_size": 8},
-        "name": "exact-answers", "metadata": {"team": "rl"}, "seed": 1}]})
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., min_length=1, max_length=512,
                        description="HF id (org/name), a directory under the models dir, or ckpt:<id>.")
@@ -76,9 +63,9 @@ class JobOut(BaseModel):
     total_steps: int
     queue_position: int | None
     error: str | None
-    created_at: UtcDatetime
-    started_at: UtcDatetime | None
-    finished_at: UtcDatetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
     training_file: str
     validation_file: str | None
     reward: dict[str, Any]
@@ -92,7 +79,7 @@ class JobOut(BaseModel):
 class StepMetricsOut(BaseModel):
     step: int
     metrics: dict[str, float]
-    created_at: UtcDatetime
+    created_at: datetime
 
 
 class SamplesOut(BaseModel):
@@ -109,13 +96,12 @@ class CheckpointOut(BaseModel):
     size_bytes: int
     final: bool
     metrics: dict[str, float]
-    created_at: UtcDatetime
+    created_at: datetime
     download_url: str
 
 
 class RewardRunIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"reward": EXAMPLE_REWARD, "item": {"prompt": "2+2=", "answer": "4"}, "samples": ["4", "5"]}]})
+    model_config = ConfigDict(extra="forbid")
 
     reward: dict[str, Any]
     item: dict[str, Any] = Field(default_factory=dict)

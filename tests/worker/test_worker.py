@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import time
 
-import psutil
 import pytest
 
 from store import jobs
@@ -39,35 +38,22 @@ def test_duplicate_delivery_does_not_train_twice(rig):
     assert "skipped" in rig.logs() or rig.logs().count("succeeded") >= 1
 
 
-def _assert_resumed(rig, job_id: str, steps: int) -> None:
+def test_sigkill_mid_job_resumes_from_last_checkpoint(rig):
+    w = rig.start_worker()
+    job_id = rig.submit(steps=14, save_every=3)
+    wait_for(lambda: len(rig.steps(job_id)) >= 7, 120, "7 steps")
+    w.send_signal(signal.SIGKILL)
+    w.wait(10)
+    rig.start_worker()  # its reaper sees the stale lease, requeues, and it takes the job over
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=180)
     assert job["status"] == "succeeded", rig.logs()
-    assert rig.steps(job_id) == list(range(1, steps + 1)), "no step lost or duplicated"
+    assert rig.steps(job_id) == list(range(1, 15)), "no step lost or duplicated"
     assert job["attempts"] == 2
     with rig.app.state.db.session() as s:
         msgs = [e.message for e in s.query(JobEvent).filter(JobEvent.job_id == job_id)]
     assert any(m.startswith("resumed from step-") for m in msgs), msgs
     ckpts = rig.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=rig.h).json()["data"]
-    assert ckpts[-1]["step"] == steps and ckpts[-1]["final"]
-
-
-def test_sigkill_mid_job_resumes_from_last_checkpoint(rig):
-    w = rig.start_worker()
-    job_id = rig.submit(steps=14, save_every=3)
-    wait_for(lambda: len(rig.steps(job_id)) >= 7, 120, "7 steps")
-    rig.kill_worker(w)  # the whole worker (main process and job process) dies, as with a lost machine
-    rig.start_worker()  # its reaper sees the stale lease, requeues, and it takes the job over
-    _assert_resumed(rig, job_id, 14)
-
-
-def test_killed_job_process_is_replaced_and_resumes(rig):
-    w = rig.start_worker()
-    job_id = rig.submit(steps=10, save_every=3)
-    wait_for(lambda: len(rig.steps(job_id)) >= 4, 120, "4 steps")
-    (child,) = psutil.Process(w.pid).children()
-    child.kill()  # the kernel's OOM killer picks the big training process, not Celery's main process
-    _assert_resumed(rig, job_id, 10)
-    assert w.poll() is None, "the worker itself survived"
+    assert ckpts[-1]["step"] == 14 and ckpts[-1]["final"]
 
 
 def test_graceful_sigterm_checkpoints_and_requeues(rig):
