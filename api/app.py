@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-
-import asyncio
-import time
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, select
 
 from api import errors
+from api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui
 from api.schemas import ErrorBody
 from store.db import Database
@@ -33,27 +29,11 @@ def _instrument(app: FastAPI) -> None:
             job_gauge.labels(status).set(counts.get(status, 0))
 
     app.state.registry, app.state.observe_jobs = reg, observe_jobs
-    gate = asyncio.Semaphore(32)
-
-    @app.middleware("http")
-    async def _metrics_and_limits(request: Request, call_next):
-        length = request.headers.get("content-length")
-        limit = app.state.settings.max_upload_bytes + 65536 if request.url.path == "/v1/files" \
-            else app.state.settings.max_request_bytes
-        if length and length.isdigit() and int(length) > limit:
-            return JSONResponse(errors.body("request_too_large", f"request body exceeds {limit} bytes"), 413)
-        t0 = time.perf_counter()
-        if request.url.path.endswith("/events"):  # long-lived streams use their own short sessions
-            response = await call_next(request)
-        else:
-            # Bound requests in flight below the DB pool: a request holds its connection while it
-            # waits for a worker thread, so unbounded concurrency would exhaust the pool.
-            async with gate:
-                response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        requests.labels(request.method, route, str(response.status_code)).inc()
-        latency.labels(request.method, route).observe(time.perf_counter() - t0)
-        return response
+    settings = app.state.settings
+    # Starlette wraps the last added outermost: metrics see the body limit's 413s.
+    app.add_middleware(BodyLimitMiddleware, limit_for=lambda path: settings.max_upload_bytes + 65536
+                       if path == "/v1/files" else settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -8,6 +8,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from store.objects import BadKey
+
 
 class ApiError(Exception):
     """Raise from anywhere in a request: becomes ``status`` with the error body."""
@@ -45,7 +47,12 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(body("http_error", str(exc.detail)), exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(body(getattr(exc, "error_type", "http_error"), str(exc.detail)), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(BadKey)
+    async def _bad_key(_: Request, exc: BadKey):  # a stored key that would leave its prefix: never served
+        return JSONResponse(body("not_found", "stored object not found"), 404)
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError):

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from datetime import datetime, timezone
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 T = TypeVar("T")
+
+
+def as_utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes (stored as UTC); RFC 3339 needs the offset spelled out."""
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+EXAMPLE_REWARD = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+                  "reference": "{{item.answer}}", "operation": "eq"}
 JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
 
@@ -34,13 +44,16 @@ class FileOut(BaseModel):
     bytes: int
     rows: int
     item_fields: list[str]
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class JobCreate(BaseModel):
     """``POST /v1/jobs``. ``hyperparameters`` are gspo_core's GSPOConfig fields (unknown = 422)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "model": "Qwen/Qwen2.5-0.5B-Instruct", "training_file": "file_0123456789abcdef01234567",
+        "reward": EXAMPLE_REWARD, "hyperparameters": {"steps": 20, "group_size": 8},
+        "name": "exact-answers", "metadata": {"team": "rl"}, "seed": 1}]})
 
     model: str = Field(..., min_length=1, max_length=512,
                        description="HF id (org/name), a directory under the models dir, or ckpt:<id>.")
@@ -63,9 +76,9 @@ class JobOut(BaseModel):
     total_steps: int
     queue_position: int | None
     error: str | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
     training_file: str
     validation_file: str | None
     reward: dict[str, Any]
@@ -79,7 +92,7 @@ class JobOut(BaseModel):
 class StepMetricsOut(BaseModel):
     step: int
     metrics: dict[str, float]
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class SamplesOut(BaseModel):
@@ -96,12 +109,13 @@ class CheckpointOut(BaseModel):
     size_bytes: int
     final: bool
     metrics: dict[str, float]
-    created_at: datetime
+    created_at: UtcDatetime
     download_url: str
 
 
 class RewardRunIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"reward": EXAMPLE_REWARD, "item": {"prompt": "2+2=", "answer": "4"}, "samples": ["4", "5"]}]})
 
     reward: dict[str, Any]
     item: dict[str, Any] = Field(default_factory=dict)

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import threading
@@ -18,6 +19,8 @@ import time
 import uuid
 
 import httpx
+
+ADMIN_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 def _serve(env: dict):
@@ -74,52 +77,83 @@ async def _load(url: str, key: str, job_id: str, clients: int, seconds: float) -
     return lat, errors
 
 
-def _setup_db(url: str | None) -> str:
+def _setup_db(url: str | None) -> tuple[str, str | None]:
+    """``(url, name of a database we created and must drop)``."""
     if url:
-        return url
+        return url, None
     import psycopg
 
     name = f"gspo_load_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
+    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}", name
+
+
+def _drop_db(name: str | None) -> None:
+    if name:
+        import psycopg
+
+        with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _run(db_url: str, tmp: str, clients: int, seconds: float) -> dict:
+    from gspo_core.toy import TOY_REWARD, write_toy_dataset
+    from store.db import Database
+    from store.tenants import create_tenant_and_key
+
+    db = Database(db_url)
+    proc, url = _serve({"GSPO_DATA_DIR": tmp, "DATABASE_URL": db_url, "GSPO_MODELS_DIR": f"{tmp}/models"})
+    stop = threading.Event()
+    writer = None
+    try:
+        with db.session() as s:
+            _, key = create_tenant_and_key(s, f"load-{uuid.uuid4().hex[:6]}")
+        h = {"Authorization": f"Bearer {key}"}
+        data = write_toy_dataset(f"{tmp}/t.jsonl").read_bytes()
+        fid = httpx.post(url + "/v1/files", headers=h, files={"file": ("t.jsonl", data)}).json()["id"]
+        job_id = httpx.post(url + "/v1/jobs", headers=h,
+                            json={"model": "org/model", "training_file": fid, "reward": TOY_REWARD}).json()["id"]
+        writer = threading.Thread(target=_writer, args=(db, job_id, stop, 0.2), daemon=True)
+        writer.start()
+        lat, errors = asyncio.run(_load(url, key, job_id, clients, seconds))
+        with db.session() as s:
+            from store.models import Job
+
+            steps_written = s.get(Job, job_id).step
+    finally:
+        stop.set()
+        if writer is not None:
+            writer.join(5)
+        proc.terminate()
+        proc.wait(10)
+        db.dispose()
+    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
+    return {"clients": clients, "seconds": seconds, "requests": len(lat) + len(errors), "errors": len(errors),
+            "error_kinds": sorted({str(e) for e in errors}), "rps": round(len(lat) / seconds, 1),
+            "p50_ms": round(q[49] * 1000, 1), "p99_ms": round(q[98] * 1000, 1), "max_ms": round(max(lat) * 1000, 1),
+            "steps_written_meanwhile": steps_written}
 
 
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from gspo_core.toy import TOY_REWARD, write_toy_dataset
     from store.db import run_migrations
-    from store.tenants import create_tenant_and_key
 
     ap = argparse.ArgumentParser(prog="python -m bench.load_api")
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=20)
     a = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="gspo-load-")
-    db_url = _setup_db(os.environ.get("DATABASE_URL"))
-    run_migrations(db_url)
-    from store.db import Database
-
-    db = Database(db_url)
-    proc, url = _serve({"GSPO_DATA_DIR": tmp, "DATABASE_URL": db_url, "GSPO_MODELS_DIR": f"{tmp}/models"})
-    with db.session() as s:
-        _, key = create_tenant_and_key(s, f"load-{uuid.uuid4().hex[:6]}")
-    h = {"Authorization": f"Bearer {key}"}
-    fid = httpx.post(url + "/v1/files", headers=h, files={"file": ("t.jsonl", write_toy_dataset(f"{tmp}/t.jsonl").read_bytes())}).json()["id"]
-    job_id = httpx.post(url + "/v1/jobs", headers=h, json={"model": "org/model", "training_file": fid, "reward": TOY_REWARD}).json()["id"]
-    stop = threading.Event()
-    threading.Thread(target=_writer, args=(db, job_id, stop, 0.2), daemon=True).start()
-    lat, errors = asyncio.run(_load(url, key, job_id, a.clients, a.seconds))
-    stop.set()
-    proc.terminate()
-    proc.wait(10)
-    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
-    report = {"clients": a.clients, "seconds": a.seconds, "requests": len(lat) + len(errors), "errors": len(errors),
-              "error_kinds": sorted({str(e) for e in errors}), "rps": len(lat) / a.seconds,
-              "p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000}
+    db_url, created = _setup_db(os.environ.get("DATABASE_URL"))
+    try:
+        run_migrations(db_url)
+        report = _run(db_url, tmp, a.clients, a.seconds)
+    finally:
+        _drop_db(created)
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(report, indent=2))
-    return 0 if not errors else 1
+    return 0 if not report["errors"] else 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Rollout tokens/s of the vLLM engine vs the transformers engine, and the weight-push time.
 
-``python -m bench.rollout_speed [--shape small] [--prompts 32] [--group 8] [--tokens 32]``; the same
-prompts, fixed-length completions (EOS ignored), one warm-up call each, then the median of 3.
+``python -m bench.rollout_speed [--shape small] [--prompts 32] [--group 8] [--tokens 32]``: the same
+prompts, fixed-length completions (EOS ignored, seeded as the trainer samples), one warm-up call per
+engine, then the median of ``--reps``. ``measure_rollout`` is the same as a function (bench/run.py
+may import it). The load average is reported because on a shared CPU machine it moves the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -17,46 +20,70 @@ import torch
 
 from gspo_core.config import GSPOConfig
 from gspo_core.policy import export_weights, load_policy
-from gspo_core.rollout import SamplingSpec, make_engine
+from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
 from gspo_core.toy import build_tiny_model
 
 
-def tokens_per_s(engine, prompts, spec: SamplingSpec, reps: int = 3) -> float:
-    engine.generate(prompts, spec)
-    times = []
+def _tokens_per_s(engine, prompts: list[list[int]], spec: SamplingSpec, reps: int) -> float:
+    engine.generate(prompts, spec)  # warm-up: first-call allocations, kernel selection
+    times, n = [], 0
     for _ in range(reps):
         t0 = time.perf_counter()
         groups = engine.generate(prompts, spec)
         times.append(time.perf_counter() - t0)
-    n = sum(len(c.completion_ids) for g in groups for c in g)
+        n = sum(len(c.completion_ids) for g in groups for c in g)
     return n / statistics.median(times)
+
+
+def _push_seconds(engine, policy, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        engine.load_weights(export_weights(policy))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tokens: int = 32, reps: int = 3,
+                    engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None) -> dict:
+    """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
+
+    Returns ``{"<engine>_tokens_per_s": float, "weight_push_s": float, "vllm_over_transformers": float,
+    "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured).
+    """
+    model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
+    policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    prompt_ids = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)]
+    spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0)
+    out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
+                 "prompts": prompts, "group": group, "tokens": tokens, "loadavg_1m_before": os.getloadavg()[0]}
+    for kind in engines:
+        if kind == "vllm" and not vllm_available():
+            continue
+        eng = make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0,
+                          max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
+        try:
+            out[f"{kind}_tokens_per_s"] = _tokens_per_s(eng, prompt_ids, spec, reps)
+            if not eng.shares_weights:
+                out["weight_push_s"] = _push_seconds(eng, policy, reps)
+        finally:
+            eng.close()
+    if "vllm_tokens_per_s" in out and "transformers_tokens_per_s" in out:
+        out["vllm_over_transformers"] = out["vllm_tokens_per_s"] / out["transformers_tokens_per_s"]
+    out["loadavg_1m_after"] = os.getloadavg()[0]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.rollout_speed")
-    ap.add_argument("--shape", default="small")
+    ap.add_argument("--shape", default="small", choices=["toy", "small"])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--unseeded", action="store_true", help="no per-request seeds (vLLM n>1 parallel sampling)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engines", default="transformers,vllm", help="comma-separated: transformers, vllm")
     a = ap.parse_args(argv)
-    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{a.shape}", shape=a.shape)
-    policy, tok = load_policy(str(model_dir), GSPOConfig(), torch.device("cpu"))
-    prompts = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(a.prompts)]
-    spec = SamplingSpec(n=a.group, max_tokens=a.tokens, ignore_eos=True, seed=None if a.unseeded else 0)
-    out = {"shape": a.shape, "prompts": a.prompts, "group": a.group, "tokens": a.tokens}
-    hf = make_engine("transformers", model_dir=str(model_dir), policy=policy, tokenizer=tok, seed=0, max_model_len=512)
-    out["transformers_tokens_per_s"] = tokens_per_s(hf, prompts, spec)
-    vl = make_engine("vllm", model_dir=str(model_dir), policy=policy, tokenizer=tok, seed=0, max_model_len=512)
-    out["vllm_tokens_per_s"] = tokens_per_s(vl, prompts, spec)
-    pushes = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        vl.load_weights(export_weights(policy))
-        pushes.append(time.perf_counter() - t0)
-    out["weight_push_s"] = statistics.median(pushes)
-    out["vllm_over_transformers"] = out["vllm_tokens_per_s"] / out["transformers_tokens_per_s"]
-    vl.close()
+    out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")))
     print(json.dumps(out, indent=2))
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -17,17 +18,21 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.workload import Workload
+from bench.workload import SHAPE_NAMES, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _child(trainer: str, w: Workload, root: str, engine: str) -> dict:
+TRAINERS = ("ours", "ours-rollout-lp", "trl")
+"""``ours-rollout-lp``: ours with ``old_logprobs="rollout"`` (the sampler's logprobs, no recompute)."""
+
+
+def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "127.0.0.1"}
     cmd = [sys.executable, "-m", "bench.run", "--one", trainer, "--workload", w.to_json(), "--root", root,
-           "--engine", engine]
+           "--engine", engine, "--trl-engine", trl_engine]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{\"trainer\"")]
     if proc.returncode != 0 or not lines:
@@ -38,8 +43,8 @@ def _child(trainer: str, w: Workload, root: str, engine: str) -> dict:
 def summarize(runs: list[dict]) -> dict:
     """Median per-step time (first step excluded: engine and graph warm-up) per trainer, and ratio."""
     out: dict = {}
-    for name in ("ours", "trl"):
-        mine = [r for r in runs if r["trainer"] == name]
+    for name in TRAINERS:
+        mine = [r for r in runs if r["name"] == name]
         if not mine:
             continue
         steady = [s for r in mine for s in (r["step_s"][1:] or r["step_s"])]
@@ -47,24 +52,38 @@ def summarize(runs: list[dict]) -> dict:
                   for k in mine[0]["phases"]}
         out[name] = {"step_s_median": statistics.median(steady), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
                      "final_reward_mean": statistics.mean(r["reward"][-1] for r in mine), "phases_s": phases,
-                     "engine": mine[0]["engine"]}
+                     "engine": mine[0]["engine"], "reward_curve": _mean_curve([r["reward"] for r in mine])}
+        if "weight_sync" in phases:
+            out[name]["weight_push_frac_of_step"] = phases["weight_sync"] / out[name]["step_s_median"]
     if "ours" in out and "trl" in out:
-        out["ratio_ours_over_trl"] = out["ours"]["step_s_median"] / out["trl"]["step_s_median"]
+        # Runs alternate A B A B: pair the i-th run of each so machine drift cancels within a pair.
+        med = {n: [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs if r["name"] == n]
+               for n in ("ours", "trl")}
+        out["ratio_per_run_pair"] = [a / b for a, b in zip(med["ours"], med["trl"])]
+        out["ratio_ours_over_trl"] = statistics.median(out["ratio_per_run_pair"])
     return out
+
+
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    return [statistics.mean(c[i] for c in curves) for i in range(min(len(c) for c in curves))]
 
 
 def markdown(w: Workload, s: dict) -> str:
     lines = [f"Workload: shape={w.shape}, {w.prompts} prompts x {w.group} samples x {w.tokens} tokens, "
              f"{w.updates} updates per rollout batch, {w.steps} steps.", "",
-             "| trainer | engine | step s (median) | peak RSS MB | final reward | phases (s) |", "|---|---|---|---|---|---|"]
-    for name in ("ours", "trl"):
+             "| trainer | engine | step s (median) | peak RSS MB | mean reward by step | phases (s, median) |",
+             "|---|---|---|---|---|---|"]
+    for name in TRAINERS:
         if name in s:
             r = s[name]
             ph = ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items()) or "(not split)"
             lines.append(f"| {name} | {r['engine']} | {r['step_s_median']:.3f} | {r['peak_rss_mb']:.0f} | "
-                         f"{r['final_reward_mean']:.3f} | {ph} |")
+                         f"{' '.join('%.3f' % x for x in r['reward_curve'])} | {ph} |")
     if "ratio_ours_over_trl" in s:
-        lines += ["", f"**Step time ratio ours / TRL: {s['ratio_ours_over_trl']:.3f}** (target <= 0.5)"]
+        lines += ["", f"**Step time ratio ours / TRL: {s['ratio_ours_over_trl']:.3f}** (median over run pairs "
+                  f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair'])}; target <= 0.5)"]
+    if "weight_push_frac_of_step" in s.get("ours", {}):
+        lines.append(f"Weight push: {100 * s['ours']['weight_push_frac_of_step']:.1f} % of our step (target <= 5 %)")
     return "\n".join(lines)
 
 
@@ -76,9 +95,9 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
-        style = "-" if r["trainer"] == "ours" else "--"
-        a.plot(range(1, len(r["step_s"]) + 1), r["step_s"], style, label=r["trainer"])
-        b.plot(range(1, len(r["reward"]) + 1), r["reward"], style, label=r["trainer"])
+        style = "--" if r["trainer"] == "trl" else "-"
+        a.plot(range(1, len(r["step_s"]) + 1), r["step_s"], style, label=r["name"])
+        b.plot(range(1, len(r["reward"]) + 1), r["reward"], style, label=r["name"])
     a.set(title="step time (s)", xlabel="step")
     b.set(title="mean reward", xlabel="step")
     a.legend()
@@ -89,12 +108,16 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run")
-    p.add_argument("--shape", default="small", choices=["toy", "small"])
+    p.add_argument("--shape", default="small", choices=SHAPE_NAMES,
+                   help="toy/small: Llama shapes of gspo_core.toy (CPU); qwen0.5b: Qwen2-0.5B shape (GPU)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--runs", type=int, default=2, help="runs per trainer, alternating ours/TRL")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
-    p.add_argument("--trainers", default="ours,trl")
+    p.add_argument("--trl-engine", default="transformers", choices=["transformers", "vllm"],
+                   help="TRL's generation: HF generate, or vLLM colocate (fails on vllm-cpu, see docs/bench.md)")
+    p.add_argument("--trainers", default="ours,trl", help=f"comma list of {', '.join(TRAINERS)}")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -104,23 +127,34 @@ def main(argv: list[str] | None = None) -> int:
         from bench.trainers import run_ours, run_trl
 
         w = Workload(**json.loads(a.workload))
-        res = run_ours(w, Path(a.root), a.engine) if a.one == "ours" else run_trl(w, Path(a.root))
-        print(json.dumps(res))
+        if a.one == "trl":
+            res = run_trl(w, Path(a.root), a.trl_engine)
+        else:
+            res = run_ours(w, Path(a.root), a.engine, "rollout" if a.one == "ours-rollout-lp" else "recompute")
+        print(json.dumps({**res, "name": a.one}))
         return 0
-    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens)
-    root = tempfile.mkdtemp(prefix="gspo-bench-")
-    runs = []
-    for i in range(a.runs):
-        for trainer in a.trainers.split(","):
-            t0 = time.perf_counter()
-            runs.append(_child(trainer, w, root, a.engine))
-            print(f"run {i + 1}/{a.runs} {trainer}: steps {['%.2f' % s for s in runs[-1]['step_s']]} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    s = summarize(runs)
+    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts)
+    names = a.trainers.split(",")
+    if unknown := set(names) - set(TRAINERS):
+        p.error(f"--trainers: unknown {sorted(unknown)}; known: {', '.join(TRAINERS)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{w.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
-    (out / f"{tag}.json").write_text(json.dumps({"workload": asdict(w), "summary": s, "runs": runs}, indent=2))
+    root = tempfile.mkdtemp(prefix="gspo-bench-")
+    runs: list[dict] = []
+    try:
+        for i in range(a.runs):
+            for trainer in names:
+                t0 = time.perf_counter()
+                runs.append(_child(trainer, w, root, a.engine, a.trl_engine))
+                print(f"run {i + 1}/{a.runs} {trainer}: steps {['%.2f' % s for s in runs[-1]['step_s']]} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                # Written after every run, so a run cut short by a time limit still leaves its results.
+                (out / f"{tag}.json").write_text(json.dumps({"workload": asdict(w), "summary": summarize(runs),
+                                                              "runs": runs}, indent=2))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    s = summarize(runs)
     md = markdown(w, s)
     (out / f"{tag}.md").write_text(md + "\n")
     plot(runs, out / f"{tag}.png")

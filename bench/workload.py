@@ -7,7 +7,17 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gspo_core.toy import build_tiny_model, write_toy_dataset
+from gspo_core.toy import SHAPES as TOY_SHAPES
+from gspo_core.toy import build_tiny_model, build_tokenizer, write_toy_dataset
+
+#: Qwen2-architecture shapes for GPU runs (random init; the toy tokenizer padded to the vocabulary).
+QWEN_SHAPES = {
+    "qwen0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936),
+    "qwen-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=2000),
+}
+SHAPE_NAMES = (*TOY_SHAPES, *QWEN_SHAPES)
 
 
 @dataclass(frozen=True)
@@ -34,8 +44,27 @@ def similarity(text: str, target: str) -> float:
     return difflib.SequenceMatcher(None, text, target).ratio()
 
 
+def build_qwen(out: Path, shape: str) -> Path:
+    """Build (once) a random-init Qwen2 model of ``shape`` (tied embeddings, as Qwen2-0.5B) in ``out``."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    dims = dict(QWEN_SHAPES[shape])
+    tok = build_tokenizer(out, dims.pop("vocab_size"))
+    cfg = Qwen2Config(**dims, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
+    return out
+
+
 def prepare(w: Workload, root: Path) -> tuple[Path, Path]:
     """Build (once) the model of ``w.shape`` and the toy dataset; returns their paths."""
-    model = build_tiny_model(root / f"model-{w.shape}", shape=w.shape, seed=0)
+    out = root / f"model-{w.shape}"
+    model = build_tiny_model(out, shape=w.shape, seed=0) if w.shape in TOY_SHAPES else build_qwen(out, w.shape)
     data = write_toy_dataset(root / "toy.jsonl", n=256, seed=w.seed)
     return model, data

@@ -37,25 +37,28 @@ def create_key(tenant: str) -> str:
     return key
 
 
-def worker_command(loglevel: str = "INFO") -> list[str]:
-    """Solo pool: SIGTERM reaches the running job (it checkpoints and requeues); one job at a time."""
+def worker_command(loglevel: str = "INFO", name: str | None = None, queue: str | None = None) -> list[str]:
+    """Prefork, one job at a time, a fresh child process per job (its exit frees GPU memory); on
+    SIGTERM the running job checkpoints and is requeued (worker.celery_app)."""
     quiet = ["--quiet"] if loglevel.upper() in ("WARNING", "ERROR") else []
-    return [sys.executable, "-m", "celery", *quiet, "-A", "worker.celery_app", "worker", "--pool", "solo",
-            "--concurrency", "1", "-Q", _settings().worker_queue, "--without-gossip", "--without-mingle",
-            "-n", "gspo@%h", "--loglevel", loglevel]
+    return [sys.executable, "-m", "celery", *quiet, "-A", "worker.celery_app", "worker", "--pool", "prefork",
+            "--concurrency", "1", "--max-tasks-per-child", "1", "-Q", queue or _settings().worker_queue,
+            "--without-gossip", "--without-mingle", "-n", name or f"gspo-{os.getpid()}@%h", "--loglevel", loglevel]
 
 
 def start_worker(loglevel: str = "WARNING") -> subprocess.Popen:
-    return subprocess.Popen(worker_command(loglevel), env=os.environ.copy())
+    """The worker in its own process group, so a forced stop reaches its pool child too."""
+    return subprocess.Popen(worker_command(loglevel), env=os.environ.copy(), start_new_session=True)
 
 
-def stop_worker(proc: subprocess.Popen, timeout: float = 30) -> None:
+def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (the running job checkpoints and is requeued); SIGKILL the group if it hangs."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 

@@ -39,21 +39,26 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _is_lora(model) -> bool:
+    return hasattr(model, "merge_and_unload")
+
+
 def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
                     extra: dict | None = None) -> Path:
-    """Write model + trainer state for ``step`` atomically; returns the step directory."""
+    """Write model + trainer state for ``step`` atomically; returns the step directory.
+
+    Full fine-tuning resumes its weights from ``model/`` itself (fp32 safetensors, no second copy);
+    with LoRA ``model/`` is merged, so the (small) adapter tensors go into the trainer state.
+    """
     final = step_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(model, tokenizer, tmp / "model")
-    torch.save({
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-        "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
-        **(extra or {}),
-    }, tmp / "trainer_state.pt")
+    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rng_state(), **(extra or {})}
+    if _is_lora(model):
+        state["trainable"] = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
@@ -61,15 +66,36 @@ def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, optimiz
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict:
     """The trainer state saved next to a checkpoint's model (optimizer, scheduler, RNG, step)."""
-    return torch.load(Path(ckpt_dir) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    path = Path(ckpt_dir) / "trainer_state.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"resume_from: {ckpt_dir} has no trainer_state.pt (not a step-* checkpoint)")
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def restore(model, optimizer, scheduler, state: dict) -> int:
-    """Load trainable weights, optimizer, scheduler and RNG from ``state``; returns its step."""
-    params = dict(model.named_parameters())
+def _saved_weights(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted((Path(ckpt_dir) / "model").glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"resume_from: {ckpt_dir}/model holds no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def restore(model, optimizer, scheduler, state: dict, ckpt_dir: str | Path) -> int:
+    """Load trainable weights, optimizer, scheduler and RNG from a checkpoint; returns its step."""
+    weights = state.get("trainable") or _saved_weights(ckpt_dir)
+    params = dict(model.named_parameters())  # tied weights appear once, as save_pretrained keeps them
+    wanted = [n for n, p in params.items() if p.requires_grad]
+    missing = [n for n in wanted if n not in weights]
+    if missing:
+        raise ValueError(f"resume_from: checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]!r} "
+                         "(was it saved from another model or LoRA setting?)")
     with torch.no_grad():
-        for name, value in state["trainable"].items():
-            params[name].copy_(value.to(params[name].device))
+        for name in wanted:
+            params[name].copy_(weights[name].to(params[name].device, params[name].dtype))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

@@ -1,8 +1,15 @@
 """`gspo train job.yaml`: run a GSPO job locally (no database, broker or server) with a progress bar.
 
+    gspo train job.yaml [--output-dir D] [--set key=value ...] [--resume]
+    python -m gspo_core train job.yaml ...
+
 The YAML holds JobSpec's fields (model, training_file, validation_file, reward, hyperparameters,
-output_dir). ``model: toy`` (or ``toy:small``) builds a tiny local model under the output directory,
-and ``training_file: toy`` writes the toy dataset, so the example runs with no downloads.
+output_dir, name). ``--set`` overrides a hyperparameter (``--set learning_rate=1e-5``) or a
+top-level field (``--set model=/path``). ``model: toy`` (or ``toy:small``) builds a tiny local
+model under the output directory and ``training_file: toy`` writes the toy dataset, so
+``examples/toy_job.yaml`` runs with no downloads. The output directory receives ``metrics.jsonl``
+(one JSON object per step) and ``checkpoints/step-XXXXXX/``; ``--resume`` continues from the
+newest checkpoint there. Bad input exits with status 2 and a message naming the field or line.
 """
 
 from __future__ import annotations
@@ -19,27 +26,43 @@ from gspo_core.config import JobSpec
 
 
 class MetricsFile(Callbacks):
-    """Appends each step's metrics to ``metrics.jsonl``."""
+    """Appends each step's metrics to ``metrics.jsonl`` (a resumed run first drops the lines of
+    steps it is about to redo, so every step appears once)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a", buffering=1)
+        self.path, self.f = path, None
 
     def on_step(self, step, metrics):
+        if self.f is None:
+            kept = [ln for ln in (self.path.read_text().splitlines() if self.path.exists() else [])
+                    if ln.strip() and json.loads(ln).get("step", 0) < step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+            self.f = open(self.path, "a", buffering=1)
         self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
 
 
 class ProgressBar(Callbacks):
-    """A tqdm bar: step, reward, step time, ETA."""
+    """A tqdm bar on stderr: step, reward, step time and ETA (a resumed run counts from its step)."""
 
     def __init__(self, total: int) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.started = False
 
     def on_step(self, step, metrics):
-        self.bar.n = step
-        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
+        if not self.started and step > 1:  # resumed: rate and ETA cover only this run's steps
+            self.bar.initial = self.bar.n = step - 1
+            self.bar.start_t = self.bar.last_print_t = self.bar._time()
+        self.started = True
+        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}",
+                             refresh=False)
+        self.bar.update(step - self.bar.n)
 
     def on_checkpoint(self, step, path, final):
         self.bar.write(f"checkpoint: {path}")
@@ -47,34 +70,70 @@ class ProgressBar(Callbacks):
     def on_log(self, message):
         self.bar.write(message)
 
+    def close(self) -> None:
+        self.bar.close()
+
 
 def parse_set(pairs: list[str]) -> dict:
     """``--set key=value`` pairs, values parsed as YAML (numbers, booleans, lists)."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
+        if not sep or not key.strip():
             raise SystemExit(f"--set expects key=value, got {pair!r}")
         out[key.strip()] = yaml.safe_load(value)
     return out
 
 
+TOP_LEVEL = {"model", "training_file", "validation_file", "reward", "output_dir", "name"}
+
+
+def apply_overrides(raw: dict, overrides: dict) -> dict:
+    """``--set`` keys: JobSpec fields (``model``, ``output_dir``...) go top level; everything else,
+    bare or as ``hyperparameters.x``, is a hyperparameter."""
+    raw = dict(raw)
+    hp = dict(raw.get("hyperparameters") or {})
+    for key, value in overrides.items():
+        if key in TOP_LEVEL:
+            raw[key] = value
+        else:
+            hp[key.removeprefix("hyperparameters.")] = value
+    raw["hyperparameters"] = hp
+    return raw
+
+
 def load_spec(path: str, output_dir: str | None, overrides: dict) -> JobSpec:
+    """The job YAML with ``--set``/``--output-dir`` applied; ``model: toy[:shape]`` builds a tiny
+    local model and ``training_file: toy`` writes the toy dataset (both under the output dir)."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
-    raw["hyperparameters"] = {**(raw.get("hyperparameters") or {}), **overrides}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of JobSpec fields")
+    raw = apply_overrides(raw, overrides)
     if output_dir:
         raw["output_dir"] = output_dir
     out = Path(raw.get("output_dir", "runs/job"))
-    if str(raw.get("model", "")).startswith("toy"):
+    model = str(raw.get("model", ""))
+    if model == "toy" or model.startswith("toy:"):
         from gspo_core.toy import build_tiny_model
 
-        shape = raw["model"].split(":", 1)[1] if ":" in raw["model"] else "toy"
+        shape = model.split(":", 1)[1] if ":" in model else "toy"
         raw["model"] = str(build_tiny_model(out / f"{shape}-model", shape=shape))
     if raw.get("training_file") == "toy":
         from gspo_core.toy import write_toy_dataset
 
         raw["training_file"] = str(write_toy_dataset(out / "toy.jsonl", n=64))
     return JobSpec(**raw)
+
+
+def describe_error(exc: Exception) -> str:
+    """One readable line per problem, naming the field (pydantic) or line (dataset)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'job'}: {e['msg']}" for e in exc.errors())
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,13 +147,24 @@ def run_train(args: argparse.Namespace) -> int:
     from gspo_core.checkpoint import latest_checkpoint
     from gspo_core.trainer import train
 
-    spec = load_spec(args.job, args.output_dir, parse_set(args.set))
+    try:
+        spec = load_spec(args.job, args.output_dir, parse_set(args.set))
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"error: {describe_error(exc)}", file=sys.stderr)
+        return 2
     out = Path(spec.output_dir)
     resume = latest_checkpoint(out) if args.resume else None
-    cb = CallbackList(MetricsFile(out / "metrics.jsonl"), ProgressBar(spec.hyperparameters.steps))
-    result = train(spec, cb, resume_from=resume)
+    bar, metrics_file = ProgressBar(spec.hyperparameters.steps), MetricsFile(out / "metrics.jsonl")
+    try:
+        result = train(spec, CallbackList(metrics_file, bar), resume_from=resume)
+    except (OSError, ValueError, KeyError) as exc:  # bad data, reward spec, model or loss name
+        print(f"error: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+        metrics_file.close()
     print(json.dumps({"final_step": result.final_step, "checkpoint": result.final_checkpoint,
-                      "reward/mean": result.metrics.get("reward/mean")}))
+                      "stopped": result.stopped, "reward/mean": result.metrics.get("reward/mean")}))
     return 0
 
 

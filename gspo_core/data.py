@@ -37,21 +37,22 @@ def _check_row(row: Any, line: int) -> dict:
 def validate_jsonl_bytes(data: bytes, *, max_rows: int = 1_000_000) -> list[dict]:
     """Parse and validate a JSONL upload; raise :class:`DataError` naming the line and field."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # tolerate the BOM some editors write
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise DataError(line, None, f"file is not valid UTF-8 (byte {exc.start})") from None
     rows: list[dict] = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # Split on "\n" only: str.splitlines() would also break inside JSON strings holding U+2028 etc.
+    for lineno, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise DataError(lineno, None, f"not valid JSON: {exc.msg} (column {exc.colno})") from None
-        rows.append(_check_row(obj, lineno))
-        if len(rows) > max_rows:
+        if len(rows) == max_rows:
             raise DataError(lineno, None, f"too many rows: the limit is {max_rows}")
+        rows.append(_check_row(obj, lineno))
     if not rows:
         raise DataError(None, None, "file is empty: it needs at least one JSON object line")
     return rows

@@ -15,8 +15,10 @@ from gspo_core.registry import LOSSES
 
 
 def _seq_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Mean over each sequence's valid tokens -> ``[B]`` (a sequence with no tokens gives 0)."""
-    return (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+    """Mean over each sequence's valid tokens -> ``[B]`` (a sequence with no tokens gives 0).
+
+    Padding is selected away, not multiplied by 0: a non-finite pad value must not leak NaN."""
+    return torch.where(mask_BT.bool(), x_BT, 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1)
 
 
 def _ratio_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, n: torch.Tensor) -> dict:
@@ -87,5 +89,6 @@ def grpo_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_high: 
     Aggregated as the mean over each sequence's tokens, then over sequences (as in the paper).
     """
     mask_BT = mask_BT.to(logp_new_BT.dtype)
-    r_BT = torch.exp(logp_new_BT - logp_old_BT)
+    # exp() only of real tokens' log-ratios: a large pad value would overflow to inf (and NaN grads).
+    r_BT = torch.exp(torch.where(mask_BT.bool(), logp_new_BT - logp_old_BT, 0.0))
     return _token_clipped(r_BT, _per_token(adv, logp_new_BT), mask_BT, eps_low, eps_high)

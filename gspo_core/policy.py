@@ -37,6 +37,8 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if cfg.lora_rank > 0:  # frozen embeddings: checkpointed blocks need an input that requires grad
+            model.enable_input_require_grads()
     if cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -138,7 +140,8 @@ def save_hf(model, tokenizer, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "merge_and_unload"):
         model.save_pretrained(str(out_dir.parent / "adapter"))
-        state = dict(export_weights(model))
+        # export_weights yields views of the merged weights, unmerged again when it finishes
+        state = {name: t.detach().clone() for name, t in export_weights(model)}
         base = model.get_base_model()
         base.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     else:

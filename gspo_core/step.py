@@ -43,11 +43,11 @@ class Timer(dict):
         return _Ctx()
 
 
-def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int) -> Rollout:
-    """G completions for each prompt (left-truncated to ``max_prompt_tokens``)."""
+def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None) -> Rollout:
+    """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``."""
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-cfg.max_prompt_tokens:] or
                   [tokenizer.bos_token_id or 0] for p in prompts]
-    spec = SamplingSpec(n=cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+    spec = SamplingSpec(n=n or cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed)
     groups = engine.generate(prompt_ids, spec)
     flat = [c for g in groups for c in g]
@@ -72,22 +72,33 @@ def _minibatches(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
     return list(torch.randperm(n, generator=gen).chunk(k))
 
 
-def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, chunk: int) -> dict[str, float]:
-    """Old-policy logprobs (``recompute``: no-grad forward batched over the rollout; ``rollout``:
-    the sampler's) and the trainer-vs-sampler gap metrics."""
-    sampler_NT = pack([c.prompt_ids for c in ro.completions], [c.completion_ids for c in ro.completions], pad_id)
-    samp_NT = torch.zeros_like(sampler_NT.mask_BT)
-    for b, c in enumerate(ro.completions):
+#: Token budget of one no-grad forward: the whole rollout goes in one batch unless it is larger.
+OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
+
+
+def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp) -> dict[str, float]:
+    """Old-policy logprobs and the trainer-vs-sampler gap metrics.
+
+    ``recompute``: one batched no-grad forward over the whole rollout (split only past
+    :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens); ``rollout``: the sampler's own logprobs.
+    Sets ``ro.old_logp_NT`` ``[N, T]`` (0 on padding).
+    """
+    comps = ro.completions
+    packed = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id)
+    mask_NT = packed.mask_BT
+    samp_NT = torch.zeros_like(mask_NT)
+    for b, c in enumerate(comps):
         samp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-    mask_NT = sampler_NT.mask_BT
     if cfg.old_logprobs == "rollout":
         ro.old_logp_NT = samp_NT
         return {}
     device = next(model.parameters()).device
+    n_chunks = -(-packed.input_BL.numel() // OLD_LOGPROBS_TOKENS_PER_FORWARD)
     parts = []
     with torch.inference_mode():
-        for idx in torch.arange(len(ro.completions)).split(chunk):
-            sub = pack([ro.completions[i].prompt_ids for i in idx], [ro.completions[i].completion_ids for i in idx], pad_id)
+        for idx in torch.arange(len(comps)).chunk(n_chunks):
+            sub = packed if n_chunks == 1 else pack([comps[i].prompt_ids for i in idx],
+                                                    [comps[i].completion_ids for i in idx], pad_id)
             lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
             parts.append(torch.nn.functional.pad(lp, (0, mask_NT.size(1) - lp.size(1))))
     ro.old_logp_NT = torch.cat(parts)
@@ -96,29 +107,38 @@ def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, chunk: i
 
 
 def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen) -> dict[str, float]:
-    """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss."""
+    """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss and estimator.
+
+    With ``old_logprobs="rollout"`` the first mini-batch's forward (still on-policy) also gives the
+    trainer-vs-sampler gap metrics, so no extra forward is spent on them.
+    """
     adv_N, adv_metrics = ADVANTAGES.get(cfg.advantage)(ro.rewards_N, cfg.group_size, scale=cfg.scale_rewards)
     loss_fn = LOSSES.get(cfg.loss)
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = {}
-    for idx in _minibatches(len(ro.completions), cfg.mini_batches, gen):
+    extra: dict[str, float] = {}
+    for k, idx in enumerate(_minibatches(len(ro.completions), cfg.mini_batches, gen)):
         comps = [ro.completions[i] for i in idx]
         batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)
         logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
         old_BT = ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(device)
+        if k == 0 and cfg.old_logprobs == "rollout":
+            gap_BT = (logp_BT.detach() - old_BT).abs() * batch.mask_BT
+            extra = {"logprob_gap/mean": float(gap_BT.sum() / batch.mask_BT.sum().clamp(min=1)),
+                     "logprob_gap/max": float(gap_BT.max())}
         loss, m = loss_fn(logp_BT, old_BT, adv_N[idx].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        extra["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
         optimizer.step()
         scheduler.step()
-        for k, v in {**m, "loss": float(loss.detach()), "grad_norm": float(grad_norm), "entropy": entropy}.items():
-            acc.setdefault(k, []).append(v)
-    out = {k: sum(v) / len(v) for k, v in acc.items()}
+        for name, v in {**m, "loss": float(loss.detach()), "grad_norm": float(grad_norm), "entropy": entropy}.items():
+            acc.setdefault(name, []).append(v)
+    out = {name: sum(v) / len(v) for name, v in acc.items()}
     out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])
-    out["lr"] = optimizer.param_groups[0]["lr"]
-    return {**out, **adv_metrics}
+    return {**out, **extra, **adv_metrics}
 
 
 def push_weights(model, engine) -> None:

@@ -17,6 +17,7 @@ from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
 from gspo_core.policy import autocast_dtype, load_policy, pick_device
+from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import build_reward
 from gspo_core.rollout import make_engine
 
@@ -74,24 +75,41 @@ class Trainer:
     def __init__(self, spec: JobSpec, callbacks: Callbacks | None, engine=None) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
         self.cb = callbacks or Callbacks()
+        LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)  # unknown names fail before any loading
         seed_everything(self.cfg.seed)
         self.device = pick_device()
         self.amp = autocast_dtype(self.cfg, self.device)
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         self.reward_fn = build_reward(spec.reward)
-        self.model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
-        self.pad_id = self.tokenizer.pad_token_id
-        self.optimizer, self.scheduler = make_optimizer(self.model, self.cfg)
-        self.engine = engine or make_engine(
-            self.cfg.rollout_engine, model_dir=spec.model, policy=self.model, tokenizer=self.tokenizer,
-            seed=self.cfg.seed, max_model_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens,
-            gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization)
+        try:
+            self.model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
+            self.pad_id = self.tokenizer.pad_token_id
+            self.optimizer, self.scheduler = make_optimizer(self.model, self.cfg)
+            self.engine = engine or make_engine(
+                self.cfg.rollout_engine, model_dir=spec.model, policy=self.model, tokenizer=self.tokenizer,
+                seed=self.cfg.seed, max_model_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens,
+                gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization)
+        except BaseException:
+            self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
+            raise
         self.step = 0
-        self.chunk = max(1, self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.mini_batches)
+        self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
+
+    def data_state(self) -> dict:
+        """The data cursor: batches are a pure function of (rows, seed, step), so this pins them."""
+        return {"rows": len(self.rows), "seed": self.cfg.seed, "shuffle": self.cfg.shuffle,
+                "cursor": self.step * self.cfg.prompts_per_step}
 
     def resume(self, ckpt_dir: str) -> None:
-        self.step = restore(self.model, self.optimizer, self.scheduler, load_trainer_state(ckpt_dir))
+        state = load_trainer_state(ckpt_dir)
+        self.step = restore(self.model, self.optimizer, self.scheduler, state, ckpt_dir)
+        self.saved = (self.step, str(ckpt_dir))
+        data = state.get("data", {})
+        if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
+            self.cb.on_log(f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
+                           f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
+                           "so the remaining batches differ from an uninterrupted run")
         S.push_weights(self.model, self.engine)
         self.cb.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
 
@@ -109,7 +127,7 @@ class Trainer:
         with t.phase("reward"):
             m = S.score(self.reward_fn, ro, cfg)
         with t.phase("old_logprobs"):
-            m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp, self.chunk))
+            m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp))
         with t.phase("train"):
             m.update(S.update(self.model, self.optimizer, self.scheduler, ro, self.pad_id, cfg, self.amp, gen))
         with t.phase("weight_sync"):
@@ -122,19 +140,27 @@ class Trainer:
         return m, S.sample_rows(ro, cfg)
 
     def evaluate(self) -> dict[str, float]:
-        """Mean reward of one sampled completion per validation prompt (first ``eval_prompts``)."""
+        """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),
+        with a fixed sampling seed so evaluations of different steps are comparable."""
         rows = self.val_rows[: self.cfg.eval_prompts]
         prompts = [render_prompt(r, self.tokenizer) for r in rows]
-        cfg = self.cfg.model_copy(update={"group_size": 2, "mini_batches": 1})
-        ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=self.cfg.seed + 17)
-        m = S.score(self.reward_fn, ro, cfg)
-        return {"eval/reward/mean": m["reward/mean"]}
+        ro = S.sample(self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1)
+        m = S.score(self.reward_fn, ro, self.cfg)
+        out = {"eval/reward/mean": m["reward/mean"]}
+        out.update({f"eval/{k}": v for k, v in m.items() if k.startswith("reward/") and k.endswith("/mean")
+                    and k != "reward/mean"})
+        return out
 
     def checkpoint(self, final: bool) -> str:
-        path = save_checkpoint(self.spec.output_dir, self.step, self.model, self.tokenizer,
-                               self.optimizer, self.scheduler)
-        self.cb.on_checkpoint(self.step, str(path), final)
-        return str(path)
+        """Save the current step (once: a step already saved is not written again)."""
+        if self.saved is None or self.saved[0] != self.step:
+            path = save_checkpoint(self.spec.output_dir, self.step, self.model, self.tokenizer,
+                                   self.optimizer, self.scheduler, extra={"data": self.data_state()})
+            self.saved = (self.step, str(path))
+            self.cb.on_checkpoint(self.step, str(path), final)
+        elif final:
+            self.cb.on_checkpoint(self.step, self.saved[1], final)
+        return self.saved[1]
 
     def close(self) -> None:
         self.reward_fn.close()
@@ -142,7 +168,8 @@ class Trainer:
 
 
 def _loop(tr: Trainer) -> TrainResult:
-    cfg, last_ckpt, metrics = tr.cfg, None, {}
+    cfg, metrics = tr.cfg, {}
+    last_ckpt = tr.saved[1] if tr.saved else None
     while tr.step < cfg.steps:
         if tr.cb.should_stop():
             return TrainResult(tr.step, tr.checkpoint(final=False), stopped=True, metrics=metrics)

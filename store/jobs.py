@@ -35,6 +35,21 @@ def add_event(s: Session, job_id: str, kind: str, message: str, data: dict | Non
     return ev
 
 
+def create_job(s: Session, *, tenant_id: str, model: str, training_file_id: str, reward: dict,
+               hyperparameters: dict, total_steps: int, validation_file_id: str | None = None, name: str | None = None,
+               metadata: dict | None = None, seed: int = 0, idempotency_key: str | None = None,
+               max_attempts: int = 3) -> Job:
+    """Insert a ``queued`` job and its first status event (the caller enqueues it after commit)."""
+    job = Job(tenant_id=tenant_id, name=name, model=model, training_file_id=training_file_id,
+              validation_file_id=validation_file_id, reward=reward, hyperparameters=hyperparameters,
+              job_metadata=metadata or {}, seed=seed, status="queued", total_steps=total_steps,
+              idempotency_key=idempotency_key, max_attempts=max_attempts)
+    s.add(job)
+    s.flush()
+    add_event(s, job.id, "status", "queued", {"status": "queued"})
+    return job
+
+
 def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Job:
     """Move ``job`` to ``to`` if legal, stamping times and recording a status event."""
     if to not in LEGAL.get(job.status, set()):
@@ -132,8 +147,11 @@ def request_cancel(s: Session, job: Job) -> Job:
 
 
 def stale_jobs(s: Session) -> list[Job]:
-    """Running/cancelling jobs whose lease expired (their worker died or hung)."""
-    return list(s.scalars(select(Job).where(Job.status.in_(("running", "cancelling")), Job.lease_until < _now())))
+    """Running/cancelling jobs whose lease expired (their worker died or hung), row-locked so that
+    concurrent reapers (one per worker) on PostgreSQL never handle the same job twice."""
+    q = (select(Job).where(Job.status.in_(("running", "cancelling")), Job.lease_until < _now())
+         .with_for_update(skip_locked=True))
+    return list(s.scalars(q))
 
 
 def reap(s: Session) -> tuple[list[str], list[str]]:
@@ -150,6 +168,16 @@ def reap(s: Session) -> tuple[list[str], list[str]]:
             transition(s, job, "queued")
             requeued.append(job.id)
     return requeued, failed
+
+
+def queued_without_message(s: Session, older_than_s: float) -> list[str]:
+    """Queued jobs that have waited ``older_than_s`` since they were created or last ran. Called only
+    when the broker queue is empty, these are jobs whose message was lost (a broker restarted without
+    persistence, a publish that failed after the commit): the reaper sends them again."""
+    cutoff = _now() - timedelta(seconds=older_than_s)
+    q = select(Job.id).where(Job.status == "queued", Job.created_at < cutoff,
+                             or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff)).order_by(Job.created_at)
+    return list(s.scalars(q))
 
 
 def queue_position(s: Session, job: Job) -> int | None:

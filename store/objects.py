@@ -84,9 +84,17 @@ class S3ObjectStore:
         import boto3
 
         self.bucket = settings.s3_bucket
-        self.client = boto3.client(
-            "s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
-            aws_access_key_id=settings.s3_access_key_id, aws_secret_access_key=settings.s3_secret_access_key)
+
+        def client(endpoint: str | None):
+            return boto3.client("s3", endpoint_url=endpoint, region_name=settings.s3_region,
+                                aws_access_key_id=settings.s3_access_key_id,
+                                aws_secret_access_key=settings.s3_secret_access_key)
+
+        self.client = client(settings.s3_endpoint_url)
+        # Presigned URLs are signed for the host the user's client will reach (e.g. localhost:9000,
+        # while services talk to minio:9000 inside the compose network).
+        public = settings.s3_public_endpoint_url
+        self.public_client = client(public) if public and public != settings.s3_endpoint_url else self.client
         self.presign = settings.s3_presign_downloads
 
     def ensure_bucket(self) -> None:
@@ -123,7 +131,7 @@ class S3ObjectStore:
     def presigned_url(self, key: str, expires: int = 3600) -> str | None:
         if not self.presign:
             return None
-        return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": check_key(key)},
+        return self.public_client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": check_key(key)},
                                                   ExpiresIn=expires)
 
 

@@ -36,6 +36,11 @@ def _producer(url: str, options_key: tuple):
     return app
 
 
+def reset_producers() -> None:
+    """Drop producer connections inherited across a fork (each process opens its own)."""
+    _producer.cache_clear()
+
+
 def enqueue_run_job(settings: Settings, job_id: str) -> None:
     """Publish ``worker.tasks.run_job(job_id)`` on the worker queue."""
     app = _producer(broker_url(settings), tuple(sorted(broker_options(settings).items())))
@@ -51,3 +56,20 @@ def broker_reachable(settings: Settings) -> bool:
         return True
     except Exception:
         return False
+
+
+def queue_depth(settings: Settings) -> int | None:
+    """Messages waiting in the worker queue (not those a worker already holds); None when the
+    broker cannot be asked right now."""
+    from kombu.exceptions import ChannelError
+
+    app = _producer(broker_url(settings), tuple(sorted(broker_options(settings).items())))
+    try:
+        with app.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=1, timeout=2)
+            try:
+                return int(conn.default_channel.queue_declare(queue=settings.worker_queue, passive=True).message_count)
+            except ChannelError:  # never declared, or (Redis) an empty list: no message waits
+                return 0
+    except Exception:
+        return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     s3_secret_access_key: str | None = Field(None, validation_alias=_env("S3_SECRET_ACCESS_KEY"))
     s3_region: str = Field("us-east-1", validation_alias=_env("S3_REGION"))
     s3_presign_downloads: bool = Field(True, validation_alias=_env("S3_PRESIGN_DOWNLOADS"))
+    # The endpoint users' browsers reach (presigned URLs); default S3_ENDPOINT_URL.
+    s3_public_endpoint_url: str | None = Field(None, validation_alias=_env("S3_PUBLIC_ENDPOINT_URL"))
 
     # Models a job may name: local directories under models_dir, HF ids when allowed.
     models_dir: Path = Field(Path(".data/models"), validation_alias=_env("MODELS_DIR"))
@@ -47,7 +49,16 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(5.0, validation_alias=_env("HEARTBEAT_SECONDS"))
     max_attempts: int = Field(3, validation_alias=_env("MAX_ATTEMPTS"))
     reaper_interval_seconds: float = Field(15.0, validation_alias=_env("REAPER_INTERVAL_SECONDS"))
+    # A queued job older than this while the broker queue is empty lost its message: send it again.
+    resend_lost_after_seconds: float = Field(60.0, validation_alias=_env("RESEND_LOST_AFTER_SECONDS"))
     worker_queue: str = Field("gpu", validation_alias=_env("WORKER_QUEUE"))
+
+    @model_validator(mode="after")
+    def _models_under_data_dir(self) -> "Settings":
+        # An unset models_dir follows data_dir, so GSPO_DATA_DIR alone relocates everything.
+        if "models_dir" not in self.model_fields_set:
+            self.models_dir = self.data_dir / "models"
+        return self
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'gspo.db').resolve()}"

@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+
 from celery import Celery, signals
 
 from store.queue import broker_options, broker_url
 from store.settings import Settings, get_settings
 
+log = logging.getLogger(__name__)
+# Sent by the main process to its pool child on warm shutdown: the job checkpoints and is requeued.
+GRACEFUL_SIGNAL = signal.SIGUSR2
+
 
 def make_celery(settings: Settings) -> Celery:
-    """One job at a time per process: acks_late + prefetch 1; a `gpu` queue; leases guard duplicates."""
+    """One job per process at a time (prefork, concurrency 1, a fresh child per job so that its exit
+    frees GPU memory); acks_late + prefetch 1 on the `gpu` queue; job leases make duplicates harmless."""
     app = Celery("gspo", broker=broker_url(settings), include=["worker.tasks"])
     app.conf.update(
         broker_transport_options=broker_options(settings),
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # ride out a Redis restart
         task_acks_late=True,
-        task_reject_on_worker_lost=True,
+        task_reject_on_worker_lost=True,  # a crashed child's job message goes back to the queue
         worker_prefetch_multiplier=1,
+        worker_pool="prefork",
         worker_concurrency=1,
+        worker_max_tasks_per_child=1,
+        worker_proc_alive_timeout=60,  # a new job process may start slowly on a loaded machine
         task_default_queue=settings.worker_queue,
         task_ignore_result=True,
         worker_redirect_stdouts=False,
@@ -50,13 +62,32 @@ def __getattr__(name: str):
 
 @signals.worker_ready.connect
 def _start_reaper(sender=None, **_):
+    # The main process of every worker reaps: a busy worker's queue cannot carry the reap task
+    # (concurrency 1), and the row locks in store.jobs.reap make concurrent reapers safe.
     from worker.reaper import start_reaper_thread
 
     start_reaper_thread(get_settings())
 
 
+@signals.worker_process_init.connect
+def _child_init(**_):
+    from store import queue
+    from worker import context
+
+    context.reset_after_fork()
+    queue.reset_producers()
+    signal.signal(GRACEFUL_SIGNAL, lambda *_: context.SHUTDOWN.set())
+
+
 @signals.worker_shutting_down.connect
 def _graceful(sig=None, how=None, **_):
-    from worker.runner import SHUTDOWN
+    """Warm shutdown (SIGTERM/SIGINT) of the main process: ask the running job to checkpoint and
+    requeue itself; the main process then waits for the task to return, acks it and exits."""
+    import psutil
 
-    SHUTDOWN.set()
+    for child in psutil.Process().children():
+        try:
+            os.kill(child.pid, GRACEFUL_SIGNAL)
+        except ProcessLookupError:
+            pass
+    log.warning("%s shutdown: asked the running job to checkpoint and requeue", how)

@@ -6,7 +6,7 @@ import logging
 import threading
 
 from store import jobs
-from store.queue import enqueue_run_job
+from store.queue import enqueue_run_job, queue_depth
 from store.settings import Settings
 from worker.context import get_db
 
@@ -20,7 +20,22 @@ def reap_once(settings: Settings) -> tuple[list[str], list[str]]:
         enqueue_run_job(settings, job_id)
     if requeued or failed:
         log.warning("reaper: requeued %s, failed %s", requeued, failed)
+    resent = resend_lost(settings)
+    if resent:
+        log.warning("reaper: sent again %s (queued, but no message in the broker)", resent)
     return requeued, failed
+
+
+def resend_lost(settings: Settings) -> list[str]:
+    """Re-publish queued jobs whose broker message is gone. Only when the queue is empty, so a
+    waiting queue is not flooded; a copy that does arrive twice finds the lease and leaves."""
+    if queue_depth(settings) != 0:
+        return []
+    with get_db(settings).session() as s:
+        lost = jobs.queued_without_message(s, settings.resend_lost_after_seconds)
+    for job_id in lost:
+        enqueue_run_job(settings, job_id)
+    return lost
 
 
 def start_reaper_thread(settings: Settings, stop: threading.Event | None = None) -> threading.Thread:

@@ -6,7 +6,6 @@ import logging
 import os
 import shutil
 import socket
-import threading
 import uuid
 from pathlib import Path
 
@@ -20,11 +19,10 @@ from store.models import Checkpoint, File, Job
 from store.objects import get_dir
 from store.queue import enqueue_run_job
 from store.settings import get_settings
-from worker.context import get_db, get_store
+from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, with_db_retry
 
 log = logging.getLogger(__name__)
-SHUTDOWN = threading.Event()  # set on the worker's warm shutdown (SIGTERM)
 
 
 class JobInputError(Exception):
@@ -86,7 +84,10 @@ def _settle(db, job_id: str, cb: PersistCallbacks, settings) -> str:
         else:
             jobs.transition(s, job, "succeeded")
             return "succeeded"
-    enqueue_run_job(settings, job_id)
+    try:
+        enqueue_run_job(settings, job_id)
+    except Exception as exc:  # the job is safely queued in the database; the reaper re-sends it
+        log.warning("could not publish the requeued job %s (%s); the reaper will send it again", job_id, exc)
     return "requeued"
 
 

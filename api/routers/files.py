@@ -43,7 +43,7 @@ def get_file(f: FileDep):
 
 @router.get("/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}}, **ERRORS})
 def file_content(f: FileDep, objects: ObjectsDep):
-    return StreamingResponse(objects.open_stream(f.object_key), media_type="application/jsonl",
+    return StreamingResponse(svc.open_content(objects, f.object_key), media_type="application/jsonl",
                              headers={"Content-Disposition": f'attachment; filename="{f.id}.jsonl"'})
 
 

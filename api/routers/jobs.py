@@ -15,7 +15,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 422: {"model": ErrorBody}, 429: {"model": ErrorBody}}
 
 
-@router.post("", response_model=JobOut, status_code=201, responses=ERRORS)
+@router.post("", response_model=JobOut, status_code=201, responses={
+    200: {"model": JobOut, "description": "The job an earlier request with this Idempotency-Key created."}, **ERRORS})
 def create_job(req: JobCreate, s: SessionDep, settings: SettingsDep, tenant: TenantDep, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None):
     job, created = svc.create_job(s, settings, tenant, req, idempotency_key)

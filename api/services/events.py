@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 from sqlalchemy import select
 
+from api.schemas import as_utc
 from store.jobs import TERMINAL
 from store.models import Job, JobEvent, StepMetric
 
@@ -53,7 +54,7 @@ async def stream(db, job_id: str, last_event_id: str | None, poll_s: float = 0.5
             ev_after = e.id
             yield _frame(e.kind, f"{ev_after}.{step_after}",
                          {"id": e.id, "kind": e.kind, "message": e.message, "data": e.data,
-                          "created_at": e.created_at})
+                          "created_at": as_utc(e.created_at).isoformat()})
         if status in TERMINAL and not events and not metrics:
             yield _frame("end", f"{ev_after}.{step_after}", {"status": status, "step": step})
             return

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import Iterator
+
 from fastapi import UploadFile
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -9,6 +12,7 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from gspo_core.data import DataError, validate_jsonl_bytes
 from store.models import File, Job, Tenant, new_id
+from store.objects import BadKey
 from store.settings import Settings
 
 
@@ -44,11 +48,27 @@ def create_file(s: Session, objects, settings: Settings, tenant: Tenant, filenam
         f = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "data.jsonl", bytes=len(data),
                  rows=len(rows), object_key=key, item_fields=_item_fields(rows))
         s.add(f)
-        s.flush()
+        s.commit()  # here, not after the response: a failed insert must not leave the object behind
     except Exception:
+        s.rollback()
         objects.delete_prefix(key)
         raise
     return f
+
+
+def open_content(objects, key: str) -> Iterator[bytes]:
+    """The object's byte stream, opened now: a bad or missing key is a 404 before any header is sent
+    (a lazily opened stream would fail mid-response instead)."""
+    stream = objects.open_stream(key)
+    try:
+        first = next(stream, b"")
+    except (BadKey, FileNotFoundError) as exc:
+        raise ApiError(404, "not_found", f"stored content is missing ({type(exc).__name__})") from None
+    except Exception as exc:
+        if type(exc).__name__ != "NoSuchKey":  # S3's missing object (botocore stays out of the API)
+            raise
+        raise ApiError(404, "not_found", "stored content is missing (NoSuchKey)") from None
+    return itertools.chain([first], stream)
 
 
 def delete_file(s: Session, objects, f: File) -> None:
@@ -56,5 +76,5 @@ def delete_file(s: Session, objects, f: File) -> None:
     if used:
         raise ApiError(409, "file_in_use", f"file {f.id} is used by job {used}", "file_id")
     s.delete(f)
-    s.flush()
+    s.commit()  # the row goes first: a failed delete leaves the file whole, never a row without content
     objects.delete_prefix(f.object_key)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import base64
+import os
 import re
 from datetime import datetime
 from pathlib import Path
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -17,7 +18,7 @@ from api.schemas import JobCreate, JobOut
 from gspo_core.config import GSPOConfig
 from gspo_core.rewards import RewardSpecError, build_reward
 from store import jobs as job_state
-from store.models import Checkpoint, File, Job, StepMetric, Tenant
+from store.models import Checkpoint, File, Job, JobEvent, StepMetric, Tenant
 from store.queue import enqueue_run_job
 from store.settings import Settings
 
@@ -64,8 +65,11 @@ def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> N
         if not (path / "config.json").is_file():
             raise ApiError(422, "invalid_model", f"no model (config.json) at {model}", "model")
         return
-    local = (settings.models_dir / model).resolve()
-    if settings.models_dir.resolve() in local.parents and (local / "config.json").is_file():
+    root, entry = settings.models_dir.resolve(), settings.models_dir / model
+    local = entry.resolve()
+    if os.path.lexists(entry) and root not in local.parents:  # e.g. a symlink pointing out of models_dir
+        raise ApiError(422, "invalid_model", f"model {model!r} resolves outside the models directory", "model")
+    if root in local.parents and (local / "config.json").is_file():
         return
     if HF_ID.match(model) and settings.allow_hub_models:
         return
@@ -95,20 +99,30 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
     if job_state.count_active(s, tenant.id) >= settings.max_active_jobs_per_tenant:
         raise ApiError(429, "too_many_jobs", f"at most {settings.max_active_jobs_per_tenant} queued or running "
                        "jobs per tenant; wait for one to finish or cancel one")
-    job = Job(tenant_id=tenant.id, name=req.name, model=req.model,
-              training_file_id=train.id, validation_file_id=req.validation_file, reward=req.reward,
-              hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), job_metadata=req.metadata,
-              seed=req.seed, total_steps=cfg.steps, idempotency_key=idem_key, max_attempts=settings.max_attempts)
-    s.add(job)
     try:
-        s.flush()
+        job = job_state.create_job(
+            s, tenant_id=tenant.id, name=req.name, model=req.model, training_file_id=train.id,
+            validation_file_id=req.validation_file, reward=req.reward, metadata=req.metadata, seed=req.seed,
+            hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), total_steps=cfg.steps,
+            idempotency_key=idem_key, max_attempts=settings.max_attempts)
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
         s.rollback()
         return s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key)), False
-    job_state.add_event(s, job.id, "status", "queued", {"status": "queued"})
     s.commit()
-    enqueue_run_job(settings, job.id)
+    try:
+        enqueue_run_job(settings, job.id)
+    except Exception as exc:
+        _discard(s, job)
+        raise ApiError(503, "broker_unavailable", f"the job queue is unreachable ({type(exc).__name__}); "
+                       "nothing was created, retry shortly", headers={"Retry-After": "5"}) from None
     return job, True
+
+
+def _discard(s: Session, job: Job) -> None:
+    """Remove a job that could not be enqueued: no worker would ever see it, so it must not linger."""
+    s.execute(delete(JobEvent).where(JobEvent.job_id == job.id))
+    s.delete(job)
+    s.commit()
 
 
 def latest_metrics(s: Session, job_id: str) -> dict | None:

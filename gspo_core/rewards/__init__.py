@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from gspo_core.rewards import graders as _graders  # noqa: F401  (registers the local graders)
 from gspo_core.rewards import multi as _multi  # noqa: F401
+from gspo_core.rewards import python_grader as _python  # noqa: F401
 from gspo_core.rewards import remote as _remote  # noqa: F401
-from gspo_core.rewards.base import GRADERS, GradeResult, Grader, GraderError, RewardSpecError, build_grader, item_fields_of
+from gspo_core.rewards import reward_model as _reward_model  # noqa: F401
+from gspo_core.rewards.base import GRADERS, GradeResult, Grader, GraderError, RewardSpecError, as_score, build_grader
 from gspo_core.rewards.multi import MultiGrader
 
 __all__ = ["GRADERS", "GradeResult", "GraderError", "RewardFunction", "RewardSpecError", "build_reward"]
+
+#: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.
+MAX_THREADS = 32
 
 
 class RewardFunction:
@@ -24,18 +31,31 @@ class RewardFunction:
             self.root.subs if isinstance(self.root, MultiGrader) else {self.root.name: self.root}
         )
         self.grader_names = list(self.parts)
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.parts) * 2), thread_name_prefix="grader")
+        self._pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="grader")
 
     def item_fields(self) -> set[str]:
-        """Top-level dataset fields the spec's templates reference (checked at job submit)."""
-        return item_fields_of(self.spec)
+        """Top-level dataset fields the spec's templates (given or default) reference."""
+        return self.root.item_fields()
 
     def score_batch(self, items: list[dict], samples: list[dict]) -> list[GradeResult]:
-        """Score ``samples[i]`` against ``items[i]``; graders run concurrently, each batched."""
-        futures = {name: self._pool.submit(g.grade_batch, samples, items) for name, g in self.parts.items()}
-        per_grader = {name: f.result() for name, f in futures.items()}
+        """Score ``samples[i]`` against ``items[i]``. Every grader runs at once; per-sample graders
+        also run every sample at once (bounded by the thread pool). A call that outlives its
+        grader's budget is recorded as a timeout and not waited for."""
+        if len(items) != len(samples):
+            raise ValueError(f"{len(items)} items but {len(samples)} samples")
+        n = len(samples)
+        start = time.monotonic()
+        futures: dict[str, list[Future] | Future] = {}
+        for name, g in self.parts.items():
+            if g.batched:
+                futures[name] = self._pool.submit(g.grade_batch, samples, items)
+            else:
+                futures[name] = [self._pool.submit(g.grade_one, s, it) for s, it in zip(samples, items)]
+        queued = sum(len(f) for f in futures.values() if isinstance(f, list))
+        waves = max(1, math.ceil(queued / MAX_THREADS))  # calls queued behind others start later
+        per_grader = {name: self._collect(self.parts[name], f, n, start, waves) for name, f in futures.items()}
         results = []
-        for k in range(len(samples)):
+        for k in range(n):
             scores, errors = {}, {}
             for name, outs in per_grader.items():
                 value = outs[k]
@@ -43,10 +63,15 @@ class RewardFunction:
                     errors[name] = f"{value.kind}: {value}"
                     scores[name] = 0.0
                 else:
-                    scores[name] = float(value)
-            reward = self._combine(scores, errors)
-            results.append(GradeResult(reward=reward, scores=scores, errors=errors))
+                    scores[name] = value
+            results.append(GradeResult(reward=self._combine(scores, errors), scores=scores, errors=errors))
         return results
+
+    def _collect(self, grader: Grader, fut, n: int, start: float, waves: int) -> list[float | GraderError]:
+        deadline = start + grader.budget_s(n) * (1 if grader.batched else waves)
+        if isinstance(fut, Future):
+            return _checked(_wait(fut, deadline, grader, n), n)
+        return [_checked(_wait(f, deadline, grader, 1), 1)[0] for f in fut]
 
     def _combine(self, scores: dict[str, float], errors: dict[str, str]) -> float:
         if not isinstance(self.root, MultiGrader):
@@ -58,8 +83,40 @@ class RewardFunction:
             return 0.0
 
     def close(self) -> None:
+        """Stop the thread pools, close HTTP clients and drop loaded reward models."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.root.close()
+
+
+def _wait(fut: Future, deadline: float, grader: Grader, n: int):
+    """The future's value (a float, a GraderError or a list of them), or timeout errors."""
+    try:
+        value = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        fut.cancel()
+        err = GraderError("timeout", f"{grader.type_name} grader gave no result within {grader.budget_s(n):g} s")
+        return [err] * n if grader.batched else err
+    except Exception as exc:  # a batched grader that raised: every sample of the batch failed
+        err = GraderError("exception", f"{type(exc).__name__}: {exc}"[:500])
+        return [err] * n if grader.batched else err
+    return value
+
+
+def _checked(value, n: int) -> list[float | GraderError]:
+    """Normalise to a list of finite floats / GraderErrors of length ``n``."""
+    values = value if isinstance(value, list) else [value]
+    if len(values) != n:
+        return [GraderError("invalid_output", f"grader returned {len(values)} scores for {n} samples")] * n
+    out = []
+    for v in values:
+        if isinstance(v, GraderError):
+            out.append(v)
+            continue
+        try:
+            out.append(as_score(v))
+        except GraderError as exc:
+            out.append(exc)
+    return out
 
 
 def build_reward(spec: dict) -> RewardFunction:

@@ -1,13 +1,18 @@
-"""Grader contract, spec errors, templates and the grader registry."""
+"""Grader contract, spec errors, OpenAI-style templates and the grader registry."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
+#: What a sample carries (OpenAI's grader sample, plus the token count and finish reason).
+SAMPLE_FIELDS = frozenset({"output_text", "output_tokens", "finish_reason"})
+#: Wall-clock budget of one in-process grader call before the batch stops waiting for it.
+LOCAL_BUDGET_S = 30.0
 
 
 class RewardSpecError(ValueError):
@@ -19,7 +24,8 @@ class RewardSpecError(ValueError):
 
 
 class GraderError(Exception):
-    """A grader failed on one sample; ``kind`` is recorded (exception, timeout, invalid_output, ...)."""
+    """A grader failed on one sample; ``kind`` (exception, timeout, invalid_output, memory, killed,
+    missing_field, http_error) is recorded with the message."""
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
@@ -35,9 +41,14 @@ class GradeResult:
     errors: dict[str, str] = field(default_factory=dict)
 
 
+def _split_path(path: str) -> list[str]:
+    """``a.b[0].c`` -> ``["a", "b", "0", "c"]``."""
+    return [p for p in re.split(r"[.\[\]]+", path) if p]
+
+
 def _lookup(root: Any, path: str) -> Any:
     cur = root
-    for part in path.split("."):
+    for part in _split_path(path):
         if isinstance(cur, dict) and part in cur:
             cur = cur[part]
         elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
@@ -48,7 +59,8 @@ def _lookup(root: Any, path: str) -> Any:
 
 
 def render(template: str, sample: dict, item: dict) -> str:
-    """Fill ``{{item.x}}`` / ``{{sample.output_text}}`` (OpenAI grader template syntax)."""
+    """Fill ``{{item.x}}``, ``{{item.a.b}}``, ``{{item.xs[0]}}`` and ``{{sample.output_text}}``
+    (OpenAI grader template syntax); dicts and lists are written as JSON."""
 
     def sub(m: re.Match) -> str:
         root = item if m.group(1) == "item" else sample
@@ -56,20 +68,16 @@ def render(template: str, sample: dict, item: dict) -> str:
             value = _lookup(root, m.group(2))
         except KeyError:
             raise GraderError("missing_field", f"template field {m.group(1)}.{m.group(2)} not found") from None
-        return value if isinstance(value, str) else str(value)
+        if isinstance(value, str):
+            return value
+        return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
     return TEMPLATE_RE.sub(sub, template)
 
 
-def item_fields_of(value: Any) -> set[str]:
-    """Top-level item fields referenced by any template inside ``value`` (str, list, dict)."""
-    if isinstance(value, str):
-        return {m.group(2).split(".")[0] for m in TEMPLATE_RE.finditer(value) if m.group(1) == "item"}
-    if isinstance(value, dict):
-        return set().union(*(item_fields_of(v) for v in value.values())) if value else set()
-    if isinstance(value, list):
-        return set().union(*(item_fields_of(v) for v in value)) if value else set()
-    return set()
+def item_fields_of(template: str) -> set[str]:
+    """Top-level item fields a template references (``{{item.a.b}}`` -> ``a``)."""
+    return {_split_path(m.group(2))[0] for m in TEMPLATE_RE.finditer(template) if m.group(1) == "item"}
 
 
 def as_score(value: Any) -> float:
@@ -78,9 +86,11 @@ def as_score(value: Any) -> float:
         return float(value)
     if isinstance(value, dict) and "reward" in value:
         value = value["reward"]
+    if isinstance(value, (str, bytes, dict, list, tuple)) or value is None:
+        raise GraderError("invalid_output", f"grader returned {type(value).__name__}, not a number")
     try:
         out = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise GraderError("invalid_output", f"grader returned {type(value).__name__}, not a number") from None
     if not math.isfinite(out):
         raise GraderError("invalid_output", f"grader returned {out}")
@@ -88,13 +98,19 @@ def as_score(value: Any) -> float:
 
 
 class Grader:
-    """Base class: built from a validated spec, ``grade(sample, item) -> float``."""
+    """Base class: built from a validated spec, ``grade(sample, item) -> float``.
+
+    ``batched`` graders score a whole batch in one ``grade_batch`` call (their own parallelism);
+    the others are called once per sample, concurrently, by the reward function.
+    """
 
     type_name = ""
+    batched = False
 
     def __init__(self, spec: dict, path: str) -> None:
         self.spec, self.path = spec, path
-        self.name = spec.get("name") or (path.split(".")[-1] if path else "") or self.type_name
+        self.templates: list[str] = []
+        self.name = self.opt("name", str, None) or (path.split(".")[-1] if path else "") or self.type_name
 
     def field(self, key: str) -> str:
         """The dotted path of one of this grader's keys, for error messages."""
@@ -103,37 +119,70 @@ class Grader:
     def grade(self, sample: dict, item: dict) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def grade_one(self, sample: dict, item: dict) -> float | GraderError:
+        """``grade`` with every failure turned into a GraderError (a grader never crashes a job)."""
+        try:
+            return as_score(self.grade(sample, item))
+        except GraderError as exc:
+            return exc
+        except Exception as exc:
+            return GraderError("exception", f"{type(exc).__name__}: {exc}"[:500])
+
     def grade_batch(self, samples: list[dict], items: list[dict]) -> list[float | GraderError]:
-        """Default: one call per sample; graders with a batched backend override this."""
-        out: list[float | GraderError] = []
-        for s, it in zip(samples, items):
-            try:
-                out.append(as_score(self.grade(s, it)))
-            except GraderError as exc:
-                out.append(exc)
-            except Exception as exc:  # a grader error scores 0; it never crashes the job
-                out.append(GraderError("exception", f"{type(exc).__name__}: {exc}"))
-        return out
+        """Default: one call per sample; batched graders override this."""
+        return [self.grade_one(s, it) for s, it in zip(samples, items)]
+
+    def budget_s(self, n: int) -> float:
+        """How long the reward function waits for one call (``n`` samples) before recording a timeout."""
+        return LOCAL_BUDGET_S
+
+    def item_fields(self) -> set[str]:
+        """Top-level item fields this grader's templates (given or default) reference."""
+        return set().union(*(item_fields_of(t) for t in self.templates)) if self.templates else set()
 
     def close(self) -> None:
         pass
 
     # --- spec helpers -------------------------------------------------------------------
     def req(self, key: str, kind: type | tuple = str) -> Any:
-        if key not in self.spec:
+        if key not in self.spec or self.spec[key] is None:
             raise RewardSpecError(self.field(key), "is required")
         return self.opt(key, kind, None)
 
     def opt(self, key: str, kind: type | tuple, default: Any) -> Any:
         value = self.spec.get(key, default)
-        if value is not None and not isinstance(value, kind):
+        if value is None:
+            return default
+        bad_bool = isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
+        if bad_bool or not isinstance(value, kind):
             names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-            raise RewardSpecError(self.field(key), f"must be {names}")
+            raise RewardSpecError(self.field(key), f"must be {names.replace('int/float', 'a number')}")
         return value
+
+    def num(self, key: str, default: float | None, lo: float | None = None, hi: float | None = None) -> Any:
+        """An optional number within [lo, hi]."""
+        value = self.opt(key, (int, float), default)
+        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            raise RewardSpecError(self.field(key), f"must be in [{lo}, {hi}]")
+        return value
+
+    def tmpl(self, key: str, default: str | None = None, required: bool = False) -> str | None:
+        """A template string: checked (only known sample fields) and remembered for item_fields()."""
+        value = self.req(key, str) if required else self.opt(key, str, default)
+        if value is not None:
+            self.add_template(value, key)
+        return value
+
+    def add_template(self, value: str, key: str) -> None:
+        for m in TEMPLATE_RE.finditer(value):
+            if m.group(1) == "sample" and _split_path(m.group(2))[0] not in SAMPLE_FIELDS:
+                raise RewardSpecError(self.field(key), f"unknown sample field {m.group(2)!r}; known: "
+                                      + ", ".join(sorted(SAMPLE_FIELDS)))
+        self.templates.append(value)
 
     def check_keys(self, allowed: set[str]) -> None:
         for key in self.spec:
-            if key not in allowed | {"type", "name", "weight"}:
+            if key not in allowed | {"type", "name"}:
                 raise RewardSpecError(self.field(key), f"unknown field for a {self.type_name} grader")
 
 
@@ -141,6 +190,8 @@ GRADERS: dict[str, type[Grader]] = {}
 
 
 def register(type_name: str) -> Callable[[type[Grader]], type[Grader]]:
+    """Class decorator: make a grader available to specs as ``{"type": type_name}``."""
+
     def deco(cls: type[Grader]) -> type[Grader]:
         cls.type_name = type_name
         GRADERS[type_name] = cls
@@ -154,7 +205,7 @@ def build_grader(spec: Any, path: str) -> Grader:
     if not isinstance(spec, dict):
         raise RewardSpecError(path or "reward", "a grader spec must be a JSON object")
     kind = spec.get("type")
-    if kind not in GRADERS:
+    if not isinstance(kind, str) or kind not in GRADERS:
         known = ", ".join(sorted(GRADERS))
         raise RewardSpecError(f"{path}.type" if path else "type", f"unknown grader type {kind!r}; known: {known}")
     return GRADERS[kind](spec, path)

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import difflib
 import json
-import math
 import re
-from collections import Counter
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register, render
+from gspo_core.rewards.similarity import METRICS
 
 OUTPUT = "{{sample.output_text}}"
 
 
 @register("string_check")
 class StringCheck(Grader):
-    """OpenAI's string check: eq, ne, like (substring), ilike (case-insensitive substring)."""
+    """OpenAI's string check: eq, ne, like (contains), ilike (contains, case-insensitive)."""
 
     OPS = {
         "eq": lambda a, b: a == b,
@@ -27,8 +25,8 @@ class StringCheck(Grader):
     def __init__(self, spec, path):
         super().__init__(spec, path)
         self.check_keys({"input", "reference", "operation"})
-        self.input = self.opt("input", str, OUTPUT)
-        self.reference = self.req("reference", str)
+        self.input = self.tmpl("input", OUTPUT)
+        self.reference = self.tmpl("reference", required=True)
         self.op = self.req("operation", str)
         if self.op not in self.OPS:
             raise RewardSpecError(self.field("operation"), f"must be one of {', '.join(self.OPS)}")
@@ -37,41 +35,64 @@ class StringCheck(Grader):
         return float(self.OPS[self.op](render(self.input, sample, item), render(self.reference, sample, item)))
 
 
+def _regex_engine():
+    """The ``regex`` module (a transformers dependency) when present: it can time out a
+    catastrophically backtracking pattern, which ``re`` cannot (and ``re`` holds the GIL)."""
+    try:
+        import regex
+
+        return regex
+    except ImportError:  # pragma: no cover - transformers always brings it
+        return None
+
+
 @register("regex")
 class RegexGrader(Grader):
-    """1.0 (``score_match``) when ``pattern`` matches the input, else ``score_no_match`` (0.0)."""
+    """``score_match`` (1.0) when ``pattern`` matches the input (``mode``: search | match |
+    fullmatch), else ``score_no_match`` (0.0). The pattern may itself be a template."""
+
+    FLAGS = {"i": re.I, "m": re.M, "s": re.S, "x": re.X}
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
-        self.check_keys({"input", "pattern", "mode", "flags", "score_match", "score_no_match"})
-        self.input = self.opt("input", str, OUTPUT)
-        self.pattern_t = self.req("pattern", str)
+        self.check_keys({"input", "pattern", "mode", "flags", "score_match", "score_no_match", "timeout_s"})
+        self.input = self.tmpl("input", OUTPUT)
+        self.pattern_t = self.tmpl("pattern", required=True)
         self.mode = self.opt("mode", str, "search")
         if self.mode not in ("search", "match", "fullmatch"):
             raise RewardSpecError(self.field("mode"), "must be search, match or fullmatch")
-        flags = 0
+        self.flags = 0
         for ch in self.opt("flags", str, ""):
-            if ch not in "imsx":
+            if ch not in self.FLAGS:
                 raise RewardSpecError(self.field("flags"), "letters i, m, s, x only")
-            flags |= {"i": re.I, "m": re.M, "s": re.S, "x": re.X}[ch]
-        self.flags = flags
-        self.on, self.off = self.opt("score_match", (int, float), 1.0), self.opt("score_no_match", (int, float), 0.0)
-        if "{{" not in self.pattern_t:
-            try:
-                self.compiled = re.compile(self.pattern_t, flags)
-            except re.error as exc:
+            self.flags |= self.FLAGS[ch]
+        self.on = self.num("score_match", 1.0)
+        self.off = self.num("score_no_match", 0.0)
+        self.timeout = float(self.num("timeout_s", 1.0, 0.001, 30))
+        self.engine = _regex_engine() or re
+        self.compiled = None if "{{" in self.pattern_t else self._compile(self.pattern_t, spec_error=True)
+
+    def _compile(self, pattern: str, spec_error: bool = False):
+        try:
+            re.compile(pattern, self.flags)  # the documented syntax is Python's re
+            return self.engine.compile(pattern, self.flags)
+        except (re.error, ValueError, OverflowError, RecursionError) as exc:
+            if spec_error:
                 raise RewardSpecError(self.field("pattern"), f"invalid regex: {exc}") from None
+            raise GraderError("exception", f"rendered pattern is not a valid regex: {exc}") from None
 
     def grade(self, sample, item):
-        if "{{" in self.pattern_t:
-            pat = re.compile(render(self.pattern_t, sample, item), self.flags)
-        else:
-            pat = self.compiled
-        hit = getattr(pat, self.mode)(render(self.input, sample, item))
+        pat = self.compiled or self._compile(render(self.pattern_t, sample, item))
+        text = render(self.input, sample, item)
+        kwargs = {"timeout": self.timeout} if self.engine is not re else {}
+        try:
+            hit = getattr(pat, self.mode)(text, **kwargs)
+        except TimeoutError:
+            raise GraderError("timeout", f"pattern took longer than {self.timeout:g} s") from None
         return float(self.on if hit else self.off)
 
 
-_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
@@ -85,25 +106,29 @@ def extract_answer(text: str) -> str | None:
 
 
 def _to_float(s: str) -> float | None:
+    s = s.replace(",", "").replace("$", "").strip()
     try:
         if "/" in s:
             a, b = s.split("/", 1)
             return float(a) / float(b)
-        return float(s.replace(",", ""))
+        return float(s)
     except (ValueError, ZeroDivisionError):
         return None
 
 
 @register("math_answer")
 class MathAnswer(Grader):
-    """Mathematical equivalence of the final answer and the reference (math-verify, then numeric)."""
+    """Equivalence of the final answer (last ``\\boxed{}`` or last number) and the reference:
+    math-verify's parse/verify for LaTeX and symbolic answers, numeric tolerance as the fallback."""
+
+    MAX_CHARS = 2000  # sympy on an adversarial expression can take unbounded time
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
         self.check_keys({"input", "reference", "tolerance"})
-        self.input = self.opt("input", str, OUTPUT)
-        self.reference = self.req("reference", str)
-        self.tol = float(self.opt("tolerance", (int, float), 1e-6))
+        self.input = self.tmpl("input", OUTPUT)
+        self.reference = self.tmpl("reference", required=True)
+        self.tol = float(self.num("tolerance", 1e-6, 0, 1e6))
 
     def grade(self, sample, item):
         answer = extract_answer(render(self.input, sample, item))
@@ -113,60 +138,71 @@ class MathAnswer(Grader):
         a, b = _to_float(answer), _to_float(ref)
         if a is not None and b is not None:
             return float(abs(a - b) <= self.tol * max(1.0, abs(b)))
-        try:
-            from math_verify import parse, verify
-        except ImportError:
-            return float(answer.replace(" ", "") == ref.replace(" ", ""))
-        # Graders run in threads: math-verify must not use its signal-based timeout there.
+        if len(answer) > self.MAX_CHARS:
+            raise GraderError("invalid_output", f"answer longer than {self.MAX_CHARS} characters")
+        from math_verify import parse, verify
+
+        # Graders run in threads: math-verify's signal-based timeouts only work in the main thread.
         gold, pred = parse(f"${ref}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None)
-        return float(verify(gold, pred, timeout_seconds=None))
+        if gold and pred and verify(gold, pred, timeout_seconds=None):
+            return 1.0
+        return float(a is not None and b is not None and abs(a - b) <= self.tol * max(1.0, abs(b)))
 
 
 @register("json_schema")
 class JsonSchemaGrader(Grader):
-    """1.0 when the output parses as JSON and validates against ``schema`` (0.5 parse-only credit optional)."""
+    """1.0 when the output parses as JSON and validates against ``schema`` (Draft 2020-12);
+    ``partial_credit`` for valid JSON that fails the schema (default 0). Code fences are stripped."""
+
+    _FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```$", re.S)
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
         self.check_keys({"input", "schema", "partial_credit"})
         import jsonschema
 
-        self.input = self.opt("input", str, OUTPUT)
+        self.input = self.tmpl("input", OUTPUT)
         schema = self.req("schema", dict)
         try:
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise RewardSpecError(self.field("schema"), f"invalid JSON schema: {exc.message}") from None
         self.validator = jsonschema.Draft202012Validator(schema)
-        self.partial = float(self.opt("partial_credit", (int, float), 0.0))
+        self.partial = float(self.num("partial_credit", 0.0, 0, 1))
 
     def grade(self, sample, item):
         text = render(self.input, sample, item).strip()
+        fenced = self._FENCE.match(text)
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
+            value = json.loads(fenced.group(1) if fenced else text)
+        except (json.JSONDecodeError, RecursionError):
             return 0.0
         return 1.0 if self.validator.is_valid(value) else self.partial
 
 
 @register("length")
 class LengthGrader(Grader):
-    """Shaped length score: 1 inside [min, max]; linear decay to 0 over ``tolerance`` outside."""
+    """Shaped length score in chars, words or tokens (``sample.output_tokens``): with ``target``,
+    1 - |n - target| / tolerance; with ``min``/``max``, 1 inside the range and a linear decay to 0
+    over ``tolerance`` outside it."""
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
-        self.check_keys({"input", "unit", "min", "max", "tolerance"})
-        self.input = self.opt("input", str, OUTPUT)
+        self.check_keys({"input", "unit", "min", "max", "target", "tolerance"})
+        self.input = self.tmpl("input", OUTPUT)
         self.unit = self.opt("unit", str, "chars")
         if self.unit not in ("chars", "tokens", "words"):
             raise RewardSpecError(self.field("unit"), "must be chars, tokens or words")
-        self.lo = self.opt("min", (int, float), 0)
-        self.hi = self.opt("max", (int, float), None)
-        if self.hi is None and "min" not in spec:
-            raise RewardSpecError(self.field("max"), "give min, max or both")
-        if self.hi is not None and self.hi < self.lo:
+        self.target = self.num("target", None, 0)
+        self.lo, self.hi = self.num("min", None, 0), self.num("max", None, 0)
+        if self.target is not None and (self.lo is not None or self.hi is not None):
+            raise RewardSpecError(self.field("target"), "give either target or min/max, not both")
+        if self.target is None and self.lo is None and self.hi is None:
+            raise RewardSpecError(self.field("target"), "give target, min, max, or min and max")
+        if self.lo is not None and self.hi is not None and self.hi < self.lo:
             raise RewardSpecError(self.field("max"), "must be >= min")
-        self.tol = float(self.opt("tolerance", (int, float), max(1.0, (self.hi or self.lo or 1) * 0.5)))
+        scale = self.target if self.target is not None else (self.hi or self.lo or 1)
+        self.tol = float(self.num("tolerance", max(1.0, scale * 0.5), 1e-9))
 
     def grade(self, sample, item):
         if self.unit == "tokens":
@@ -174,71 +210,32 @@ class LengthGrader(Grader):
         else:
             text = render(self.input, sample, item)
             n = float(len(text) if self.unit == "chars" else len(text.split()))
-        gap = self.lo - n if n < self.lo else (n - self.hi if self.hi is not None and n > self.hi else 0.0)
-        return max(0.0, 1.0 - gap / self.tol) if gap > 0 else 1.0
-
-
-def _ngrams(tokens: list[str], n: int) -> Counter:
-    return Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
-
-
-def bleu(cand: str, ref: str, max_n: int = 4) -> float:
-    """Sentence BLEU over whitespace tokens, add-one smoothing for n > 1."""
-    c, r = cand.split(), ref.split()
-    if not c or not r:
-        return 0.0
-    log_p = 0.0
-    for n in range(1, max_n + 1):
-        cn, rn = _ngrams(c, n), _ngrams(r, n)
-        overlap = sum(min(v, rn[k]) for k, v in cn.items())
-        if n == 1 and overlap == 0:
-            return 0.0
-        smooth = 1 if n > 1 else 0
-        log_p += math.log((overlap + smooth) / (sum(cn.values()) + smooth))
-    brevity = 1.0 if len(c) > len(r) else math.exp(1 - len(r) / len(c))
-    return brevity * math.exp(log_p / max_n)
-
-
-def rouge_l(cand: str, ref: str) -> float:
-    """ROUGE-L F1 over whitespace tokens (longest common subsequence)."""
-    c, r = cand.split(), ref.split()
-    if not c or not r:
-        return 0.0
-    prev = [0] * (len(r) + 1)
-    for x in c:
-        cur = [0]
-        for j, y in enumerate(r):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    lcs = prev[-1]
-    if not lcs:
-        return 0.0
-    p, rc = lcs / len(c), lcs / len(r)
-    return 2 * p * rc / (p + rc)
-
-
-SIMILARITY = {
-    "fuzzy_match": lambda a, b: difflib.SequenceMatcher(None, a, b).ratio(),
-    "exact": lambda a, b: float(a.strip() == b.strip()),
-    "bleu": bleu,
-    "rouge_l": rouge_l,
-}
+        if self.target is not None:
+            gap = abs(n - self.target)
+        elif self.lo is not None and n < self.lo:
+            gap = self.lo - n
+        elif self.hi is not None and n > self.hi:
+            gap = n - self.hi
+        else:
+            gap = 0.0
+        return max(0.0, 1.0 - gap / self.tol)
 
 
 @register("text_similarity")
 class TextSimilarity(Grader):
-    """Similarity of input and reference (``evaluation_metric``: fuzzy_match, exact, bleu, rouge_l)."""
+    """Similarity of input and reference; ``evaluation_metric`` as OpenAI names them (fuzzy_match,
+    bleu, gleu, rouge_1..rouge_5, rouge_l) plus exact; ``pass_threshold`` turns it into 0/1."""
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
         self.check_keys({"input", "reference", "evaluation_metric", "pass_threshold"})
-        self.input = self.opt("input", str, OUTPUT)
-        self.reference = self.req("reference", str)
+        self.input = self.tmpl("input", OUTPUT)
+        self.reference = self.tmpl("reference", required=True)
         self.metric = self.opt("evaluation_metric", str, "fuzzy_match")
-        if self.metric not in SIMILARITY:
-            raise RewardSpecError(self.field("evaluation_metric"), f"must be one of {', '.join(SIMILARITY)}")
-        self.threshold = self.opt("pass_threshold", (int, float), None)
+        if self.metric not in METRICS:
+            raise RewardSpecError(self.field("evaluation_metric"), f"must be one of {', '.join(METRICS)}")
+        self.threshold = self.num("pass_threshold", None, 0, 1)
 
     def grade(self, sample, item):
-        score = SIMILARITY[self.metric](render(self.input, sample, item), render(self.reference, sample, item))
+        score = METRICS[self.metric](render(self.input, sample, item), render(self.reference, sample, item))
         return float(score >= self.threshold) if self.threshold is not None else float(score)

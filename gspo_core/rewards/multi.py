@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import operator
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, build_grader, register
@@ -52,7 +53,10 @@ def _eval(node: ast.AST, env: dict[str, float]) -> float:
 
 @register("multi")
 class MultiGrader(Grader):
-    """Combines ``graders`` (name -> spec) with ``calculate_output`` (default: their mean)."""
+    """Combines ``graders`` (name -> spec) with ``calculate_output`` (default: their mean).
+
+    At the top level the reward function scores the sub-graders itself (concurrently) and calls
+    :meth:`combine`; ``grade`` is only used for a multi nested inside a multi."""
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
@@ -67,29 +71,36 @@ class MultiGrader(Grader):
             grader = build_grader(sub, self.field(f"graders.{name}"))
             grader.name = name
             self.subs[name] = grader
-        formula = self.opt("calculate_output", str, " + ".join(self.subs) + f") / {len(self.subs)}")
-        if "calculate_output" not in spec:
-            formula = "(" + formula
+        mean = "(" + " + ".join(self.subs) + f") / {len(self.subs)}"
+        formula = self.opt("calculate_output", str, mean)
+        if len(formula) > 2000:
+            raise RewardSpecError(self.field("calculate_output"), "longer than 2000 characters")
         try:
             self.tree = ast.parse(formula, mode="eval")
-        except SyntaxError as exc:
-            raise RewardSpecError(self.field("calculate_output"), f"not a formula: {exc.msg}") from None
+        except (SyntaxError, ValueError) as exc:
+            raise RewardSpecError(self.field("calculate_output"), f"not a formula: {getattr(exc, 'msg', exc)}") from None
         _check(self.tree, set(self.subs), self.field("calculate_output"))
 
     def combine(self, scores: dict[str, float]) -> float:
         try:
-            return float(_eval(self.tree, scores))
-        except (ZeroDivisionError, OverflowError, ValueError) as exc:
+            out = float(_eval(self.tree, scores))
+        except (ZeroDivisionError, OverflowError, ValueError, TypeError) as exc:
             raise GraderError("invalid_output", f"formula failed: {exc}") from None
+        if not math.isfinite(out):
+            raise GraderError("invalid_output", f"formula gave {out}")
+        return out
 
     def grade(self, sample, item):  # only used when a multi is nested inside a multi
         scores = {}
         for name, g in self.subs.items():
-            res = g.grade_batch([sample], [item])[0]
+            res = g.grade_batch([sample], [item])[0] if g.batched else g.grade_one(sample, item)
             if isinstance(res, GraderError):
                 raise res
             scores[name] = res
         return self.combine(scores)
+
+    def item_fields(self):
+        return set().union(*(g.item_fields() for g in self.subs.values()))
 
     def close(self):
         for g in self.subs.values():

@@ -1,99 +1,119 @@
-"""Graders that call out: `python` (sandboxed user code), `http` (reward endpoint), `score_model` (LLM judge)."""
+"""Graders that call a server: `http` (a reward endpoint) and `score_model` (an LLM judge)."""
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
-from gspo_core.rewards.sandbox import SandboxLimits, run_sandboxed
+
+RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
+_SSL = None
+_SSL_LOCK = threading.Lock()
 
 
-@register("python")
-class PythonGrader(Grader):
-    """User source defining ``grade(sample, item) -> float``, run in the sandbox (see sandbox.py)."""
+def _ssl_context():
+    """One TLS context for every grader's client (building one costs ~50 ms of CPU)."""
+    global _SSL
+    with _SSL_LOCK:
+        if _SSL is None:
+            import ssl
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
-        self.check_keys({"source", "timeout_s", "memory_mb"})
-        self.source = self.req("source", str)
-        try:
-            compile(self.source, "<grader>", "exec")
-        except SyntaxError as exc:
-            raise RewardSpecError(self.field("source"), f"syntax error line {exc.lineno}: {exc.msg}") from None
-        if "def grade" not in self.source:
-            raise RewardSpecError(self.field("source"), "must define grade(sample, item)")
-        timeout = self.opt("timeout_s", (int, float), 2.0)
-        memory = self.opt("memory_mb", int, 512)
-        if not 0 < timeout <= 60:
-            raise RewardSpecError(self.field("timeout_s"), "must be in (0, 60]")
-        if not 64 <= memory <= 8192:
-            raise RewardSpecError(self.field("memory_mb"), "must be in [64, 8192]")
-        self.limits = SandboxLimits(timeout_s=float(timeout), memory_mb=memory)
-
-    def grade_batch(self, samples, items):
-        raw = run_sandboxed(self.source, [{"sample": s, "item": i} for s, i in zip(samples, items)], self.limits)
-        out = []
-        for r in raw:
-            if isinstance(r, GraderError):
-                out.append(r)
-            else:
-                try:
-                    out.append(as_score(r))
-                except GraderError as exc:
-                    out.append(exc)
-        return out
+            _SSL = ssl.create_default_context()
+        return _SSL
 
 
-def _post_json(url: str, body: dict, headers: dict, timeout: float, retries: int) -> object:
-    import httpx
+class _HttpCaller:
+    """One pooled httpx client per grader (thread-safe), created on first use; POST JSON with a
+    timeout and retries with exponential backoff on connection errors, timeouts, 429 and 5xx."""
 
-    last: Exception | None = None
-    for attempt in range(retries + 1):
-        try:
-            resp = httpx.post(url, json=body, headers=headers, timeout=timeout)
-            if resp.status_code >= 500 or resp.status_code == 429:
-                raise GraderError("http_error", f"HTTP {resp.status_code} from {url}")
-            if resp.status_code >= 400:
+    def __init__(self, timeout: float, retries: int, backoff: float, headers: dict) -> None:
+        self.timeout, self.retries, self.backoff, self.headers = timeout, retries, backoff, headers
+        self._client = None
+        self._lock = threading.Lock()
+
+    def client(self):
+        with self._lock:
+            if self._client is None:
+                import httpx
+
+                self._client = httpx.Client(timeout=self.timeout, headers=self.headers, follow_redirects=False,
+                                            verify=_ssl_context(),
+                                            limits=httpx.Limits(max_connections=64))
+            return self._client
+
+    def post(self, url: str, body: dict) -> object:
+        import httpx
+
+        last = GraderError("http_error", "no attempt made")
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(5.0, self.backoff * 2 ** (attempt - 1)))
+            try:
+                resp = self.client().post(url, json=body)
+            except httpx.TimeoutException:
+                last = GraderError("timeout", f"no answer from {url} within {self.timeout:g} s")
+                continue
+            except httpx.HTTPError as exc:
+                last = GraderError("http_error", f"{type(exc).__name__}: {exc}")
+                continue
+            if resp.status_code in RETRYABLE:
+                last = GraderError("http_error", f"HTTP {resp.status_code} from {url}")
+                continue
+            if resp.status_code >= 300:
                 raise GraderError("http_error", f"HTTP {resp.status_code} from {url}: {resp.text[:200]}")
-            return resp.json()
-        except httpx.TimeoutException:
-            last = GraderError("timeout", f"no answer from {url} within {timeout:g} s")
-        except httpx.HTTPError as exc:
-            last = GraderError("http_error", f"{type(exc).__name__}: {exc}")
-        except GraderError as exc:
-            if "HTTP 4" in str(exc) and "429" not in str(exc):
-                raise
-            last = exc
-        except ValueError:
-            raise GraderError("invalid_output", f"{url} did not answer JSON") from None
-        if attempt < retries:
-            time.sleep(min(2.0, 0.1 * 2 ** attempt))
-    raise last  # type: ignore[misc]
+            try:
+                return resp.json()
+            except ValueError:
+                raise GraderError("invalid_output", f"{url} did not answer JSON") from None
+        raise last
+
+    def budget_s(self) -> float:
+        backoff = sum(min(5.0, self.backoff * 2 ** k) for k in range(self.retries))
+        return (self.retries + 1) * (self.timeout + 1) + backoff + 5
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
 
-def _check_url(grader: Grader, key: str) -> str:
+def _url(grader: Grader, key: str) -> str:
     url = grader.req(key, str)
-    if not re.match(r"^https?://", url):
+    if not re.match(r"^https?://[^/\s]+", url):
         raise RewardSpecError(grader.field(key), "must be an http(s) URL")
     return url
 
 
+def _caller(grader: Grader, headers: dict, default_timeout: float) -> _HttpCaller:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise RewardSpecError(grader.field("headers"), "must map header names to strings")
+    return _HttpCaller(timeout=float(grader.num("timeout_s", default_timeout, 0.01, 600)),
+                       retries=int(grader.num("retries", 2, 0, 10)),
+                       backoff=float(grader.num("backoff_s", 0.2, 0, 10)), headers=headers)
+
+
 @register("http")
 class HttpGrader(Grader):
-    """POSTs ``{"sample": ..., "item": ...}`` to ``url``; reads a number or ``{"reward": number}``."""
+    """POSTs ``{"sample": ..., "item": ...}`` as JSON to ``url``; the answer is a number or
+    ``{"reward": number}``."""
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
-        self.check_keys({"url", "headers", "timeout_s", "retries"})
-        self.url = _check_url(self, "url")
-        self.headers = self.opt("headers", dict, {})
-        self.timeout = float(self.opt("timeout_s", (int, float), 10.0))
-        self.retries = self.opt("retries", int, 2)
+        self.check_keys({"url", "headers", "timeout_s", "retries", "backoff_s"})
+        self.url = _url(self, "url")
+        self.http = _caller(self, self.opt("headers", dict, {}), 10.0)
 
     def grade(self, sample, item):
-        return as_score(_post_json(self.url, {"sample": sample, "item": item}, self.headers,
-                                   self.timeout, self.retries))
+        return as_score(self.http.post(self.url, {"sample": sample, "item": item}))
+
+    def budget_s(self, n):
+        return self.http.budget_s()
+
+    def close(self):
+        self.http.close()
 
 
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
@@ -101,84 +121,54 @@ _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 @register("score_model")
 class ScoreModelGrader(Grader):
-    """LLM judge on an OpenAI-compatible ``/chat/completions`` endpoint; the reply's first number,
-    mapped from ``range`` [lo, hi] onto [0, 1]."""
+    """LLM judge on any OpenAI-compatible ``{base_url}/chat/completions`` endpoint. ``input`` is a
+    list of chat messages whose contents are templates; the first number in the reply, clipped to
+    ``range`` [lo, hi], is mapped onto [0, 1]. ``sampling_params`` go into the request as they are."""
+
+    SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "stop"}
 
     def __init__(self, spec, path):
         super().__init__(spec, path)
-        self.check_keys({"base_url", "model", "input", "api_key", "range", "timeout_s", "retries",
-                         "temperature"})
-        self.base_url = _check_url(self, "base_url").rstrip("/")
+        self.check_keys({"base_url", "model", "input", "api_key", "range", "timeout_s", "retries", "backoff_s",
+                         "sampling_params"})
+        self.base_url = _url(self, "base_url").rstrip("/")
         self.model = self.req("model", str)
         self.messages = self.req("input", list)
+        if not self.messages:
+            raise RewardSpecError(self.field("input"), "needs at least one message")
         for i, m in enumerate(self.messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise RewardSpecError(self.field(f"input[{i}]"), "each message needs string role and content")
+            self.add_template(m["content"], f"input[{i}].content")
         rng = self.opt("range", list, [0, 1])
-        if len(rng) != 2 or not all(isinstance(x, (int, float)) for x in rng) or rng[0] >= rng[1]:
+        if (len(rng) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rng)
+                or rng[0] >= rng[1]):
             raise RewardSpecError(self.field("range"), "must be [low, high] with low < high")
         self.lo, self.hi = float(rng[0]), float(rng[1])
-        self.api_key = self.opt("api_key", str, None)
-        self.timeout = float(self.opt("timeout_s", (int, float), 30.0))
-        self.retries = self.opt("retries", int, 2)
-        self.temperature = float(self.opt("temperature", (int, float), 0.0))
+        self.sampling = self.opt("sampling_params", dict, {"temperature": 0.0})
+        for key in self.sampling:
+            if key not in self.SAMPLING_KEYS:
+                raise RewardSpecError(self.field(f"sampling_params.{key}"),
+                                      f"unknown; allowed: {', '.join(sorted(self.SAMPLING_KEYS))}")
+        api_key = self.opt("api_key", str, None)
+        self.http = _caller(self, {"Authorization": f"Bearer {api_key}"} if api_key else {}, 60.0)
 
     def grade(self, sample, item):
         msgs = [{"role": m["role"], "content": render(m["content"], sample, item)} for m in self.messages]
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        body = {"model": self.model, "messages": msgs, "temperature": self.temperature}
-        reply = _post_json(f"{self.base_url}/chat/completions", body, headers, self.timeout, self.retries)
+        reply = self.http.post(f"{self.base_url}/chat/completions",
+                               {"model": self.model, "messages": msgs, **self.sampling})
         try:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise GraderError("invalid_output", "judge reply has no choices[0].message.content") from None
-        m = _NUM.search(text or "")
+        m = _NUM.search(text if isinstance(text, str) else "")
         if not m:
-            raise GraderError("invalid_output", f"judge reply has no number: {text[:100]!r}")
+            raise GraderError("invalid_output", f"judge reply has no number: {str(text)[:100]!r}")
         value = min(max(float(m.group()), self.lo), self.hi)
         return (value - self.lo) / (self.hi - self.lo)
 
+    def budget_s(self, n):
+        return self.http.budget_s()
 
-@register("reward_model")
-class RewardModelGrader(Grader):
-    """A local sequence-classification model scoring ``prompt + output`` (logit or sigmoid)."""
-
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
-        self.check_keys({"model", "input", "activation", "batch_size"})
-        self.model_path = self.req("model", str)
-        self.input = self.opt("input", str, "{{item.prompt}}{{sample.output_text}}")
-        self.activation = self.opt("activation", str, "sigmoid")
-        if self.activation not in ("sigmoid", "none"):
-            raise RewardSpecError(self.field("activation"), "must be sigmoid or none")
-        self.batch_size = self.opt("batch_size", int, 16)
-        self._model = None
-
-    def _load(self):
-        if self._model is None:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-            self._tok = AutoTokenizer.from_pretrained(self.model_path)
-            if self._tok.pad_token is None:
-                self._tok.pad_token = self._tok.eos_token
-            self._model = AutoModelForSequenceClassification.from_pretrained(self.model_path).eval()
-        return self._model
-
-    def grade_batch(self, samples, items):
-        import torch
-
-        try:
-            model = self._load()
-            texts = [render(self.input, s, i) for s, i in zip(samples, items)]
-        except GraderError as exc:
-            return [exc] * len(samples)
-        except Exception as exc:
-            return [GraderError("exception", f"reward model: {type(exc).__name__}: {exc}")] * len(samples)
-        out: list = []
-        with torch.inference_mode():
-            for k in range(0, len(texts), self.batch_size):
-                enc = self._tok(texts[k:k + self.batch_size], return_tensors="pt", padding=True, truncation=True)
-                logits_B = model(**enc).logits[:, 0].float()
-                scores_B = torch.sigmoid(logits_B) if self.activation == "sigmoid" else logits_B
-                out += [float(x) for x in scores_B]
-        return out
+    def close(self):
+        self.http.close()

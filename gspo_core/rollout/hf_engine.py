@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import torch
@@ -9,11 +10,78 @@ import torch
 from gspo_core.rollout.base import Completion, SamplingSpec
 
 
+def top_p_mask(scores_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set the logits outside the nucleus of mass ``top_p`` to -inf (vLLM's and HF's rule: drop the
+    smallest tokens whose cumulative probability stays <= 1 - top_p, always keep the largest)."""
+    if top_p >= 1.0:
+        return scores_BV
+    sorted_BV, idx_BV = scores_BV.sort(dim=-1, descending=False)
+    cum_BV = sorted_BV.softmax(dim=-1).cumsum(dim=-1)
+    drop_BV = cum_BV <= 1 - top_p
+    drop_BV[:, -1] = False
+    return scores_BV.masked_fill(drop_BV.scatter(1, idx_BV, drop_BV), float("-inf"))
+
+
+class SampledLogprobs:
+    """A logits processor that applies temperature and top-p itself and records, step by step, the
+    log-probability of each sampled token under that processed distribution.
+
+    At step t the ids already hold the token sampled at step t-1, so only one ``[B, V]`` tensor of
+    log-probs is kept at a time (never ``[B, T, V]``); :meth:`finish` reads the last step's token.
+    """
+
+    def __init__(self, temperature: float, top_p: float) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self.prev_logp_BV: torch.Tensor | None = None
+        self.cols: list[torch.Tensor] = []
+
+    def __call__(self, input_ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        scores_BV = top_p_mask(scores_BV.float() / self.temperature, self.top_p)
+        if self.prev_logp_BV is not None:
+            self._take(input_ids_BL[:, -1])
+        self.prev_logp_BV = scores_BV.log_softmax(dim=-1)
+        return scores_BV
+
+    def _take(self, tok_B: torch.Tensor) -> None:
+        self.cols.append(self.prev_logp_BV.gather(1, tok_B.unsqueeze(1)).squeeze(1))
+
+    def finish(self, new_BT: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[B, T]`` of the ``T`` generated tokens ``new_BT``."""
+        if len(self.cols) < new_BT.shape[1]:
+            self._take(new_BT[:, -1])
+        return torch.stack(self.cols, dim=1)
+
+
+def _eos_ids(policy, tokenizer) -> set[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else ({gen_eos} if gen_eos is not None else set())
+    return ids
+
+
+@contextlib.contextmanager
+def _clean_generation_config(policy, eos_ids: list[int] | None, pad_id: int):
+    """Generate under a neutral config: a model's own defaults (repetition penalty, top-k, ...)
+    must not change what is sampled, as vLLM ignores them too once sampling params are given."""
+    from transformers import GenerationConfig
+
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    saved = base.generation_config
+    base.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id,
+                                              bos_token_id=getattr(saved, "bos_token_id", None))
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
 class TransformersEngine:
     """Samples with the policy module itself, so no second copy of the weights exists.
 
-    Logprobs are those of the temperature-scaled distribution ``log_softmax(logits / T)`` of the
-    sampled tokens (the same quantity the trainer computes), read from the generation logits.
+    ``logprobs[t]`` is ``log_softmax(top_p_mask(logits / T))`` of the sampled token: the distribution
+    actually sampled from, the same quantity the vLLM engine returns (``processed_logprobs``). With
+    ``top_p == 1`` it equals the trainer's ``log_softmax(logits / T)``.
     """
 
     name = "transformers"
@@ -22,18 +90,27 @@ class TransformersEngine:
     def __init__(self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256) -> None:
         self.policy, self.tokenizer = policy, tokenizer
         self.seed, self.batch_size = seed, batch_size
+        self.eos_ids = _eos_ids(policy, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_id = tokenizer.eos_token_id
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        if any(len(ids) == 0 for ids in prompt_ids):
+            raise ValueError("prompt_ids: every prompt needs at least one token")
         flat = [(p, ids) for p, ids in enumerate(prompt_ids) for _ in range(sampling.n)]
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        outs: list[Completion] = []
+        device = next(self.policy.parameters()).device
         was_training = self.policy.training
-        self.policy.eval()
+        outs: list[Completion] = []
+        # A seeded call must not move the trainer's global RNG (exact resume depends on it).
+        fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                     enabled=sampling.seed is not None)
+        eos = None if sampling.ignore_eos else sorted(self.eos_ids)
         try:
-            for k in range(0, len(flat), self.batch_size):
-                outs += self._generate_batch(flat[k:k + self.batch_size], sampling, gen)
+            self.policy.eval()
+            with fork, _clean_generation_config(self.policy, eos, self.pad_id):
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                for k in range(0, len(flat), self.batch_size):
+                    outs += self._generate_batch(flat[k:k + self.batch_size], sampling, device)
         finally:
             self.policy.train(was_training)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
@@ -42,51 +119,50 @@ class TransformersEngine:
         return grouped
 
     @torch.inference_mode()
-    def _generate_batch(self, batch, sampling: SamplingSpec, gen) -> list[Completion]:
-        device = next(self.policy.parameters()).device
+    def _generate_batch(self, batch, sampling: SamplingSpec, device) -> list[Completion]:
         width = max(len(ids) for _, ids in batch)
         input_BP = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         attn_BP = torch.zeros((len(batch), width), dtype=torch.long)
         for b, (_, ids) in enumerate(batch):  # left padding, so every row ends at the same column
             input_BP[b, width - len(ids):] = torch.tensor(ids)
             attn_BP[b, width - len(ids):] = 1
-        if gen is not None:
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        out = self.policy.generate(
+        from transformers import LogitsProcessorList
+
+        recorder = SampledLogprobs(sampling.temperature, sampling.top_p)
+        # temperature/top-p/top-k are neutral here: the recorder applies them, once.
+        seq_BL = self.policy.generate(
             input_ids=input_BP.to(device), attention_mask=attn_BP.to(device), do_sample=True,
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
-            max_new_tokens=sampling.max_tokens,
-            min_new_tokens=sampling.max_tokens if sampling.ignore_eos else 0,
-            eos_token_id=None if sampling.ignore_eos else self.eos_id, pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_logits=True,
+            temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=sampling.max_tokens, use_cache=True,
+            logits_processor=LogitsProcessorList([recorder]),
         )
-        new_BT = out.sequences[:, width:].cpu()
-        logits_BTV = torch.stack(out.logits, dim=1).float().cpu() / sampling.temperature
-        logp_BT = torch.log_softmax(logits_BTV, -1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
+        new_BT = seq_BL[:, width:]
+        logp_BT = recorder.finish(new_BT).float().cpu()
+        new_BT = new_BT.cpu()
         return [self._completion(p, ids, new_BT[b], logp_BT[b], sampling) for b, (p, ids) in enumerate(batch)]
 
     def _completion(self, p: int, ids: list[int], new_T, logp_T, sampling: SamplingSpec) -> Completion:
         toks = new_T.tolist()
-        n = len(toks)
-        finish = "length"
-        if not sampling.ignore_eos and self.eos_id in toks:
-            n = toks.index(self.eos_id) + 1  # keep EOS: the policy must learn to stop
-            finish = "stop"
+        n, finish = len(toks), "length"
+        if not sampling.ignore_eos:
+            stop_at = next((i for i, t in enumerate(toks) if t in self.eos_ids), None)
+            if stop_at is not None:  # keep the EOS token: the policy must learn to stop
+                n, finish = stop_at + 1, "stop"
         toks = toks[:n]
         text = self.tokenizer.decode(toks, skip_special_tokens=True)
         return Completion(prompt_index=p, prompt_ids=list(ids), completion_ids=toks,
                           logprobs=logp_T[:n].tolist(), text=text, finish_reason=finish)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to copy: this engine samples with the trainer's live weights."""
+        """Nothing to copy: this engine samples with the trainer's live weights (the iterable is
+        drained so a LoRA export merges and unmerges its adapter as it would for vLLM)."""
         for _ in named_tensors:
             pass
 
     def sleep(self) -> None:
-        pass
+        """No-op: the weights are the trainer's own and no KV cache outlives a call."""
 
     def wake(self) -> None:
-        pass
+        """No-op (see :meth:`sleep`)."""
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the policy belongs to the trainer."""

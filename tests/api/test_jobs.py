@@ -92,3 +92,14 @@ def test_per_tenant_active_job_cap(client, auth, other_auth, uploaded, model_nam
 def test_request_body_limit(client, auth):
     r = client.post("/v1/jobs", content=b"{" + b" " * 2_000_000 + b"}", headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 413
+
+
+def test_concurrent_retries_with_one_idempotency_key_make_one_job(client, app, auth, uploaded, model_name):
+    from concurrent.futures import ThreadPoolExecutor
+
+    h = {**auth, "Idempotency-Key": "race-1"}
+    with ThreadPoolExecutor(6) as pool:
+        rs = list(pool.map(lambda _: client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h), range(6)))
+    assert all(r.status_code in (200, 201) for r in rs), [r.text for r in rs]
+    assert len({r.json()["id"] for r in rs}) == 1 and [r.status_code for r in rs].count(201) == 1
+    assert count_jobs(app) == 1

@@ -114,3 +114,45 @@ def test_health_ready_prometheus(client):
     assert ready.status_code == 200 and ready.json() == {"database": "ok", "broker": "ok"}
     text = client.get("/metrics").text
     assert "gspo_http_requests_total" in text and 'gspo_jobs{status="queued"}' in text
+
+
+def test_events_follow_a_running_job_live(client, app, auth, uploaded, model_name):
+    """The stream is opened while the job is queued; steps and status changes written meanwhile
+    (as the worker writes them) arrive in order, each once, and the stream ends at the terminal status."""
+    import threading
+    import time
+
+    job_id = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).json()["id"]
+
+    def work() -> None:
+        time.sleep(0.7)
+        with app.state.db.session() as s:
+            jobs.claim(s, job_id, "w1", 30)
+        for step in (1, 2, 3):
+            time.sleep(0.3)
+            with app.state.db.session() as s:
+                jobs.record_step(s, job_id, step, {"reward/mean": step / 10})
+                jobs.add_event(s, job_id, "log", f"step {step} done")
+        with app.state.db.session() as s:
+            jobs.transition(s, s.get(Job, job_id), "failed", error="out of memory")
+
+    writer = threading.Thread(target=work)
+    writer.start()
+    events = parse_sse(client.get(f"/v1/jobs/{job_id}/events", headers=auth).text)
+    writer.join()
+    assert [d["step"] for e, _, d in events if e == "metrics"] == [1, 2, 3]
+    assert [d["message"] for e, _, d in events if e == "log" and d["message"].startswith("step")] == \
+        ["step 1 done", "step 2 done", "step 3 done"]
+    assert [d["data"]["status"] for e, _, d in events if e == "status"] == ["queued", "running", "failed"]
+    assert events[-1][0] == "end" and events[-1][2] == {"status": "failed", "step": 3}
+    ids = [i for _, i, _ in events]
+    # Every frame advances its id (so Last-Event-ID resumes exactly); only the closing `end` repeats one.
+    assert len(set(ids[:-1])) == len(ids) - 1 and ids[-1] == ids[-2]
+    assert client.get(f"/v1/jobs/{job_id}", headers=auth).json()["error"] == "out of memory"
+
+
+def test_get_one_checkpoint(client, auth, job_with_progress):
+    listed = client.get(f"/v1/jobs/{job_with_progress}/checkpoints", headers=auth).json()["data"][0]
+    one = client.get(f"/v1/checkpoints/{listed['id']}", headers=auth)
+    assert one.status_code == 200 and one.json() == listed
+    assert one.json()["download_url"].endswith(f"/v1/checkpoints/{listed['id']}/download")

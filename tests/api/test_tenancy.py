@@ -81,3 +81,30 @@ def test_object_keys_cannot_escape_the_store(settings, key):
 def test_path_traversal_in_urls_is_404(client, auth):
     for path in ("/v1/files/..%2F..%2Fetc%2Fpasswd/content", "/v1/checkpoints/..%2F..%2Fx/download"):
         assert client.get(path, headers=auth).status_code == 404
+
+
+def test_stored_keys_that_escape_their_prefix_are_never_served(client, app, settings, auth):
+    """Even a corrupted row (object key with ``..``) cannot make a download read outside the store."""
+    from store.models import Checkpoint, File, Job
+    from store.tenants import authenticate
+
+    secret = settings.data_dir / "secret.txt"
+    secret.write_text("top secret")
+    with app.state.db.session() as s:
+        tenant = authenticate(s, auth["Authorization"].split()[1])
+        f = File(tenant_id=tenant.id, filename="x.jsonl", bytes=1, rows=1, object_key="../secret.txt", item_fields=[])
+        gone = File(tenant_id=tenant.id, filename="y.jsonl", bytes=1, rows=1, object_key="tenants/x/files/gone.jsonl",
+                    item_fields=[])
+        s.add_all([f, gone])
+        s.flush()
+        job = Job(tenant_id=tenant.id, model="m", training_file_id=f.id, reward={}, hyperparameters={}, total_steps=1)
+        s.add(job)
+        s.flush()
+        c = Checkpoint(job_id=job.id, tenant_id=tenant.id, step=1, object_prefix="..", size_bytes=1)
+        s.add(c)
+        s.flush()
+        ids = f.id, gone.id, c.id
+    for path in (f"/v1/files/{ids[0]}/content", f"/v1/files/{ids[1]}/content", f"/v1/checkpoints/{ids[2]}/download"):
+        r = client.get(path, headers=auth)
+        assert r.status_code == 404 and "top secret" not in r.text, (path, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "not_found"

@@ -10,6 +10,7 @@ pytest.importorskip("trl", reason="the bench extra (TRL) is installed by `make t
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_bench_toy_runs_both_trainers(tmp_path):
     from bench.run import main
 

@@ -28,10 +28,7 @@ def service(pg_database, tmp_path):
     from tests.conftest import truncate_all
 
     truncate_all(pg_database)
-    import redis
-
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"
-    redis.Redis.from_url(redis_url).flushdb()
     rig = build_rig(tmp_path, pg_database, redis_url)
     port = free_port()
     api = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],

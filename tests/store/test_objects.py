@@ -46,3 +46,10 @@ def test_s3_presigned_url_serves_the_object(s3_settings):
     url = st.presigned_url("t/a.txt")
     assert httpx.get(url).content == b"hello"
     assert LocalObjectStore.presigned_url(None, "x") is None
+
+
+def test_s3_presigned_urls_use_the_public_endpoint(s3_settings):
+    public = s3_settings.model_copy(update={"s3_public_endpoint_url": "http://downloads.example:9000"})
+    st = S3ObjectStore(public)
+    assert st.presigned_url("t/a.txt").startswith("http://downloads.example:9000/gspo-test/t/a.txt?")
+    assert S3ObjectStore(s3_settings.model_copy(update={"s3_presign_downloads": False})).presigned_url("t/a.txt") is None

@@ -54,13 +54,21 @@ class Rig:
         self.file_id = self.client.post("/v1/files", files={"file": ("t.jsonl", data)}, headers=self.h).json()["id"]
 
     def start_worker(self) -> subprocess.Popen:
+        """`gspo worker`'s exact Celery command, in its own process group (the pool child included)."""
+        from gspo_cli.service_cmd import worker_command
+
         log = open(self.tmp / f"worker-{len(self.workers)}.log", "w")
-        cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool", "solo",
-               "-Q", "gpu", "--without-gossip", "--without-mingle", "-n", f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h",
-               "--loglevel", "INFO"]
-        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        cmd = worker_command("INFO", name=f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h",
+                             queue=self.settings.worker_queue)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
         self.workers.append(proc)
         return proc
+
+    def kill_worker(self, proc: subprocess.Popen) -> None:
+        """What a lost machine or an OOM-killed container does: SIGKILL to every process of the worker."""
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
     def submit(self, steps: int, slow: bool = True, **hp) -> str:
         reward = {"type": "multi", "graders": {"match": TOY_REWARD, "slow": SLOW_GRADER},
@@ -91,20 +99,30 @@ class Rig:
 
     def stop_all(self) -> None:
         for p in self.workers:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(10)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
         self.client.close()
         self.app.state.db.dispose()
+        if self.settings.redis_url:
+            q = self.settings.worker_queue
+            try:
+                redis.Redis.from_url(self.settings.redis_url).delete(q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}")
+            except redis.ConnectionError:
+                pass
 
 
-def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 4) -> Rig:
+def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 6, **extra_env: str) -> Rig:
     from store.db import run_migrations
 
     run_migrations(db_url)
     env_vals = {"GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": db_url, "REDIS_URL": redis_url,
                 "GSPO_MODELS_DIR": str(tmp_path / "models"), "GSPO_LEASE_SECONDS": str(lease_s),
-                "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3"}
+                "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3",
+                # A queue of its own: suites running at the same time on the same Redis never share messages.
+                "GSPO_WORKER_QUEUE": f"gpu-{uuid.uuid4().hex[:8]}", **extra_env}
     settings = Settings(**{k.removeprefix("GSPO_").lower(): v for k, v in env_vals.items()})
     env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
     return Rig(settings, env, tmp_path)
@@ -115,7 +133,7 @@ def rig(pg_database, tmp_path):
     truncate_all(pg_database)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
     try:
-        redis.Redis.from_url(redis_url).flushdb()
+        redis.Redis.from_url(redis_url).ping()
     except redis.ConnectionError as exc:
         pytest.skip(f"Redis not reachable: {exc}")
     r = build_rig(tmp_path, pg_database, redis_url)

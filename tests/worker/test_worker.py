@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
+import psutil
 import pytest
 
 from store import jobs
@@ -22,6 +23,14 @@ def test_job_runs_to_success(rig):
     ckpts = rig.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=rig.h).json()["data"]
     assert [c["step"] for c in ckpts] == [2, 4] and ckpts[-1]["final"]
     assert job["attempts"] == 1 and job["latest_metrics"]["step"] == 4
+    # A later job starts from that checkpoint's weights (`ckpt:<id>`, fetched from object storage).
+    r = rig.client.post("/v1/jobs", headers=rig.h, json={
+        "model": f"ckpt:{ckpts[-1]['id']}", "training_file": rig.file_id, "reward": {"type": "regex", "pattern": "a"},
+        "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4,
+                            "rollout_engine": "transformers"}})
+    assert r.status_code == 201, r.text
+    job = rig.wait_status(r.json()["id"], {"succeeded", "failed"}, timeout=120)
+    assert job["status"] == "succeeded", (job, rig.logs())
 
 
 def test_duplicate_delivery_does_not_train_twice(rig):
@@ -38,22 +47,35 @@ def test_duplicate_delivery_does_not_train_twice(rig):
     assert "skipped" in rig.logs() or rig.logs().count("succeeded") >= 1
 
 
-def test_sigkill_mid_job_resumes_from_last_checkpoint(rig):
-    w = rig.start_worker()
-    job_id = rig.submit(steps=14, save_every=3)
-    wait_for(lambda: len(rig.steps(job_id)) >= 7, 120, "7 steps")
-    w.send_signal(signal.SIGKILL)
-    w.wait(10)
-    rig.start_worker()  # its reaper sees the stale lease, requeues, and it takes the job over
+def _assert_resumed(rig, job_id: str, steps: int) -> None:
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=180)
     assert job["status"] == "succeeded", rig.logs()
-    assert rig.steps(job_id) == list(range(1, 15)), "no step lost or duplicated"
+    assert rig.steps(job_id) == list(range(1, steps + 1)), "no step lost or duplicated"
     assert job["attempts"] == 2
     with rig.app.state.db.session() as s:
         msgs = [e.message for e in s.query(JobEvent).filter(JobEvent.job_id == job_id)]
     assert any(m.startswith("resumed from step-") for m in msgs), msgs
     ckpts = rig.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=rig.h).json()["data"]
-    assert ckpts[-1]["step"] == 14 and ckpts[-1]["final"]
+    assert ckpts[-1]["step"] == steps and ckpts[-1]["final"]
+
+
+def test_sigkill_mid_job_resumes_from_last_checkpoint(rig):
+    w = rig.start_worker()
+    job_id = rig.submit(steps=14, save_every=3)
+    wait_for(lambda: len(rig.steps(job_id)) >= 7, 120, "7 steps")
+    rig.kill_worker(w)  # the whole worker (main process and job process) dies, as with a lost machine
+    rig.start_worker()  # its reaper sees the stale lease, requeues, and it takes the job over
+    _assert_resumed(rig, job_id, 14)
+
+
+def test_killed_job_process_is_replaced_and_resumes(rig):
+    w = rig.start_worker()
+    job_id = rig.submit(steps=10, save_every=3)
+    wait_for(lambda: len(rig.steps(job_id)) >= 4, 120, "4 steps")
+    (child,) = psutil.Process(w.pid).children()
+    child.kill()  # the kernel's OOM killer picks the big training process, not Celery's main process
+    _assert_resumed(rig, job_id, 10)
+    assert w.poll() is None, "the worker itself survived"
 
 
 def test_graceful_sigterm_checkpoints_and_requeues(rig):

