@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import os
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, select
@@ -17,10 +21,18 @@ from store.settings import Settings, get_settings
 
 
 def _instrument(app: FastAPI) -> None:
+    # Under `gspo api --workers N` each process counts into PROMETHEUS_MULTIPROC_DIR and a scrape of
+    # any of them aggregates all (run_api sets it up before uvicorn forks).
+    multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
     reg = CollectorRegistry()
     requests = Counter("gspo_http_requests_total", "HTTP requests", ["method", "route", "status"], registry=reg)
     latency = Histogram("gspo_http_request_seconds", "HTTP latency", ["method", "route"], registry=reg)
-    job_gauge = Gauge("gspo_jobs", "Jobs by status", ["status"], registry=reg)
+    job_gauge = Gauge("gspo_jobs", "Jobs by status", ["status"], registry=reg, multiprocess_mode="mostrecent")
+    if multiprocess:
+        from prometheus_client import multiprocess as mp
+
+        reg = CollectorRegistry()
+        mp.MultiProcessCollector(reg)
 
     def observe_jobs() -> None:
         with app.state.db.session() as s:
@@ -36,11 +48,20 @@ def _instrument(app: FastAPI) -> None:
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    # Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose
+    # full passes over it stalled every request for ~50 ms (the load test's p99 spikes).
+    gc.collect()
+    gc.freeze()
+    yield
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
     common = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 503)}
-    app = FastAPI(title="GSPO training service", version="0.1.0", responses=common,
+    app = FastAPI(title="GSPO training service", version="0.1.0", responses=common, lifespan=_lifespan,
                   description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.")
     app.state.settings = settings
     app.state.db = Database(settings.resolved_database_url())

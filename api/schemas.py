@@ -21,6 +21,15 @@ EXAMPLE_REWARD = {"type": "string_check", "name": "exact", "input": "{{sample.ou
 JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
 
+def json_response(model: BaseModel, status_code: int = 200):
+    """The model as a JSON response, serialized once. For hot read endpoints: FastAPI would dump a
+    returned model to a dict, validate it again against ``response_model`` and then serialize it
+    (measured: about a third of a metrics poll). Use only with a model of the declared type."""
+    from fastapi.responses import Response
+
+    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
 class ErrorDetail(BaseModel):
     type: str
     message: str

@@ -62,12 +62,21 @@ def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
             proc.wait()
 
 
-def run_api(host: str, port: int) -> None:
+def run_api(host: str, port: int, workers: int = 1) -> None:
     import uvicorn
 
-    from api.app import create_app
+    if workers == 1:
+        from api.app import create_app
 
-    uvicorn.run(create_app(_settings()), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(_settings()), host=host, port=port, log_level="warning")
+        return
+    # Each worker process builds its own app (engine pool, object store) from the same Settings, and
+    # counts its Prometheus metrics into one shared directory that a scrape of any of them sums.
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="gspo-prometheus-")
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
 
 
 def up(args) -> int:
@@ -87,7 +96,7 @@ def up(args) -> int:
 
 
 def api_cmd(args) -> int:
-    run_api(args.host, args.port)
+    run_api(args.host, args.port, args.workers)
     return 0
 
 
@@ -127,6 +136,8 @@ def register(sub) -> None:
     p = sub.add_parser("api", help="run the API server only")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes (one core each: Python serves a request on one core at a time)")
     p.set_defaults(func=api_cmd)
     p = sub.add_parser("worker", help="run a GPU worker (Celery, one job at a time)")
     p.add_argument("--loglevel", default="INFO")

@@ -42,6 +42,9 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._factory = sessionmaker(self.engine, expire_on_commit=False)
+        # Same pool; each statement commits by itself, so a read costs no BEGIN/COMMIT round trips.
+        self._read_factory = sessionmaker(self.engine.execution_options(isolation_level="AUTOCOMMIT"),
+                                          expire_on_commit=False, autoflush=False)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -54,6 +57,16 @@ class Database:
             raise
         finally:
             s.close()
+
+    def new_session(self) -> Session:
+        """An unmanaged session in a transaction (caller commits and closes); prefer :meth:`session`."""
+        return self._factory()
+
+    def read_session(self) -> Session:
+        """A session for reads only (caller closes it). Its statements autocommit: what it sees is
+        each statement's own snapshot, and closing it sends nothing to the server, so it may be
+        closed on an event loop."""
+        return self._read_factory()
 
     def dispose(self) -> None:
         self.engine.dispose()

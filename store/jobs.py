@@ -113,7 +113,8 @@ def record_step(s: Session, job_id: str, step: int, metrics: dict) -> None:
     """Store a step's metrics (idempotent on (job, step): a resumed job rewrites, never duplicates)."""
     _upsert(s, StepMetric.__table__, {"job_id": job_id, "step": step, "metrics": metrics, "created_at": utcnow()},
             ["job_id", "step"], ["metrics"])
-    s.execute(update(Job).where(Job.id == job_id).values(step=step).execution_options(synchronize_session=False))
+    s.execute(update(Job).where(Job.id == job_id).values(step=step, latest_metrics=metrics)
+              .execution_options(synchronize_session=False))
 
 
 def record_samples(s: Session, job_id: str, step: int, rows: list[dict]) -> None:

@@ -69,6 +69,7 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int] = mapped_column(Integer)
+    latest_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # of `step`, for status polls
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

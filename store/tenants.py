@@ -45,10 +45,17 @@ def authenticate(s: Session, plaintext: str) -> Tenant | None:
     """The tenant of a valid, unrevoked key, else None."""
     if not plaintext:
         return None
-    key = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(plaintext)))
-    if key is None or key.revoked_at is not None:
+    # One query: it runs on every request.
+    return s.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                    .where(ApiKey.key_hash == hash_key(plaintext), ApiKey.revoked_at.is_(None)))
+
+
+def owned_by_key(s: Session, model, row_id: str, plaintext: str):
+    """``model``'s row ``row_id`` if it belongs to the tenant of a valid, unrevoked key, else None."""
+    if not plaintext:
         return None
-    return s.get(Tenant, key.tenant_id)
+    return s.scalar(select(model).join(ApiKey, ApiKey.tenant_id == model.tenant_id)
+                    .where(model.id == row_id, ApiKey.key_hash == hash_key(plaintext), ApiKey.revoked_at.is_(None)))
 
 
 def revoke_key(s: Session, key_id_or_plaintext: str) -> bool:

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 
 from api.deps import JobDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import ErrorBody, JobCreate, JobOut, JobStatus, Page
+from api.schemas import ErrorBody, JobCreate, JobOut, JobStatus, Page, json_response
 from api.services import jobs as svc
 from store import jobs as job_state
 
@@ -34,7 +34,7 @@ def list_jobs(s: SessionDep, tenant: TenantDep, status: JobStatus | None = None,
 
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
 def get_job(job: JobDep, s: SessionDep):
-    return svc.to_out(s, job)
+    return json_response(svc.to_out(s, job))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)

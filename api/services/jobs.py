@@ -18,7 +18,7 @@ from api.schemas import JobCreate, JobOut
 from gspo_core.config import GSPOConfig
 from gspo_core.rewards import RewardSpecError, build_reward
 from store import jobs as job_state
-from store.models import Checkpoint, File, Job, JobEvent, StepMetric, Tenant
+from store.models import Checkpoint, File, Job, JobEvent, Tenant
 from store.queue import enqueue_run_job
 from store.settings import Settings
 
@@ -125,18 +125,14 @@ def _discard(s: Session, job: Job) -> None:
     s.commit()
 
 
-def latest_metrics(s: Session, job_id: str) -> dict | None:
-    return s.scalar(select(StepMetric.metrics).where(StepMetric.job_id == job_id).order_by(StepMetric.step.desc()).limit(1))
-
-
-def to_out(s: Session, job: Job, with_metrics: bool = True) -> JobOut:
+def to_out(s: Session, job: Job) -> JobOut:
     return JobOut(
         id=job.id, name=job.name, model=job.model, status=job.status, step=job.step, total_steps=job.total_steps,
         queue_position=job_state.queue_position(s, job), error=job.error, created_at=job.created_at,
         started_at=job.started_at, finished_at=job.finished_at, training_file=job.training_file_id,
         validation_file=job.validation_file_id, reward=job.reward, hyperparameters={**job.hyperparameters, "seed": job.seed},
         metadata=job.job_metadata or {}, seed=job.seed, attempts=job.attempts,
-        latest_metrics=latest_metrics(s, job.id) if with_metrics else None)
+        latest_metrics=job.latest_metrics)
 
 
 def encode_cursor(created_at: datetime, job_id: str) -> str:

@@ -35,3 +35,35 @@ def test_run_migrations_from_any_cwd_and_twice(tmp_path, monkeypatch):
     run_migrations(url)
     run_migrations(url)  # already at head: a no-op
     assert _diff(url) == []
+
+
+def test_0002_backfills_each_jobs_latest_metrics(tmp_path):
+    from alembic import command
+    from sqlalchemy import text
+
+    from store.db import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    make_engine(url).dispose()
+    command.upgrade(alembic_config(url), "0001")
+    engine = make_engine(url)
+    now = "2026-11-22 00:00:00"
+    with engine.begin() as c:
+        c.execute(text(f"INSERT INTO tenants VALUES ('tn1', 't', '{now}')"))
+        c.execute(text("INSERT INTO files (id, tenant_id, filename, bytes, rows, object_key, item_fields, created_at) "
+                       f"VALUES ('f1', 'tn1', 'a.jsonl', 1, 1, 'files/a', '[]', '{now}')"))
+        for job in ("j1", "j2"):
+            c.execute(text("INSERT INTO jobs (id, tenant_id, model, training_file_id, reward, hyperparameters, metadata, "
+                           "seed, status, step, total_steps, created_at, attempts, max_attempts) VALUES "
+                           f"('{job}', 'tn1', 'm', 'f1', '{{}}', '{{}}', '{{}}', 0, 'running', 2, 5, '{now}', 1, 3)"))
+        for step in (2, 1):  # inserted out of order: the newest step wins, not the last row
+            c.execute(text("INSERT INTO step_metrics (job_id, step, metrics, created_at) VALUES "
+                           f"('j1', {step}, '{{\"loss\": {step}.5}}', '{now}')"))
+    engine.dispose()
+    run_migrations(url)
+    engine = make_engine(url)
+    with engine.connect() as c:
+        got = dict(c.execute(text("SELECT id, latest_metrics FROM jobs")).all())
+    engine.dispose()
+    assert got == {"j1": '{"loss": 2.5}', "j2": None}
+    assert _diff(url) == []
