@@ -48,28 +48,35 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
                     engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None) -> dict:
     """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
 
-    Returns ``{"<engine>_tokens_per_s": float, "weight_push_s": float, "vllm_over_transformers": float,
+    Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
+    "weight_push_s": float, "vllm_over_transformers": float, "vllm_over_transformers_with_logprobs": float,
     "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured).
     """
     model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     prompt_ids = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)]
-    spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0)
+    # As the trainer samples by default (old_logprobs=recompute: no sampler logprobs), and as on its
+    # gap-check steps (with them).
+    spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=False)
+    spec_lp = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=True)
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
                  "prompts": prompts, "group": group, "tokens": tokens, "loadavg_1m_before": os.getloadavg()[0]}
     for kind in engines:
         if kind == "vllm" and not vllm_available():
             continue
-        eng = make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0,
+        eng = make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
                           max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
         try:
             out[f"{kind}_tokens_per_s"] = _tokens_per_s(eng, prompt_ids, spec, reps)
+            out[f"{kind}_tokens_per_s_with_logprobs"] = _tokens_per_s(eng, prompt_ids, spec_lp, reps)
             if not eng.shares_weights:
                 out["weight_push_s"] = _push_seconds(eng, policy, reps)
         finally:
             eng.close()
     if "vllm_tokens_per_s" in out and "transformers_tokens_per_s" in out:
         out["vllm_over_transformers"] = out["vllm_tokens_per_s"] / out["transformers_tokens_per_s"]
+        out["vllm_over_transformers_with_logprobs"] = (out["vllm_tokens_per_s_with_logprobs"]
+                                                       / out["transformers_tokens_per_s_with_logprobs"])
     out["loadavg_1m_after"] = os.getloadavg()[0]
     return out
 

@@ -40,9 +40,16 @@ class GSPOConfig(BaseModel):
     clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0)
     beta: float = Field(0.0, ge=0.0, le=0.0, description="KL coefficient; GSPO uses none (must be 0).")
     mini_batches: int = Field(4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
+    minibatch_order: Literal["length", "random"] = Field(
+        "length", description="length = rows of similar length share a mini-batch (less padding; batch "
+        "order still random); random = a random split.")
     old_logprobs: Literal["recompute", "rollout"] = Field(
         "recompute", description="Old-policy logprobs: trainer forward before updates, or the sampler's."
     )
+    logprob_gap_every: int = Field(
+        10, ge=0, le=1_000_000, description="With old_logprobs=recompute, ask the sampler for its logprobs on "
+        "step 1 and every N steps to report logprob_gap/* (a stale or broken weight push shows there); 0 = never. "
+        "Asking slows vLLM sampling.")
 
     # --- optimisation ---
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0)

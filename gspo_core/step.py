@@ -43,12 +43,15 @@ class Timer(dict):
         return _Ctx()
 
 
-def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None) -> Rollout:
-    """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``."""
+def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None,
+           logprobs: bool = True) -> Rollout:
+    """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``;
+    ``logprobs``: also the sampler's per-token logprobs."""
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-cfg.max_prompt_tokens:] or
                   [tokenizer.bos_token_id or 0] for p in prompts]
     spec = SamplingSpec(n=n or cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                        top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed)
+                        top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed,
+                        logprobs=logprobs)
     groups = engine.generate(prompt_ids, spec)
     flat = [c for g in groups for c in g]
     return Rollout(rows=rows, prompts=prompts, completions=flat)
@@ -68,16 +71,34 @@ def score(reward_fn, ro: Rollout, cfg: GSPOConfig) -> dict[str, float]:
     return m
 
 
-def _minibatches(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
-    return list(torch.randperm(n, generator=gen).chunk(k))
+def minibatches(lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """Split ``N`` rollout rows into ``k`` mini-batches of indices, each row exactly once.
+
+    ``random``: a random permutation; ``length``: rows sorted by ``lengths_N`` (ties in random
+    order) so each mini-batch pads only to lengths close to its own (the GPU benchmark measured 45 %
+    padding waste for random batches of mixed lengths, 20 % bucketed); the batches' order is random.
+    """
+    perm = torch.randperm(len(lengths_N), generator=gen)
+    if order == "random":
+        return list(perm.chunk(k))
+    by_len = perm[torch.sort(lengths_N[perm], stable=True).indices]
+    chunks = list(by_len.chunk(k))
+    return [chunks[i] for i in torch.randperm(len(chunks), generator=gen)]
 
 
 #: Token budget of one no-grad forward: the whole rollout goes in one batch unless it is larger.
 OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
 
 
+def sampler_logprobs_needed(cfg: GSPOConfig, step: int) -> bool:
+    """Whether step ``step`` (1-based) asks the sampler for logprobs: always when they are the old
+    policy's, else on the first step and every ``logprob_gap_every`` steps, for the gap metrics."""
+    every = cfg.logprob_gap_every
+    return cfg.old_logprobs == "rollout" or (every > 0 and (step == 1 or step % every == 0))
+
+
 def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp) -> dict[str, float]:
-    """Old-policy logprobs and the trainer-vs-sampler gap metrics.
+    """Old-policy logprobs and, when the sampler returned its own, the trainer-vs-sampler gap metrics.
 
     ``recompute``: one batched no-grad forward over the whole rollout (split only past
     :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens); ``rollout``: the sampler's own logprobs.
@@ -102,6 +123,8 @@ def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp) -> dict[
             lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
             parts.append(torch.nn.functional.pad(lp, (0, mask_NT.size(1) - lp.size(1))))
     ro.old_logp_NT = torch.cat(parts)
+    if any(len(c.logprobs) != len(c.completion_ids) for c in comps):
+        return {}  # not asked for this step (sampler_logprobs_needed)
     gap_NT = (ro.old_logp_NT - samp_NT).abs() * mask_NT
     return {"logprob_gap/mean": float(gap_NT.sum() / mask_NT.sum().clamp(min=1)), "logprob_gap/max": float(gap_NT.max())}
 
@@ -118,7 +141,8 @@ def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfi
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
-    for k, idx in enumerate(_minibatches(len(ro.completions), cfg.mini_batches, gen)):
+    lengths_N = torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in ro.completions])
+    for k, idx in enumerate(minibatches(lengths_N, cfg.mini_batches, cfg.minibatch_order, gen)):
         comps = [ro.completions[i] for i in idx]
         batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)
         logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)

@@ -89,7 +89,8 @@ class Trainer:
             self.engine = engine or make_engine(
                 self.cfg.rollout_engine, model_dir=spec.model, policy=self.model, tokenizer=self.tokenizer,
                 seed=self.cfg.seed, max_model_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens,
-                gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization)
+                gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
+                plain_sampling=self.cfg.temperature == 1.0 and self.cfg.top_p == 1.0)
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
             raise
@@ -122,7 +123,8 @@ class Trainer:
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
         with t.phase("rollout"):
             self.engine.wake()
-            ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=cfg.seed * 100_003 + step)
+            ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=cfg.seed * 100_003 + step,
+                          logprobs=S.sampler_logprobs_needed(cfg, step))
             self.engine.sleep()
         with t.phase("reward"):
             m = S.score(self.reward_fn, ro, cfg)

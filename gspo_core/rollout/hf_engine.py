@@ -136,9 +136,10 @@ class TransformersEngine:
             logits_processor=LogitsProcessorList([recorder]),
         )
         new_BT = seq_BL[:, width:]
-        logp_BT = recorder.finish(new_BT).float().cpu()
+        logp_BT = recorder.finish(new_BT).float().cpu() if sampling.logprobs else None
         new_BT = new_BT.cpu()
-        return [self._completion(p, ids, new_BT[b], logp_BT[b], sampling) for b, (p, ids) in enumerate(batch)]
+        return [self._completion(p, ids, new_BT[b], None if logp_BT is None else logp_BT[b], sampling)
+                for b, (p, ids) in enumerate(batch)]
 
     def _completion(self, p: int, ids: list[int], new_T, logp_T, sampling: SamplingSpec) -> Completion:
         toks = new_T.tolist()
@@ -150,7 +151,8 @@ class TransformersEngine:
         toks = toks[:n]
         text = self.tokenizer.decode(toks, skip_special_tokens=True)
         return Completion(prompt_index=p, prompt_ids=list(ids), completion_ids=toks,
-                          logprobs=logp_T[:n].tolist(), text=text, finish_reason=finish)
+                          logprobs=logp_T[:n].tolist() if logp_T is not None else [], text=text,
+                          finish_reason=finish)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to copy: this engine samples with the trainer's live weights (the iterable is

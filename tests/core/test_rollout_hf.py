@@ -164,3 +164,13 @@ def test_make_engine_names_the_bad_kind(policy, tiny_model_dir):
 def test_importing_the_package_does_not_import_vllm():
     code = "import sys, gspo_core.rollout; assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_logprobs_only_when_asked(engine, prompts):
+    spec = SamplingSpec(n=3, max_tokens=6, ignore_eos=True, seed=21)
+    with_lp = engine.generate(prompts, spec)
+    without = engine.generate(prompts, SamplingSpec(n=3, max_tokens=6, ignore_eos=True, seed=21, logprobs=False))
+    for g_a, g_b in zip(with_lp, without):
+        for a, b in zip(g_a, g_b):
+            assert len(a.logprobs) == len(a.completion_ids) == 6 and b.logprobs == []
+            assert a.completion_ids == b.completion_ids

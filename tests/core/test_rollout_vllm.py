@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -159,3 +161,14 @@ def test_sleep_and_wake_keep_the_engine_usable(engine, prompts):
     engine.wake()
     groups = engine.generate(prompts[:1], SamplingSpec(n=2, max_tokens=4, seed=0))
     assert len(groups[0]) == 2
+
+
+def test_logprobs_only_when_asked(engine, prompts):
+    """Without logprobs the same seeded samples come back (only the costly logprob output is skipped)."""
+    spec = SamplingSpec(n=3, max_tokens=8, ignore_eos=True, seed=21)
+    with_lp = engine.generate(prompts, spec)
+    without = engine.generate(prompts, replace(spec, logprobs=False))
+    for g_a, g_b in zip(with_lp, without):
+        for a, b in zip(g_a, g_b):
+            assert len(a.logprobs) == len(a.completion_ids) == 8 and b.logprobs == []
+            assert a.completion_ids == b.completion_ids

@@ -35,11 +35,13 @@ REQUIRED_METRICS = [
 def test_metrics_samples_eval_and_checkpoints(tiny_model_dir, tmp_path):
     rec = Recorder()
     val = write_toy_dataset(tmp_path / "val.jsonl", n=8, seed=1)
-    spec = toy_spec(tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2)
+    spec = toy_spec(tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2, logprob_gap_every=2)
     result = train(spec.model_copy(update={"validation_file": str(val)}), rec)
     assert [s for s, _ in rec.steps] == [1, 2, 3, 4] and [s for s, _ in rec.samples] == [1, 2, 3, 4]
     last = rec.steps[-1][1]
     assert [n for n in REQUIRED_METRICS if n not in last] == []
+    # the sampler is asked for its logprobs (costly on vLLM) on step 1 and every logprob_gap_every steps
+    assert [("logprob_gap/max" in m) for _, m in rec.steps] == [True, True, False, True]
     assert all(isinstance(v, float) for v in last.values())
     assert last["step"] == 4.0 and last["total_steps"] == 4.0 and last["grader_errors/match"] == 0.0
     assert [("eval/reward/mean" in m) for _, m in rec.steps] == [False, True, False, True]
@@ -62,7 +64,7 @@ def test_single_minibatch_is_on_policy(tiny_model_dir, tmp_path):
     """One update per rollout: the ratio is exactly 1 (no clipping), so the step is plain policy
     gradient, and the trainer's recomputed logprobs equal the sampler's."""
     rec = Recorder()
-    train(toy_spec(tiny_model_dir, tmp_path, steps=2, mini_batches=1), rec)
+    train(toy_spec(tiny_model_dir, tmp_path, steps=2, mini_batches=1, logprob_gap_every=1), rec)
     for _, m in rec.steps:
         assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
         assert m["ratio/min"] == pytest.approx(1.0, abs=1e-5) and m["ratio/max"] == pytest.approx(1.0, abs=1e-5)
