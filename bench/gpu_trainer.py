@@ -13,7 +13,6 @@ a small model on the CPU, to check the script itself without a GPU).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import random
 import statistics
@@ -108,12 +107,10 @@ def cfg_for(ro: S.Rollout, group: int) -> GSPOConfig:
 
 
 def bench_old_logprobs(env: Env, ro: S.Rollout, cfg: GSPOConfig, amp) -> dict:
-    """The trainer's recompute pass: one no-grad forward over the rollout, in chunks of a mini-batch."""
-    args = (env.model, ro, 0, cfg, amp)
-    if len(inspect.signature(S.old_logprobs).parameters) > len(args):  # older form took a chunk size
-        args += (len(ro.completions) // cfg.mini_batches,)
+    """The trainer's recompute pass over the whole rollout (the trainer itself skips the first
+    mini-batch's rows, whose old logprobs come from the update's first forward)."""
     env.mem_reset()
-    t = env.timed(lambda: S.old_logprobs(*args))
+    t = env.timed(lambda: S.old_logprobs(env.model, ro, 0, cfg, amp))
     return {"s": t, "mfu": env.fwd_flops(ro) / t / env.peak, "peak_gib": env.mem_peak_gib()}
 
 

@@ -72,11 +72,17 @@ def run_api(host: str, port: int, workers: int = 1) -> None:
         return
     # Each worker process builds its own app (engine pool, object store) from the same Settings, and
     # counts its Prometheus metrics into one shared directory that a scrape of any of them sums.
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        import tempfile
+    import shutil
+    import tempfile
 
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="gspo-prometheus-")
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
+    own_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="gspo-prometheus-")
+    try:
+        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def up(args) -> int:

@@ -25,6 +25,8 @@ class Rollout:
     rewards_N: torch.Tensor = None
     grades: list = field(default_factory=list)
     old_logp_NT: torch.Tensor | None = None
+    batches: list[torch.Tensor] | None = None  # the mini-batch split (row indices), once drawn
+    first_batch_on_policy: bool = False  # old logprobs of batches[0] come from the update's own forward
 
 
 class Timer(dict):
@@ -97,43 +99,58 @@ def sampler_logprobs_needed(cfg: GSPOConfig, step: int) -> bool:
     return cfg.old_logprobs == "rollout" or (every > 0 and (step == 1 or step % every == 0))
 
 
-def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp) -> dict[str, float]:
-    """Old-policy logprobs and, when the sampler returned its own, the trainer-vs-sampler gap metrics.
+def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: torch.Generator | None = None
+                 ) -> dict[str, float]:
+    """Old-policy logprobs ``ro.old_logp_NT`` ``[N, T]`` (0 on padding).
 
-    ``recompute``: one batched no-grad forward over the whole rollout (split only past
-    :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens); ``rollout``: the sampler's own logprobs.
-    Sets ``ro.old_logp_NT`` ``[N, T]`` (0 on padding).
+    ``rollout``: the sampler's own. ``recompute``: a batched no-grad forward (split only past
+    :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens). Given ``gen``, the mini-batch split is drawn
+    here (``ro.batches``) and the first mini-batch's rows are left out: the update's first forward
+    runs before any optimizer step, so its detached logprobs are exactly the old policy's
+    (``ro.first_batch_on_policy``) -- a quarter of the pass saved at the default 4 mini-batches.
     """
     comps = ro.completions
-    packed = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id)
-    mask_NT = packed.mask_BT
-    samp_NT = torch.zeros_like(mask_NT)
-    for b, c in enumerate(comps):
-        samp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    if gen is not None:
+        lengths_N = torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in comps])
+        ro.batches = minibatches(lengths_N, cfg.mini_batches, cfg.minibatch_order, gen)
+    T = max(1, max(len(c.completion_ids) for c in comps))
+    ro.old_logp_NT = torch.zeros(len(comps), T)
     if cfg.old_logprobs == "rollout":
-        ro.old_logp_NT = samp_NT
+        for b, c in enumerate(comps):
+            ro.old_logp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
         return {}
+    ro.first_batch_on_policy = ro.batches is not None
+    if not ro.first_batch_on_policy:
+        rows = torch.arange(len(comps))
+    else:  # one mini-batch: nothing left to recompute
+        rows = torch.cat(ro.batches[1:]) if len(ro.batches) > 1 else torch.zeros(0, dtype=torch.long)
+    tokens = sum(len(comps[i].prompt_ids) + len(comps[i].completion_ids) for i in rows.tolist())
+    chunks = rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))) if len(rows) else []
     device = next(model.parameters()).device
-    n_chunks = -(-packed.input_BL.numel() // OLD_LOGPROBS_TOKENS_PER_FORWARD)
-    parts = []
     with torch.inference_mode():
-        for idx in torch.arange(len(comps)).chunk(n_chunks):
-            sub = packed if n_chunks == 1 else pack([comps[i].prompt_ids for i in idx],
-                                                    [comps[i].completion_ids for i in idx], pad_id)
+        for idx in chunks:
+            sub = pack([comps[i].prompt_ids for i in idx], [comps[i].completion_ids for i in idx], pad_id)
             lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
-            parts.append(torch.nn.functional.pad(lp, (0, mask_NT.size(1) - lp.size(1))))
-    ro.old_logp_NT = torch.cat(parts)
+            ro.old_logp_NT[idx, : lp.size(1)] = lp * sub.mask_BT
+    return {}
+
+
+def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.Tensor) -> dict[str, float]:
+    """Trainer-vs-sampler logprob gap on an on-policy forward, when the sampler returned its own."""
     if any(len(c.logprobs) != len(c.completion_ids) for c in comps):
         return {}  # not asked for this step (sampler_logprobs_needed)
-    gap_NT = (ro.old_logp_NT - samp_NT).abs() * mask_NT
-    return {"logprob_gap/mean": float(gap_NT.sum() / mask_NT.sum().clamp(min=1)), "logprob_gap/max": float(gap_NT.max())}
+    samp_BT = torch.zeros_like(mask_BT)
+    for b, c in enumerate(comps):
+        samp_BT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=samp_BT.dtype)
+    gap_BT = (logp_BT.detach() - samp_BT).abs() * mask_BT
+    return {"logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)), "logprob_gap/max": float(gap_BT.max())}
 
 
 def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen) -> dict[str, float]:
     """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss and estimator.
 
-    With ``old_logprobs="rollout"`` the first mini-batch's forward (still on-policy) also gives the
-    trainer-vs-sampler gap metrics, so no extra forward is spent on them.
+    The first mini-batch's forward is on-policy (no step taken yet): it gives the trainer-vs-sampler
+    gap metrics, and the old logprobs of its rows when :func:`old_logprobs` left them out.
     """
     adv_N, adv_metrics = ADVANTAGES.get(cfg.advantage)(ro.rewards_N, cfg.group_size, scale=cfg.scale_rewards)
     loss_fn = LOSSES.get(cfg.loss)
@@ -141,16 +158,17 @@ def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfi
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
-    lengths_N = torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in ro.completions])
-    for k, idx in enumerate(minibatches(lengths_N, cfg.mini_batches, cfg.minibatch_order, gen)):
+    if ro.batches is None:
+        lengths_N = torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in ro.completions])
+        ro.batches = minibatches(lengths_N, cfg.mini_batches, cfg.minibatch_order, gen)
+    for k, idx in enumerate(ro.batches):
         comps = [ro.completions[i] for i in idx]
         batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)
         logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
-        old_BT = ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(device)
-        if k == 0 and cfg.old_logprobs == "rollout":
-            gap_BT = (logp_BT.detach() - old_BT).abs() * batch.mask_BT
-            extra = {"logprob_gap/mean": float(gap_BT.sum() / batch.mask_BT.sum().clamp(min=1)),
-                     "logprob_gap/max": float(gap_BT.max())}
+        if k == 0:
+            extra = _sampler_gap(logp_BT.cpu(), comps, batch.mask_BT.cpu())
+        old_BT = (logp_BT.detach() if k == 0 and ro.first_batch_on_policy
+                  else ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(device))
         loss, m = loss_fn(logp_BT, old_BT, adv_N[idx].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

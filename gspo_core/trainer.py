@@ -129,7 +129,7 @@ class Trainer:
         with t.phase("reward"):
             m = S.score(self.reward_fn, ro, cfg)
         with t.phase("old_logprobs"):
-            m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp))
+            m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp, gen))
         with t.phase("train"):
             m.update(S.update(self.model, self.optimizer, self.scheduler, ro, self.pad_id, cfg, self.amp, gen))
         with t.phase("weight_sync"):
