@@ -88,6 +88,17 @@ def minibatches(lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generato
     return [chunks[i] for i in torch.randperm(len(chunks), generator=gen)]
 
 
+def _lengths_N(comps: list[Completion]) -> torch.Tensor:
+    """Prompt + completion tokens of each rollout row ``[N]``."""
+    return torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in comps])
+
+
+def _draw_batches(ro: Rollout, cfg: GSPOConfig, gen: torch.Generator) -> None:
+    """Draw ``ro.batches`` (the update's mini-batch split) unless it is drawn already."""
+    if ro.batches is None:
+        ro.batches = minibatches(_lengths_N(ro.completions), cfg.mini_batches, cfg.minibatch_order, gen)
+
+
 #: Token budget of one no-grad forward: the whole rollout goes in one batch unless it is larger.
 OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
 
@@ -111,8 +122,7 @@ def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: tor
     """
     comps = ro.completions
     if gen is not None:
-        lengths_N = torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in comps])
-        ro.batches = minibatches(lengths_N, cfg.mini_batches, cfg.minibatch_order, gen)
+        _draw_batches(ro, cfg, gen)
     T = max(1, max(len(c.completion_ids) for c in comps))
     ro.old_logp_NT = torch.zeros(len(comps), T)
     if cfg.old_logprobs == "rollout":
@@ -124,7 +134,7 @@ def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: tor
         rows = torch.arange(len(comps))
     else:  # one mini-batch: nothing left to recompute
         rows = torch.cat(ro.batches[1:]) if len(ro.batches) > 1 else torch.zeros(0, dtype=torch.long)
-    tokens = sum(len(comps[i].prompt_ids) + len(comps[i].completion_ids) for i in rows.tolist())
+    tokens = int(_lengths_N(comps)[rows].sum())
     chunks = rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))) if len(rows) else []
     device = next(model.parameters()).device
     with torch.inference_mode():
@@ -158,9 +168,7 @@ def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfi
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
-    if ro.batches is None:
-        lengths_N = torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in ro.completions])
-        ro.batches = minibatches(lengths_N, cfg.mini_batches, cfg.minibatch_order, gen)
+    _draw_batches(ro, cfg, gen)
     for k, idx in enumerate(ro.batches):
         comps = [ro.completions[i] for i in idx]
         batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)

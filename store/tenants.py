@@ -41,13 +41,17 @@ def create_tenant_and_key(s: Session, name: str) -> tuple[Tenant, str]:
     return tenant, plaintext
 
 
+def _live_key(plaintext: str) -> tuple:
+    """WHERE clauses on ``ApiKey``: this key, not revoked."""
+    return ApiKey.key_hash == hash_key(plaintext), ApiKey.revoked_at.is_(None)
+
+
 def authenticate(s: Session, plaintext: str) -> Tenant | None:
     """The tenant of a valid, unrevoked key, else None."""
     if not plaintext:
         return None
     # One query: it runs on every request.
-    return s.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id)
-                    .where(ApiKey.key_hash == hash_key(plaintext), ApiKey.revoked_at.is_(None)))
+    return s.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(*_live_key(plaintext)))
 
 
 def owned_by_key(s: Session, model, row_id: str, plaintext: str):
@@ -55,7 +59,7 @@ def owned_by_key(s: Session, model, row_id: str, plaintext: str):
     if not plaintext:
         return None
     return s.scalar(select(model).join(ApiKey, ApiKey.tenant_id == model.tenant_id)
-                    .where(model.id == row_id, ApiKey.key_hash == hash_key(plaintext), ApiKey.revoked_at.is_(None)))
+                    .where(model.id == row_id, *_live_key(plaintext)))
 
 
 def revoke_key(s: Session, key_id_or_plaintext: str) -> bool:

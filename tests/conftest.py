@@ -62,6 +62,19 @@ def pg_database():
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def empty_database_url(request, tmp_path) -> str:
+    """For a fixture parametrized over ``sqlite``/``postgresql``: a migrated, empty database."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'nested' / 'gspo.db'}"
+        from store.db import run_migrations
+
+        run_migrations(url)
+        return url
+    url = request.getfixturevalue("pg_database")
+    truncate_all(url)
+    return url
+
+
 def truncate_all(url: str) -> None:
     """Each test starts from empty tables (the migrated schema is kept)."""
     from sqlalchemy import create_engine, text

@@ -12,7 +12,7 @@ import torch
 class SamplingSpec:
     """How to sample: ``n`` completions per prompt of at most ``max_tokens`` tokens.
 
-    ``logprobs``: return the sampler's per-token logprobs. Asking costs vLLM a third or more of its
+    ``logprobs``: return the sampler's per-token logprobs. Asking cost vLLM about a quarter of its
     tokens/s on CPU (measured on the 55 M model), so the trainer asks only when it uses them.
     """
 

@@ -8,22 +8,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gspo_core.toy import build_tiny_model, write_toy_dataset
-from store.db import run_migrations
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
-from tests.conftest import truncate_all
+from tests.conftest import empty_database_url
 
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def settings(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'gspo.db'}"
-        run_migrations(url)
-    else:
-        url = request.getfixturevalue("pg_database")
-        truncate_all(url)
-    return Settings(data_dir=tmp_path, database_url=url, models_dir=tmp_path / "models", max_upload_bytes=200_000,
+    return Settings(data_dir=tmp_path, database_url=empty_database_url(request, tmp_path),
+                    models_dir=tmp_path / "models", max_upload_bytes=200_000,
                     max_file_rows=500, max_active_jobs_per_tenant=3)
 
 

@@ -61,14 +61,18 @@ def test_symlinks_out_of_the_models_dir_are_refused(client, app, settings, auth,
         assert s.scalar(select(func.count()).select_from(Job)) == 0
 
 
-def test_broker_down_is_503_and_creates_no_job(settings, toy_dataset):
+def _app_with_key(settings: Settings, tenant_prefix: str):
+    """An app on ``settings`` and the auth header of a new tenant's key."""
     from api.app import create_app
 
-    down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
-    app = create_app(down)
+    app = create_app(settings)
     with app.state.db.session() as s:
-        _, key = create_tenant_and_key(s, f"nobroker-{uuid.uuid4().hex[:6]}")
-    h = {"Authorization": f"Bearer {key}"}
+        _, key = create_tenant_and_key(s, f"{tenant_prefix}-{uuid.uuid4().hex[:6]}")
+    return app, {"Authorization": f"Bearer {key}"}
+
+
+def test_broker_down_is_503_and_creates_no_job(settings, toy_dataset):
+    app, h = _app_with_key(settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}), "nobroker")
     try:
         with TestClient(app) as c:
             fid = c.post("/v1/files", files={"file": ("t.jsonl", toy_dataset)}, headers=h).json()["id"]
@@ -138,18 +142,13 @@ class TcpProxy:
 
 
 def test_database_down_is_503_and_recovers_by_itself(pg_database, tmp_path):
-    from api.app import create_app
     from sqlalchemy.engine import make_url
 
     url = make_url(pg_database)
     proxy = TcpProxy((url.host, url.port or 5432))
     proxy.start()
-    settings = Settings(data_dir=tmp_path, database_url=url.set(port=proxy.port).render_as_string(False),
-                        models_dir=tmp_path / "models")
-    app = create_app(settings)
-    with app.state.db.session() as s:
-        _, key = create_tenant_and_key(s, f"outage-{uuid.uuid4().hex[:6]}")
-    h = {"Authorization": f"Bearer {key}"}
+    app, h = _app_with_key(Settings(data_dir=tmp_path, database_url=url.set(port=proxy.port).render_as_string(False),
+                                    models_dir=tmp_path / "models"), "outage")
     try:
         with TestClient(app) as c:
             assert c.get("/v1/jobs", headers=h).status_code == 200

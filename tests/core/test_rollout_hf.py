@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -166,11 +167,16 @@ def test_importing_the_package_does_not_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_logprobs_only_when_asked(engine, prompts):
-    spec = SamplingSpec(n=3, max_tokens=6, ignore_eos=True, seed=21)
+def check_logprobs_only_when_asked(engine, prompts, max_tokens: int) -> None:
+    """Without logprobs the same seeded samples come back (only the logprob output is skipped)."""
+    spec = SamplingSpec(n=3, max_tokens=max_tokens, ignore_eos=True, seed=21)
     with_lp = engine.generate(prompts, spec)
-    without = engine.generate(prompts, SamplingSpec(n=3, max_tokens=6, ignore_eos=True, seed=21, logprobs=False))
+    without = engine.generate(prompts, replace(spec, logprobs=False))
     for g_a, g_b in zip(with_lp, without):
         for a, b in zip(g_a, g_b):
-            assert len(a.logprobs) == len(a.completion_ids) == 6 and b.logprobs == []
+            assert len(a.logprobs) == len(a.completion_ids) == max_tokens and b.logprobs == []
             assert a.completion_ids == b.completion_ids
+
+
+def test_logprobs_only_when_asked(engine, prompts):
+    check_logprobs_only_when_asked(engine, prompts, 6)

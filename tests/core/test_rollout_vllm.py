@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from gspo_core.config import GSPOConfig
 from gspo_core.policy import export_weights, load_policy
 from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
-from tests.core.test_rollout_hf import check_contract, reference_logprobs
+from tests.core.test_rollout_hf import check_contract, check_logprobs_only_when_asked, reference_logprobs
 
 pytestmark = pytest.mark.vllm
 DEVICE = torch.device("cpu")
@@ -48,6 +46,19 @@ def perturbed(tiny_model_dir, scale=0.05, seed=0):
         for p in fresh.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * scale)
     return fresh
+
+
+def assert_push_samples_from(engine, new, old, prompt: list[int], spec: SamplingSpec) -> None:
+    """Push ``new``: the engine's logprobs are ``new``'s (1e-5) and far from ``old``'s; then ``old``
+    goes back in (the engine is shared by the module)."""
+    try:
+        engine.load_weights(export_weights(new))
+        c = engine.generate([prompt], spec)[0][0]
+        got = torch.tensor(c.logprobs)
+        assert torch.allclose(got, reference_logprobs(new, prompt, c.completion_ids), atol=1e-5)
+        assert (got - reference_logprobs(old, prompt, c.completion_ids)).abs().max() > 1e-2
+    finally:
+        engine.load_weights(export_weights(old))
 
 
 def long_prompt(engine, tok) -> list[int]:
@@ -101,15 +112,7 @@ def test_weight_push_takes_effect_and_resets_prefix_cache(engine, policy, tiny_m
     before = engine.generate([prompt], spec)[0][0]
     assert torch.allclose(torch.tensor(before.logprobs), reference_logprobs(model, prompt, before.completion_ids),
                           atol=1e-4)
-    new = perturbed(tiny_model_dir)
-    try:
-        engine.load_weights(export_weights(new))
-        after = engine.generate([prompt], spec)[0][0]
-        got = torch.tensor(after.logprobs)
-        assert torch.allclose(got, reference_logprobs(new, prompt, after.completion_ids), atol=1e-5)
-        assert (got - reference_logprobs(model, prompt, after.completion_ids)).abs().max() > 1e-2
-    finally:
-        engine.load_weights(export_weights(model))
+    assert_push_samples_from(engine, perturbed(tiny_model_dir), model, prompt, spec)
     back = engine.generate([prompt], spec)[0][0]
     assert back.completion_ids == before.completion_ids
     assert torch.allclose(torch.tensor(back.logprobs), torch.tensor(before.logprobs), atol=1e-5)
@@ -125,16 +128,8 @@ def test_lora_push_sends_the_merged_weights(engine, policy, tiny_model_dir):
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     lora.eval()
-    prompt = tok("say c:")["input_ids"]
     spec = SamplingSpec(n=1, max_tokens=8, ignore_eos=True, seed=9)
-    try:
-        engine.load_weights(export_weights(lora))
-        c = engine.generate([prompt], spec)[0][0]
-        got = torch.tensor(c.logprobs)
-        assert torch.allclose(got, reference_logprobs(lora, prompt, c.completion_ids), atol=1e-5)
-        assert (got - reference_logprobs(model, prompt, c.completion_ids)).abs().max() > 1e-2
-    finally:
-        engine.load_weights(export_weights(model))
+    assert_push_samples_from(engine, lora, model, tok("say c:")["input_ids"], spec)
 
 
 def test_the_cache_reset_is_what_keeps_long_prompts_fresh(engine, policy, tiny_model_dir):
@@ -164,11 +159,4 @@ def test_sleep_and_wake_keep_the_engine_usable(engine, prompts):
 
 
 def test_logprobs_only_when_asked(engine, prompts):
-    """Without logprobs the same seeded samples come back (only the costly logprob output is skipped)."""
-    spec = SamplingSpec(n=3, max_tokens=8, ignore_eos=True, seed=21)
-    with_lp = engine.generate(prompts, spec)
-    without = engine.generate(prompts, replace(spec, logprobs=False))
-    for g_a, g_b in zip(with_lp, without):
-        for a, b in zip(g_a, g_b):
-            assert len(a.logprobs) == len(a.completion_ids) == 8 and b.logprobs == []
-            assert a.completion_ids == b.completion_ids
+    check_logprobs_only_when_asked(engine, prompts, 8)

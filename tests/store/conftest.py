@@ -6,21 +6,15 @@ import uuid
 
 import pytest
 
-from store.db import Database, run_migrations
+from store.db import Database
 from store.models import File, Job
 from store.tenants import create_tenant_and_key
-from tests.conftest import truncate_all
+from tests.conftest import empty_database_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'nested' / 'gspo.db'}"
-        run_migrations(url)
-    else:
-        url = request.getfixturevalue("pg_database")
-        truncate_all(url)
-    database = Database(url)
+    database = Database(empty_database_url(request, tmp_path))
     yield database
     database.dispose()
 

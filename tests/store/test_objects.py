@@ -6,7 +6,6 @@ import httpx
 import pytest
 
 from store.objects import BadKey, LocalObjectStore, S3ObjectStore, get_dir, put_dir
-from store.settings import Settings
 
 
 @pytest.fixture(params=["local", "s3"])
