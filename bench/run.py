@@ -23,8 +23,11 @@ from bench.workload import SHAPE_NAMES, Workload
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-TRAINERS = ("ours", "ours-rollout-lp", "trl")
-"""``ours-rollout-lp``: ours with ``old_logprobs="rollout"`` (the sampler's logprobs, no recompute)."""
+OURS = {"ours": "auto", "ours-recompute": "recompute", "ours-rollout-lp": "rollout"}
+"""Our variants by their ``old_logprobs``: ``ours`` is the default (``auto``: the sampler's logprobs,
+checked every step), ``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts
+the sampler unchecked."""
+TRAINERS = (*OURS, "trl")
 
 
 def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.one == "trl":
             res = run_trl(w, Path(a.root), a.trl_engine)
         else:
-            res = run_ours(w, Path(a.root), a.engine, "rollout" if a.one == "ours-rollout-lp" else "recompute")
+            res = run_ours(w, Path(a.root), a.engine, OURS[a.one])
         print(json.dumps({**res, "name": a.one}))
         return 0
     w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts, seed=a.seed)

@@ -15,7 +15,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(w: Workload, root: Path, engine: str = "auto", old_logprobs: str = "recompute") -> dict:
+def run_ours(w: Workload, root: Path, engine: str = "auto", old_logprobs: str = "auto") -> dict:
     """gspo_core.trainer.train on the workload; phases come from its own ``time/*`` metrics."""
     from gspo_core.callbacks import Callbacks
     from gspo_core.config import GSPOConfig, JobSpec

@@ -13,8 +13,10 @@ def group_norm(rewards_B: torch.Tensor, group_size: int, scale: bool = True, eps
 
     ``rewards_B`` holds ``B = num_groups * group_size`` rewards, each group contiguous. With
     ``scale=False`` the std division is skipped (Dr. GRPO style). Returns ``(adv_B, metrics)``
-    where ``reward/frac_zero_std`` is the fraction of groups whose rewards are all equal (they
-    carry no learning signal).
+    where ``reward/frac_zero_std`` is the fraction of groups whose rewards are all equal: they carry
+    no learning signal, and their advantages are exactly 0 (``r - mean`` alone would leave float
+    rounding, e.g. up to 0.1 for twelve rewards of 0.7 divided by ``std + eps``, a push in an
+    arbitrary direction; exact zeros also let the update skip those rows).
     """
     if rewards_B.dim() != 1 or rewards_B.numel() % group_size:
         raise ValueError(f"rewards_B: expected a flat tensor of groups of {group_size}, got shape {tuple(rewards_B.shape)}")
@@ -24,5 +26,6 @@ def group_norm(rewards_B: torch.Tensor, group_size: int, scale: bool = True, eps
     adv_GN = r_GN - mean_G1
     if scale:
         adv_GN = adv_GN / (std_G1 + eps)
-    zero_std = (std_G1.squeeze(-1) < 1e-8).float()
-    return adv_GN.reshape(-1), {"reward/frac_zero_std": float(zero_std.mean())}
+    tied_G1 = (r_GN == r_GN[:, :1]).all(-1, keepdim=True)
+    adv_GN = adv_GN.masked_fill(tied_G1, 0.0)
+    return adv_GN.reshape(-1), {"reward/frac_zero_std": float(tied_G1.float().mean())}

@@ -43,9 +43,15 @@ class GSPOConfig(BaseModel):
     minibatch_order: Literal["length", "random"] = Field(
         "length", description="length = rows of similar length share a mini-batch (less padding; batch "
         "order still random); random = a random split.")
-    old_logprobs: Literal["recompute", "rollout"] = Field(
-        "recompute", description="Old-policy logprobs: trainer forward before updates, or the sampler's."
-    )
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+        "auto", description="Old-policy logprobs. recompute: a trainer forward before the updates. rollout: the "
+        "sampler's, unchecked. auto: the sampler's, checked every step against the first update's own on-policy "
+        "forward; a step where some sequence's mean logprob differs by more than rollout_logprob_tol recomputes "
+        "them before its first optimizer step, and the later steps recompute.")
+    rollout_logprob_tol: float = Field(
+        1e-5, ge=0.0, le=1.0, description="old_logprobs=auto: the largest accepted |mean over a sequence's "
+        "tokens of (trainer - sampler) logprob|, i.e. error in log s_i; 30x under the 3e-4 clip range. Same-"
+        "precision (fp32) samplers measure ~1e-7, bf16 ones ~1e-3.")
     logprob_gap_every: int = Field(
         10, ge=0, le=1_000_000, description="With old_logprobs=recompute, ask the sampler for its logprobs on "
         "step 1 and every N steps to report logprob_gap/* (a stale or broken weight push shows there); 0 = never. "

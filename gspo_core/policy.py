@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from gspo_core.config import GSPOConfig
+from gspo_core.token_logprobs import token_logprobs
 
 
 def pick_device() -> torch.device:
@@ -101,7 +102,9 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float,
     """Log-probs ``[B, T]`` of the completion tokens under ``log_softmax(logits / temperature)``.
 
     The LM head runs only on completion positions (not the prompt), which saves most of the
-    vocabulary projection. With ``with_entropy`` also returns the mean token entropy (detached).
+    vocabulary projection; the log-softmax, gather and entropy run fused, block by block
+    (:mod:`gspo_core.token_logprobs`). With ``with_entropy`` also returns the mean token entropy
+    (detached).
     """
     trunk, head = _trunk_and_head(model)
     device_type = batch.input_BL.device.type
@@ -109,14 +112,13 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float,
         hidden_BLH = trunk(input_ids=batch.input_BL, attention_mask=batch.attn_BL, use_cache=False).last_hidden_state
         idx_BTH = batch.pos_BT.unsqueeze(-1).expand(-1, -1, hidden_BLH.size(-1))
         hidden_BTH = hidden_BLH.gather(1, idx_BTH)
-        logits_BTV = head(hidden_BTH).float() / temperature
-    logp_all_BTV = torch.log_softmax(logits_BTV, dim=-1)
-    logp_BT = logp_all_BTV.gather(-1, batch.target_BT.unsqueeze(-1)).squeeze(-1) * batch.mask_BT
+        z_BTV = head(hidden_BTH).float()
+    B, T, V = z_BTV.shape
+    logp_N, ent_N = token_logprobs(z_BTV.reshape(B * T, V), batch.target_BT.reshape(-1), temperature, with_entropy)
+    logp_BT = logp_N.view(B, T) * batch.mask_BT
     if not with_entropy:
         return logp_BT
-    with torch.no_grad():
-        ent_BT = -(logp_all_BTV.exp() * logp_all_BTV).sum(-1)
-        entropy = float((ent_BT * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
+    entropy = float((ent_N.view(B, T) * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
     return logp_BT, entropy
 
 

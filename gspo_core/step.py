@@ -27,6 +27,10 @@ class Rollout:
     old_logp_NT: torch.Tensor | None = None
     batches: list[torch.Tensor] | None = None  # the mini-batch split (row indices), once drawn
     first_batch_on_policy: bool = False  # old logprobs of batches[0] come from the update's own forward
+    verify_sampler: bool = False  # old_logprobs=auto: old_logp_NT holds the sampler's, checked in update()
+    recomputed: bool = False  # auto's check failed: old_logp_NT was recomputed before the first optimizer step
+    adv_N: torch.Tensor | None = None  # advantages (see advantages())
+    adv_metrics: dict = field(default_factory=dict)
 
 
 class Timer(dict):
@@ -104,37 +108,23 @@ OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
 
 
 def sampler_logprobs_needed(cfg: GSPOConfig, step: int) -> bool:
-    """Whether step ``step`` (1-based) asks the sampler for logprobs: always when they are the old
-    policy's, else on the first step and every ``logprob_gap_every`` steps, for the gap metrics."""
+    """Whether step ``step`` (1-based) asks the sampler for logprobs: always when they serve as the
+    old policy's, else on the first step and every ``logprob_gap_every`` steps, for the gap metrics.
+    (With one mini-batch ``auto`` needs none: every row's old logprobs come from its on-policy forward.)"""
     every = cfg.logprob_gap_every
-    return cfg.old_logprobs == "rollout" or (every > 0 and (step == 1 or step % every == 0))
+    return (cfg.old_logprobs == "rollout" or (cfg.old_logprobs == "auto" and cfg.mini_batches > 1)
+            or (every > 0 and (step == 1 or step % every == 0)))
 
 
-def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: torch.Generator | None = None
-                 ) -> dict[str, float]:
-    """Old-policy logprobs ``ro.old_logp_NT`` ``[N, T]`` (0 on padding).
+def _has_sampler_logprobs(comps: list[Completion]) -> bool:
+    return all(len(c.logprobs) == len(c.completion_ids) for c in comps)
 
-    ``rollout``: the sampler's own. ``recompute``: a batched no-grad forward (split only past
-    :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens). Given ``gen``, the mini-batch split is drawn
-    here (``ro.batches``) and the first mini-batch's rows are left out: the update's first forward
-    runs before any optimizer step, so its detached logprobs are exactly the old policy's
-    (``ro.first_batch_on_policy``) -- a quarter of the pass saved at the default 4 mini-batches.
-    """
+
+def _recompute(model, ro: Rollout, rows: torch.Tensor, pad_id: int, cfg: GSPOConfig, amp) -> None:
+    """Fill ``ro.old_logp_NT[rows]`` with batched no-grad forwards of the current weights (split only
+    past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
     comps = ro.completions
-    if gen is not None:
-        _draw_batches(ro, cfg, gen)
-    T = max(1, max(len(c.completion_ids) for c in comps))
-    ro.old_logp_NT = torch.zeros(len(comps), T)
-    if cfg.old_logprobs == "rollout":
-        for b, c in enumerate(comps):
-            ro.old_logp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return {}
-    ro.first_batch_on_policy = ro.batches is not None
-    if not ro.first_batch_on_policy:
-        rows = torch.arange(len(comps))
-    else:  # one mini-batch: nothing left to recompute
-        rows = torch.cat(ro.batches[1:]) if len(ro.batches) > 1 else torch.zeros(0, dtype=torch.long)
-    tokens = int(_lengths_N(comps)[rows].sum())
+    tokens = int(_lengths_N(comps)[rows].sum()) if len(rows) else 0
     chunks = rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))) if len(rows) else []
     device = next(model.parameters()).device
     with torch.inference_mode():
@@ -142,12 +132,58 @@ def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: tor
             sub = pack([comps[i].prompt_ids for i in idx], [comps[i].completion_ids for i in idx], pad_id)
             lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
             ro.old_logp_NT[idx, : lp.size(1)] = lp * sub.mask_BT
+
+
+def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: torch.Generator | None = None
+                 ) -> dict[str, float]:
+    """Old-policy logprobs ``ro.old_logp_NT`` ``[N, T]`` (0 on padding).
+
+    ``rollout``: the sampler's own. ``auto``: the sampler's too, marked for :func:`update` to check
+    against its first, on-policy forward (``ro.verify_sampler``). ``recompute`` (and ``auto`` without
+    a mini-batch split or sampler logprobs): batched no-grad forwards. Given ``gen``, the mini-batch
+    split is drawn here (``ro.batches``) and the first mini-batch's rows are left out: the update's
+    first forward runs before any optimizer step, so its detached logprobs are exactly the old
+    policy's (``ro.first_batch_on_policy``) -- a quarter of the pass saved at 4 mini-batches.
+    """
+    comps = ro.completions
+    if gen is not None:
+        _draw_batches(ro, cfg, gen)
+    T = max(1, max(len(c.completion_ids) for c in comps))
+    ro.old_logp_NT = torch.zeros(len(comps), T)
+    auto = cfg.old_logprobs == "auto" and ro.batches is not None and len(ro.batches) > 1
+    if cfg.old_logprobs == "rollout" or (auto and _has_sampler_logprobs(comps)):
+        for b, c in enumerate(comps):
+            ro.old_logp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        ro.first_batch_on_policy = ro.verify_sampler = cfg.old_logprobs == "auto"
+        return {}
+    ro.first_batch_on_policy = ro.batches is not None
+    if not ro.first_batch_on_policy:
+        rows = torch.arange(len(comps))
+    else:  # one mini-batch: nothing left to recompute; 0-advantage rows are left out of the update
+        rows = (_with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0]) if len(ro.batches) > 1
+                else torch.zeros(0, dtype=torch.long))
+    _recompute(model, ro, rows, pad_id, cfg, amp)
     return {}
+
+
+def _check_sampler(model, ro: Rollout, idx: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                   pad_id: int, cfg: GSPOConfig, amp) -> dict[str, float]:
+    """``old_logprobs=auto``: the largest per-sequence error in ``log s_i`` the sampler's logprobs would
+    cause, measured on mini-batch 0's on-policy forward ``logp_BT`` ``[B, T]``. Past
+    ``cfg.rollout_logprob_tol`` the other mini-batches' old logprobs are recomputed now, while the
+    weights are still the ones that sampled."""
+    samp_BT = ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(logp_BT.device)
+    err_B = ((logp_BT.detach() - samp_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
+    err = float(err_B.max()) if err_B.numel() else 0.0
+    if err > cfg.rollout_logprob_tol:
+        _recompute(model, ro, _with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0]), pad_id, cfg, amp)
+        ro.recomputed = True
+    return {"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(ro.recomputed)}
 
 
 def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.Tensor) -> dict[str, float]:
     """Trainer-vs-sampler logprob gap on an on-policy forward, when the sampler returned its own."""
-    if any(len(c.logprobs) != len(c.completion_ids) for c in comps):
+    if not _has_sampler_logprobs(comps):
         return {}  # not asked for this step (sampler_logprobs_needed)
     samp_BT = torch.zeros_like(mask_BT)
     for b, c in enumerate(comps):
@@ -156,38 +192,78 @@ def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.
     return {"logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)), "logprob_gap/max": float(gap_BT.max())}
 
 
+def advantages(ro: Rollout, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """``adv_N`` of the registered estimator and its metrics, computed once per rollout."""
+    if ro.adv_N is None:
+        ro.adv_N, ro.adv_metrics = ADVANTAGES.get(cfg.advantage)(ro.rewards_N, cfg.group_size,
+                                                                 scale=cfg.scale_rewards)
+    return ro.adv_N, ro.adv_metrics
+
+
+def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
+    """The rows of ``idx`` whose advantage is not exactly 0. (Every registered loss is a sum of
+    per-row terms times the row's advantage, with no KL: a 0-advantage row has a zero gradient.)"""
+    a = adv_N[idx]
+    return idx[(a != 0) if a.dim() == 1 else (a != 0).any(-1)]
+
+
+def _minibatch_loss(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
+                    amp) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    """Forward of mini-batch ``k``'s rows ``idx`` and their loss, scaled as a mean over all ``n_rows``
+    rows of the mini-batch (the left-out ones add 0). Returns ``(loss, loss metrics, step-0 extras)``."""
+    device = next(model.parameters()).device
+    adv_N, _ = advantages(ro, cfg)
+    comps = [ro.completions[i] for i in idx]
+    batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)
+    logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
+    extra: dict[str, float] = {}
+    if k == 0:
+        extra = _sampler_gap(logp_BT.cpu(), comps, batch.mask_BT.cpu())
+        if ro.verify_sampler:
+            extra.update(_check_sampler(model, ro, idx, logp_BT, batch.mask_BT, pad_id, cfg, amp))
+    old_BT = (logp_BT.detach() if k == 0 and ro.first_batch_on_policy
+              else ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(device))
+    loss, m = LOSSES.get(cfg.loss)(logp_BT, old_BT, adv_N[idx].to(device), batch.mask_BT, cfg.clip_eps_low,
+                                   cfg.clip_eps_high)
+    return loss * (len(idx) / n_rows), {**m, "entropy": entropy}, extra
+
+
 def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen) -> dict[str, float]:
     """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss and estimator.
 
     The first mini-batch's forward is on-policy (no step taken yet): it gives the trainer-vs-sampler
-    gap metrics, and the old logprobs of its rows when :func:`old_logprobs` left them out.
+    gap metrics, and the old logprobs of its rows when :func:`old_logprobs` left them out. In the
+    later mini-batches, rows with a zero advantage (groups whose rewards all tie) are left out of the
+    forward and backward: their gradient is exactly 0, so the update is the same
+    (``update/rows_skipped_frac``); a mini-batch left empty still steps AdamW, with zero gradients.
     """
-    adv_N, adv_metrics = ADVANTAGES.get(cfg.advantage)(ro.rewards_N, cfg.group_size, scale=cfg.scale_rewards)
-    loss_fn = LOSSES.get(cfg.loss)
-    device = next(model.parameters()).device
+    adv_N, adv_metrics = advantages(ro, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
+    skipped = 0
     _draw_batches(ro, cfg, gen)
     for k, idx in enumerate(ro.batches):
-        comps = [ro.completions[i] for i in idx]
-        batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)
-        logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
-        if k == 0:
-            extra = _sampler_gap(logp_BT.cpu(), comps, batch.mask_BT.cpu())
-        old_BT = (logp_BT.detach() if k == 0 and ro.first_batch_on_policy
-                  else ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(device))
-        loss, m = loss_fn(logp_BT, old_BT, adv_N[idx].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high)
+        live = idx if k == 0 else _with_signal(idx, adv_N)
+        skipped += len(idx) - len(live)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if len(live):
+            loss, m, first = _minibatch_loss(model, ro, k, live, len(idx), pad_id, cfg, amp)
+            extra.update(first)
+            loss.backward()
+        else:
+            loss, m = torch.zeros(()), {}
+            for p in params:
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         extra["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
         optimizer.step()
         scheduler.step()
-        for name, v in {**m, "loss": float(loss.detach()), "grad_norm": float(grad_norm), "entropy": entropy}.items():
+        for name, v in {**m, "loss": float(loss.detach()), "grad_norm": float(grad_norm)}.items():
             acc.setdefault(name, []).append(v)
     out = {name: sum(v) / len(v) for name, v in acc.items()}
     out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])
+    out["update/rows_skipped_frac"] = skipped / len(ro.completions)
     return {**out, **extra, **adv_metrics}
 
 

@@ -135,6 +135,8 @@ class Trainer:
             m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp, gen))
         with t.phase("train"):
             m.update(S.update(self.model, self.optimizer, self.scheduler, ro, self.pad_id, cfg, self.amp, gen))
+        if ro.recomputed:
+            self._stop_trusting_sampler(m["old_logprobs/sampler_err_max"])
         with t.phase("weight_sync"):
             self.engine.wake()
             S.push_weights(self.model, self.engine)
@@ -143,6 +145,13 @@ class Trainer:
         m.update(S.completion_metrics(ro), **t, step=float(step), total_steps=float(cfg.steps))
         m["throughput/tokens_per_s"] = tokens / max(t["time/step"], 1e-9)
         return m, S.sample_rows(ro, cfg)
+
+    def _stop_trusting_sampler(self, err: float) -> None:
+        """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
+        precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
+        self.cfg = self.cfg.model_copy(update={"old_logprobs": "recompute"})
+        self.cb.on_log(f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
+                       f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on")
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),

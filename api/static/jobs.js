@@ -2,7 +2,7 @@
 (() => {
   const DEFAULT_REWARD = { type: "string_check", name: "correct", input: "{{sample.output_text}}", reference: "{{item.answer}}", operation: "eq" };
   const DEFAULT_HP = { steps: 20, prompts_per_step: 8, group_size: 8, max_new_tokens: 64, learning_rate: 1e-5 };
-  const GSPO_DEFAULTS = "defaults: clip_eps_low 3e-4, clip_eps_high 4e-4, mini_batches 4, loss gspo, advantage group_norm, beta 0, old_logprobs recompute";
+  const GSPO_DEFAULTS = "defaults: clip_eps_low 3e-4, clip_eps_high 4e-4, mini_batches 4, loss gspo, advantage group_norm, beta 0, old_logprobs auto";
 
   function sparkline(values) {
     if (!values.length) return "";

@@ -40,3 +40,13 @@ def test_rewards_not_a_multiple_of_the_group_size_are_refused():
         group_norm(torch.zeros(5), 4)
     with pytest.raises(KeyError, match="known: group_norm"):
         ADVANTAGES.get("nope")
+
+
+@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("value", [0.3, 0.7, 1 / 3])
+def test_tied_groups_are_exactly_zero_whatever_the_rounding(value, scale):
+    """r - mean of twelve 0.7s is ~1e-7, not 0: divided by std + 1e-6 it was a push of up to 0.1."""
+    r = torch.cat([torch.full((12,), value), torch.linspace(0, 1, 12)])
+    adv, m = group_norm(r, 12, scale=scale)
+    assert torch.all(adv[:12] == 0) and m["reward/frac_zero_std"] == 0.5
+    assert adv[12:].abs().min() > 0

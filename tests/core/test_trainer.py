@@ -28,14 +28,15 @@ REQUIRED_METRICS = [
     "ratio/mean", "ratio/min", "ratio/max", "loss", "grad_norm", "lr", "entropy", "completion/len_mean",
     "completion/len_max", "completion/truncated_frac", "logprob_gap/mean", "logprob_gap/max",
     "grader_errors/match", "time/rollout", "time/reward", "time/old_logprobs", "time/train", "time/weight_sync",
-    "time/step", "throughput/tokens_per_s", "step", "total_steps",
+    "time/step", "throughput/tokens_per_s", "step", "total_steps", "update/rows_skipped_frac",
 ]
 
 
 def test_metrics_samples_eval_and_checkpoints(tiny_model_dir, tmp_path):
     rec = Recorder()
     val = write_toy_dataset(tmp_path / "val.jsonl", n=8, seed=1)
-    spec = toy_spec(tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2, logprob_gap_every=2)
+    spec = toy_spec(tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2, logprob_gap_every=2,
+                    old_logprobs="recompute")
     result = train(spec.model_copy(update={"validation_file": str(val)}), rec)
     assert [s for s, _ in rec.steps] == [1, 2, 3, 4] and [s for s, _ in rec.samples] == [1, 2, 3, 4]
     last = rec.steps[-1][1]

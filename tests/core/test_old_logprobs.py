@@ -1,0 +1,147 @@
+"""Where old-policy logprobs come from: recompute, the sampler's, and ``auto`` (the sampler's, checked)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gspo_core import step as S
+from gspo_core.config import GSPOConfig
+from gspo_core.policy import load_policy
+from gspo_core.rollout import SamplingSpec, make_engine
+from gspo_core import trainer as T
+from gspo_core.trainer import make_optimizer, train
+from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+CFG = GSPOConfig(group_size=4, max_new_tokens=6, mini_batches=4, learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_model_dir):
+    """The tiny policy and one real rollout of it (transformers engine, sampler logprobs asked)."""
+    model, tok = load_policy(str(tiny_model_dir), CFG, torch.device("cpu"))
+    eng = make_engine("transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
+                      max_model_len=64)
+    prompts = [f"say {c}:" for c in "abcd"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    groups = eng.generate(ids, SamplingSpec(n=CFG.group_size, max_tokens=CFG.max_new_tokens, seed=0, logprobs=True))
+    comps = [c for g in groups for c in g]
+    rewards_N = torch.rand(len(comps), generator=torch.Generator().manual_seed(0))
+    return model, tok.pad_token_id, comps, rewards_N
+
+
+def _step(sampled, mode: str, logprob_bias: float = 0.0):
+    """old_logprobs + update of a fresh copy of the policy in ``mode``; returns (rollout, metrics, model)."""
+    model0, pad_id, comps, rewards_N = sampled
+    model = copy.deepcopy(model0)
+    comps = [replace(c, logprobs=[lp + logprob_bias for lp in c.logprobs]) for c in comps]
+    ro = S.Rollout(rows=[{}] * 4, prompts=[""] * 4, completions=comps, rewards_N=rewards_N)
+    cfg = CFG.model_copy(update={"old_logprobs": mode})
+    opt, sched = make_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    S.old_logprobs(model, ro, pad_id, cfg, None, gen)
+    return ro, S.update(model, opt, sched, ro, pad_id, cfg, None, gen), model
+
+
+def test_auto_takes_the_sampler_logprobs_when_they_match_the_trainer(sampled):
+    ref, ref_m, _ = _step(sampled, "recompute")
+    ro, m, _ = _step(sampled, "auto")
+    assert ro.verify_sampler and ro.first_batch_on_policy and not ro.recomputed
+    assert m["old_logprobs/recomputed"] == 0.0 and m["old_logprobs/sampler_err_max"] < CFG.rollout_logprob_tol
+    later = torch.cat(ro.batches[1:])
+    # fp32 sampler and trainer: the same numbers up to rounding, so the update is the recompute one
+    torch.testing.assert_close(ro.old_logp_NT[later], ref.old_logp_NT[later], atol=1e-5, rtol=0)
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-5)
+    assert m["ratio/mean"] == pytest.approx(ref_m["ratio/mean"], abs=1e-5)
+
+
+def test_auto_recomputes_before_any_update_when_the_sampler_is_off(sampled):
+    """A sampler off by 1e-3 a token (as bf16 sampling is): the check fails on mini-batch 0's forward,
+    and the step becomes exactly the recompute step (same old logprobs, same weights after)."""
+    _, ref_m, ref_model = _step(sampled, "recompute")
+    ro, m, model = _step(sampled, "auto", logprob_bias=1e-3)
+    assert ro.recomputed and m["old_logprobs/recomputed"] == 1.0
+    assert m["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+    assert m["loss"] == ref_m["loss"]
+
+
+def test_rollout_mode_trusts_the_sampler_unchecked(sampled):
+    ro, m, _ = _step(sampled, "rollout", logprob_bias=1e-3)
+    assert not ro.verify_sampler and not ro.first_batch_on_policy and "old_logprobs/recomputed" not in m
+    assert ro.old_logp_NT[0, 0] == pytest.approx(ro.completions[0].logprobs[0])
+
+
+class BiasedSampler:
+    """A real engine whose reported logprobs are off by ``bias`` (a sampler in lower precision)."""
+
+    def __init__(self, inner, bias: float) -> None:
+        self.inner, self.bias = inner, bias
+        self.shares_weights, self.asked = inner.shares_weights, []
+
+    def generate(self, prompt_ids, spec):
+        self.asked.append(spec.logprobs)
+        return [[replace(c, logprobs=[lp + self.bias for lp in c.logprobs]) for c in g]
+                for g in self.inner.generate(prompt_ids, spec)]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_auto_turns_to_recompute_for_the_rest_of_the_job(tiny_model_dir, tmp_path):
+    rec = Recorder()
+    tr = T.Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
+    tr.engine = engine = BiasedSampler(tr.engine, 1e-3)
+    try:
+        T._loop(tr)
+    finally:
+        tr.close()
+    assert rec.steps[0][1]["old_logprobs/recomputed"] == 1.0
+    assert all("old_logprobs/recomputed" not in m for _, m in rec.steps[1:])
+    assert engine.asked == [True, False, False]  # then recompute mode, and logprob_gap_every=0 asks for none
+    assert any("recomputing them from now on" in line for line in rec.logs)
+
+
+def test_auto_with_a_matching_sampler_never_recomputes(tiny_model_dir, tmp_path):
+    rec = Recorder()
+    train(toy_spec(tiny_model_dir, tmp_path, steps=2), rec)
+    for _, m in rec.steps:
+        assert m["old_logprobs/recomputed"] == 0.0 and m["old_logprobs/sampler_err_max"] < 1e-5
+
+
+def _tied_step(sampled, monkeypatch, tie_groups: int, skip: bool):
+    """One recompute-mode step where the first ``tie_groups`` groups' rewards all tie."""
+    model0, pad_id, comps, rewards_N = sampled
+    rewards_N = rewards_N.clone()
+    rewards_N[: tie_groups * CFG.group_size] = 0.5
+    if not skip:  # the reference: every row through forward and backward
+        monkeypatch.setattr(S, "_with_signal", lambda idx, adv_N: idx)
+    return _step((model0, pad_id, comps, rewards_N), "recompute")
+
+
+@pytest.mark.parametrize("tie_groups", [2, 4])
+def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(sampled, monkeypatch, tie_groups):
+    ro, m, model = _tied_step(sampled, monkeypatch, tie_groups, skip=True)
+    with monkeypatch.context() as mp:
+        ref_ro, ref_m, ref_model = _tied_step(sampled, mp, tie_groups, skip=False)
+    tied = set(range(tie_groups * CFG.group_size))
+    later = [i for b in ro.batches[1:] for i in b.tolist()]
+    assert m["update/rows_skipped_frac"] == sum(i in tied for i in later) / len(ro.completions) > 0
+    assert ref_m["update/rows_skipped_frac"] == 0
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+    # the tied rows of the later batches got no old-logprob forward either
+    skipped = [i for i in later if i in tied]
+    assert (ro.old_logp_NT[skipped] == 0).all() and (ref_ro.old_logp_NT[skipped] != 0).any()
