@@ -23,10 +23,12 @@ from bench.workload import SHAPE_NAMES, Workload
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-OURS = {"ours": "auto", "ours-recompute": "recompute", "ours-rollout-lp": "rollout"}
-"""Our variants by their ``old_logprobs``: ``ours`` is the default (``auto``: the sampler's logprobs,
-checked every step), ``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts
-the sampler unchecked."""
+OURS = {"ours": {}, "ours-recompute": {"old_logprobs": "recompute"}, "ours-rollout-lp": {"old_logprobs": "rollout"},
+        "ours-noshare": {"share_prompts": False}}
+"""Our variants by what they change of the defaults: ``ours`` is the default (``old_logprobs=auto``: the
+sampler's logprobs, checked every step; prompts shared in the trainer's forwards where that pays);
+``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts the sampler unchecked,
+``ours-noshare`` runs every row's prompt itself."""
 TRAINERS = (*OURS, "trl")
 
 
@@ -72,7 +74,8 @@ def _mean_curve(curves: list[list[float]]) -> list[float]:
 
 
 def markdown(w: Workload, s: dict) -> str:
-    lines = [f"Workload: shape={w.shape}, {w.prompts} prompts x {w.group} samples x {w.tokens} tokens, "
+    lines = [f"Workload: shape={w.shape}, {w.prompts} prompts"
+             f"{f' (+{w.prompt_tokens} tokens of instructions)' if w.prompt_tokens else ''} x {w.group} samples x {w.tokens} tokens, "
              f"{w.updates} updates per rollout batch, {w.steps} steps.", "",
              "| trainer | engine | step s (median) | peak RSS MB | mean reward by step | phases (s, median) |",
              "|---|---|---|---|---|---|"]
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=2, help="runs per trainer, alternating ours/TRL")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prefix every prompt with this many tokens of instructions (default: the 9-token toy prompts)")
     p.add_argument("--seed", type=int, default=0, help="data order and sampling seed of both trainers")
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument("--trl-engine", default="transformers", choices=["transformers", "vllm"],
@@ -134,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.one == "trl":
             res = run_trl(w, Path(a.root), a.trl_engine)
         else:
-            res = run_ours(w, Path(a.root), a.engine, OURS[a.one])
+            res = run_ours(w, Path(a.root), a.engine, **OURS[a.one])
         print(json.dumps({**res, "name": a.one}))
         return 0
-    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts, seed=a.seed)
+    w = Workload(shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts, seed=a.seed,
+                 prompt_tokens=a.prompt_tokens)
     names = a.trainers.split(",")
     if unknown := set(names) - set(TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; known: {', '.join(TRAINERS)}")

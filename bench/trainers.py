@@ -15,8 +15,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(w: Workload, root: Path, engine: str = "auto", old_logprobs: str = "auto") -> dict:
-    """gspo_core.trainer.train on the workload; phases come from its own ``time/*`` metrics."""
+def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict:
+    """gspo_core.trainer.train on the workload, ``overrides`` of GSPOConfig's defaults applied; phases
+    come from its own ``time/*`` metrics."""
     from gspo_core.callbacks import Callbacks
     from gspo_core.config import GSPOConfig, JobSpec
     from gspo_core.rollout import vllm_available
@@ -34,15 +35,18 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", old_logprobs: str = 
 
     cfg = GSPOConfig(steps=w.steps, prompts_per_step=w.prompts, group_size=w.group, max_new_tokens=w.tokens,
                      ignore_eos=w.fixed_length, mini_batches=w.updates, learning_rate=w.lr, seed=w.seed,
-                     rollout_engine=engine, old_logprobs=old_logprobs, samples_per_step=0)
+                     rollout_engine=engine, samples_per_step=0, **overrides)
     spec = JobSpec(model=str(model), training_file=str(data), reward=TOY_REWARD, hyperparameters=cfg,
                    output_dir=str(root / f"out-ours-{engine}"))
     t0 = time.perf_counter()
     train(spec, Rec())
     phases = {k[5:]: [m[k] for m in steps] for k in steps[0] if k.startswith("time/")}
-    return {"trainer": "ours", "engine": engine, "old_logprobs": old_logprobs, "step_s": phases.pop("step"),
+    return {"trainer": "ours", "engine": engine, "overrides": overrides, "step_s": phases.pop("step"),
             "phases": phases, "reward": [m["reward/mean"] for m in steps], "wall_s": time.perf_counter() - t0,
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(),
+            # the update leaves zero-advantage rows (tied groups) out of mini-batches 2..k: say how many
+            "rows_skipped_frac": [m["update/rows_skipped_frac"] for m in steps],
+            "tied_groups_frac": [m["reward/frac_zero_std"] for m in steps]}
 
 
 def _timed(obj, name: str, sink: list[float]) -> None:

@@ -34,6 +34,7 @@ class Workload:
     lr: float = 3e-3
     seed: int = 0
     fixed_length: bool = True
+    prompt_tokens: int = 0  # > 0: every prompt opens with the same instructions, this many characters (= tokens)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -66,5 +67,17 @@ def prepare(w: Workload, root: Path) -> tuple[Path, Path]:
     """Build (once) the model of ``w.shape`` and the toy dataset; returns their paths."""
     out = root / f"model-{w.shape}"
     model = build_tiny_model(out, shape=w.shape, seed=0) if w.shape in TOY_SHAPES else build_qwen(out, w.shape)
-    data = write_toy_dataset(root / "toy.jsonl", n=256, seed=w.seed)
+    data = write_toy_dataset(root / f"toy-p{w.prompt_tokens}.jsonl", n=256, seed=w.seed)
+    if w.prompt_tokens:
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
+        data.write_text("".join(json.dumps({**r, "prompt": instructions(w.prompt_tokens) + r["prompt"]}) + "\n"
+                                for r in rows))
     return model, data
+
+
+def instructions(n: int) -> str:
+    """``n`` characters of a fixed instruction text (one token each with the toy tokenizers): RL prompts
+    carry hundreds of tokens of task statement and format rules, where the toy task's are 9 tokens."""
+    text = ("You are a careful assistant. Read the request below and answer with the requested letter, "
+            "repeated, and nothing else: no spaces, no punctuation, no explanation. ")
+    return (text * (n // len(text) + 1))[:n]

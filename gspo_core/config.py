@@ -40,9 +40,14 @@ class GSPOConfig(BaseModel):
     clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0)
     beta: float = Field(0.0, ge=0.0, le=0.0, description="KL coefficient; GSPO uses none (must be 0).")
     mini_batches: int = Field(4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
-    minibatch_order: Literal["length", "random"] = Field(
-        "length", description="length = rows of similar length share a mini-batch (less padding; batch "
-        "order still random); random = a random split.")
+    minibatch_order: Literal["length", "group", "random"] = Field(
+        "length", description="length = rows of similar length share a mini-batch (less padding; ties keep "
+        "a group's rows together, see share_prompts; batch order still random); group = whole groups, in "
+        "random order; random = a random split.")
+    share_prompts: bool = Field(
+        True, description="In the trainer's forwards, run each prompt once for all its rows in a mini-batch "
+        "(its KV cache indexed out to them) instead of once per row; same values, fewer FLOPs (the prompt "
+        "share of tokens x (G-1)/G). Off with gradient_checkpointing.")
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto", description="Old-policy logprobs. recompute: a trainer forward before the updates. rollout: the "
         "sampler's, unchecked. auto: the sampler's, checked every step against the first update's own on-policy "

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from gspo_core.config import GSPOConfig
+from gspo_core.packing import PackedBatch, SharedPrefixBatch, pack, pack_rows  # noqa: F401  (re-exported)
 from gspo_core.token_logprobs import token_logprobs
 
 
@@ -56,63 +56,20 @@ def _trunk_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-@dataclass
-class PackedBatch:
-    """Right-padded ``[prompt | completion]`` rows and where each completion token sits.
-
-    ``input_BL``/``attn_BL``: token ids and attention mask. ``pos_BT``: index of the hidden state
-    that predicts completion token t of row b. ``target_BT``/``mask_BT``: completion tokens and 1
-    on real (not padded) ones.
-    """
-
-    input_BL: torch.Tensor
-    attn_BL: torch.Tensor
-    pos_BT: torch.Tensor
-    target_BT: torch.Tensor
-    mask_BT: torch.Tensor
-
-    def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(t.to(device, non_blocking=True) for t in
-                             (self.input_BL, self.attn_BL, self.pos_BT, self.target_BT, self.mask_BT)))
-
-
-def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
-    """Build a :class:`PackedBatch` (rows sorted by caller; padding only to the batch's longest)."""
-    B = len(prompts)
-    L = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    T = max(1, max(len(c) for c in completions))
-    input_BL = torch.full((B, L), pad_id, dtype=torch.long)
-    attn_BL = torch.zeros((B, L), dtype=torch.long)
-    pos_BT = torch.zeros((B, T), dtype=torch.long)
-    target_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    mask_BT = torch.zeros((B, T), dtype=torch.float32)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        n = len(p) + len(c)
-        input_BL[b, :n] = torch.tensor(p + c, dtype=torch.long)
-        attn_BL[b, :n] = 1
-        if c:
-            pos_BT[b, : len(c)] = torch.arange(len(p) - 1, n - 1)
-            target_BT[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-            mask_BT[b, : len(c)] = 1.0
-    return PackedBatch(input_BL, attn_BL, pos_BT, target_BT, mask_BT)
-
-
-def completion_logprobs(model, batch: PackedBatch, temperature: float,
+def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperature: float,
                         amp_dtype: torch.dtype | None = None, with_entropy: bool = False):
     """Log-probs ``[B, T]`` of the completion tokens under ``log_softmax(logits / temperature)``.
 
-    The LM head runs only on completion positions (not the prompt), which saves most of the
-    vocabulary projection; the log-softmax, gather and entropy run fused, block by block
+    ``batch`` is plain rows or rows sharing prompt passes (:mod:`gspo_core.packing`). The LM head runs
+    only on completion positions (not the prompt), which saves most of the vocabulary projection;
+    the log-softmax, gather and entropy run fused, block by block
     (:mod:`gspo_core.token_logprobs`). With ``with_entropy`` also returns the mean token entropy
     (detached).
     """
     trunk, head = _trunk_and_head(model)
-    device_type = batch.input_BL.device.type
+    device_type = batch.target_BT.device.type
     with torch.autocast(device_type=device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        hidden_BLH = trunk(input_ids=batch.input_BL, attention_mask=batch.attn_BL, use_cache=False).last_hidden_state
-        idx_BTH = batch.pos_BT.unsqueeze(-1).expand(-1, -1, hidden_BLH.size(-1))
-        hidden_BTH = hidden_BLH.gather(1, idx_BTH)
-        z_BTV = head(hidden_BTH).float()
+        z_BTV = head(batch.hidden_BTH(trunk)).float()
     B, T, V = z_BTV.shape
     logp_N, ent_N = token_logprobs(z_BTV.reshape(B * T, V), batch.target_BT.reshape(-1), temperature, with_entropy)
     logp_BT = logp_N.view(B, T) * batch.mask_BT

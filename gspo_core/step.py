@@ -10,7 +10,7 @@ import torch
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
 from gspo_core import losses as _losses  # noqa: F401  (registers the losses)
 from gspo_core.config import GSPOConfig
-from gspo_core.policy import completion_logprobs, export_weights, pack
+from gspo_core.policy import completion_logprobs, export_weights, pack_rows
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rollout.base import Completion, SamplingSpec
 
@@ -77,17 +77,25 @@ def score(reward_fn, ro: Rollout, cfg: GSPOConfig) -> dict[str, float]:
     return m
 
 
-def minibatches(lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator) -> list[torch.Tensor]:
-    """Split ``N`` rollout rows into ``k`` mini-batches of indices, each row exactly once.
+def minibatches(lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator, group_size: int = 1
+                ) -> list[torch.Tensor]:
+    """Split ``N`` rollout rows (groups of ``group_size`` contiguous) into ``k`` mini-batches of
+    indices, each row exactly once.
 
-    ``random``: a random permutation; ``length``: rows sorted by ``lengths_N`` (ties in random
-    order) so each mini-batch pads only to lengths close to its own (the GPU benchmark measured 45 %
-    padding waste for random batches of mixed lengths, 20 % bucketed); the batches' order is random.
+    ``random``: a random permutation. ``group``: whole groups in random order (each prompt then runs
+    once per mini-batch, see :mod:`gspo_core.packing`). ``length``: rows sorted by ``lengths_N`` so
+    each mini-batch pads only to lengths close to its own (the GPU benchmark measured 45 % padding
+    waste for random batches of mixed lengths, 20 % bucketed), ties in ``group`` order; the batches'
+    order is random.
     """
     perm = torch.randperm(len(lengths_N), generator=gen)
     if order == "random":
         return list(perm.chunk(k))
-    by_len = perm[torch.sort(lengths_N[perm], stable=True).indices]
+    group_rank_G = torch.randperm(-(-len(lengths_N) // group_size), generator=gen)
+    by_group = perm[torch.sort(group_rank_G[perm // group_size], stable=True).indices]
+    if order == "group":
+        return list(by_group.chunk(k))
+    by_len = by_group[torch.sort(lengths_N[by_group], stable=True).indices]
     chunks = list(by_len.chunk(k))
     return [chunks[i] for i in torch.randperm(len(chunks), generator=gen)]
 
@@ -100,7 +108,8 @@ def _lengths_N(comps: list[Completion]) -> torch.Tensor:
 def _draw_batches(ro: Rollout, cfg: GSPOConfig, gen: torch.Generator) -> None:
     """Draw ``ro.batches`` (the update's mini-batch split) unless it is drawn already."""
     if ro.batches is None:
-        ro.batches = minibatches(_lengths_N(ro.completions), cfg.mini_batches, cfg.minibatch_order, gen)
+        ro.batches = minibatches(_lengths_N(ro.completions), cfg.mini_batches, cfg.minibatch_order, gen,
+                                 cfg.group_size)
 
 
 #: Token budget of one no-grad forward: the whole rollout goes in one batch unless it is larger.
@@ -120,6 +129,13 @@ def _has_sampler_logprobs(comps: list[Completion]) -> bool:
     return all(len(c.logprobs) == len(c.completion_ids) for c in comps)
 
 
+def _pack(comps: list[Completion], idx, pad_id: int, cfg: GSPOConfig):
+    """Rows ``idx`` as one forward batch; rows of one prompt share its pass where that pays
+    (``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
+    return pack_rows([comps[i].prompt_ids for i in idx], [comps[i].completion_ids for i in idx], pad_id,
+                     share=cfg.share_prompts and not cfg.gradient_checkpointing)
+
+
 def _recompute(model, ro: Rollout, rows: torch.Tensor, pad_id: int, cfg: GSPOConfig, amp) -> None:
     """Fill ``ro.old_logp_NT[rows]`` with batched no-grad forwards of the current weights (split only
     past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
@@ -129,7 +145,7 @@ def _recompute(model, ro: Rollout, rows: torch.Tensor, pad_id: int, cfg: GSPOCon
     device = next(model.parameters()).device
     with torch.inference_mode():
         for idx in chunks:
-            sub = pack([comps[i].prompt_ids for i in idx], [comps[i].completion_ids for i in idx], pad_id)
+            sub = _pack(comps, idx, pad_id, cfg)
             lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
             ro.old_logp_NT[idx, : lp.size(1)] = lp * sub.mask_BT
 
@@ -214,7 +230,7 @@ def _minibatch_loss(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, 
     device = next(model.parameters()).device
     adv_N, _ = advantages(ro, cfg)
     comps = [ro.completions[i] for i in idx]
-    batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], pad_id).to(device)
+    batch = _pack(ro.completions, idx, pad_id, cfg).to(device)
     logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
     extra: dict[str, float] = {}
     if k == 0:

@@ -12,10 +12,10 @@ def _padded_tokens(lengths_N: torch.Tensor, batches: list[torch.Tensor]) -> int:
     return sum(int(lengths_N[b].max()) * len(b) for b in batches)
 
 
-@pytest.mark.parametrize("order", ["random", "length"])
+@pytest.mark.parametrize("order", ["random", "length", "group"])
 def test_every_row_exactly_once(order):
     lengths_N = torch.randint(1, 500, (64,), generator=torch.Generator().manual_seed(0))
-    batches = minibatches(lengths_N, 4, order, torch.Generator().manual_seed(1))
+    batches = minibatches(lengths_N, 4, order, torch.Generator().manual_seed(1), group_size=8)
     assert len(batches) == 4 and all(len(b) == 16 for b in batches)
     assert sorted(torch.cat(batches).tolist()) == list(range(64))
 
@@ -40,3 +40,17 @@ def test_same_generator_same_split():
     a = minibatches(lengths_N, 2, "length", torch.Generator().manual_seed(3))
     b = minibatches(lengths_N, 2, "length", torch.Generator().manual_seed(3))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("order", ["group", "length"])
+def test_rows_of_a_group_stay_together_where_lengths_allow(order):
+    """Equal lengths (benchmarks' fixed-length completions): each mini-batch is 2 whole groups of 8,
+    in a random arrangement; with ``group`` order also when lengths differ."""
+    lengths_N = torch.full((64,), 41) if order == "length" else torch.randint(1, 99, (64,))
+    splits = set()
+    for seed in range(4):
+        batches = minibatches(lengths_N, 4, order, torch.Generator().manual_seed(seed), group_size=8)
+        groups = [sorted({i // 8 for i in b.tolist()}) for b in batches]
+        assert all(len(g) == 2 for g in groups) and sorted(sum(groups, [])) == list(range(8))
+        splits.add(tuple(map(tuple, groups)))
+    assert len(splits) > 1

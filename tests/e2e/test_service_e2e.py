@@ -61,7 +61,7 @@ def test_upload_train_follow_download_load(service, tmp_path):
         f = client.upload_file(write_toy_dataset(tmp_path / "toy.jsonl", n=64))
         job = client.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="e2e",
                                 hyperparameters={"steps": 70, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4,
-                                                 "learning_rate": 3e-3, "rollout_engine": "vllm", "save_every": 35})
+                                                 "learning_rate": 2e-3, "rollout_engine": "vllm", "save_every": 35})
         kinds, steps = [], []
         t0 = time.monotonic()
         for event, data, _ in client.events(job["id"]):
@@ -76,9 +76,9 @@ def test_upload_train_follow_download_load(service, tmp_path):
         first = sum(r for _, r in steps[:5]) / 5
         last = sum(r for _, r in steps[-5:]) / 5
         print(f"e2e reward {first:.3f} -> {last:.3f}")
-        # 10 seeds in-process (same settings) ended at 0.47-0.96: lr 3e-3 is aggressive, and some seeds
-        # collapse onto "eeee" for two of the five letters. This checks that the service trains, with
-        # margin; how fast it learns against TRL is measured in bench/ (learning per step).
+        # Seeds 0-9 in-process, same settings, twice over two versions of the code: last 5 steps at
+        # 0.39-0.94 (lr 3e-3: 0.29-0.99, some seeds collapse onto "eeee" for two of the five letters).
+        # This checks that the service trains, with margin; how fast against TRL is in bench/.
         assert first < 0.1 and last > 0.3
         metrics = client.metrics(job["id"])
         assert metrics[-1]["metrics"]["logprob_gap/max"] < 1e-3

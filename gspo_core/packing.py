@@ -1,0 +1,130 @@
+"""Rollout rows as batches for the trainer's forward: right-padded rows, or each prompt run once for its rows.
+
+A step's rows come in groups of ``G`` completions of one prompt. Run as plain rows, every row
+recomputes its prompt: ``G`` times the prompt's work, forward and backward. A
+:class:`SharedPrefixBatch` runs each distinct prompt once, indexes its KV cache out to its rows and
+runs only their completions on top; the backward sums the rows' gradients into the one prompt pass.
+Same values and gradients up to fp32 rounding (tests/core/test_packing.py); the saving is the
+prompt share of the tokens times ``(G - 1) / G`` -- small for 9-token prompts, most of the update for
+RL prompts of hundreds of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+#: Share prompts only where that removes at least this fraction of a batch's tokens: below it the second
+#: trunk call and its small-batch kernels cost about what they save. Measured on the 55 M model on CPU
+#: (16 rows = 2 groups x 8, 32-token completions, forward + backward): 19 % saved -> same time,
+#: 29 % -> 8 % faster, 44 % -> 27 % faster, 128-token prompts (78 %) -> 2.7x faster.
+SHARE_MIN_SAVED = 0.25
+
+
+def _to(obj, device):
+    return type(obj)(**{f.name: getattr(obj, f.name).to(device, non_blocking=True) for f in fields(obj)})
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded ``[prompt | completion]`` rows and where each completion token sits.
+
+    ``input_BL``/``attn_BL``: token ids and attention mask. ``pos_BT``: index of the hidden state
+    that predicts completion token t of row b. ``target_BT``/``mask_BT``: completion tokens and 1
+    on real (not padded) ones.
+    """
+
+    input_BL: torch.Tensor
+    attn_BL: torch.Tensor
+    pos_BT: torch.Tensor
+    target_BT: torch.Tensor
+    mask_BT: torch.Tensor
+
+    def to(self, device) -> "PackedBatch":
+        return _to(self, device)
+
+    def hidden_BTH(self, trunk) -> torch.Tensor:
+        """The trunk's hidden states that predict each completion token ``[B, T, H]``."""
+        hidden_BLH = trunk(input_ids=self.input_BL, attention_mask=self.attn_BL, use_cache=False).last_hidden_state
+        return hidden_BLH.gather(1, self.pos_BT.unsqueeze(-1).expand(-1, -1, hidden_BLH.size(-1)))
+
+
+@dataclass
+class SharedPrefixBatch:
+    """Rows whose prompts repeat, each distinct prompt run once.
+
+    ``prompt_PL``/``prompt_attn_PL``: the ``P`` distinct prompts, right-padded; ``plen_P`` their
+    lengths; ``row_prompt_B``: the prompt of each row; ``comp_BT``/``mask_BT``: completions,
+    right-padded (``target_BT`` is ``comp_BT``: the tokens are the targets).
+    """
+
+    prompt_PL: torch.Tensor
+    prompt_attn_PL: torch.Tensor
+    plen_P: torch.Tensor
+    row_prompt_B: torch.Tensor
+    target_BT: torch.Tensor
+    mask_BT: torch.Tensor
+
+    def to(self, device) -> "SharedPrefixBatch":
+        return _to(self, device)
+
+    def hidden_BTH(self, trunk) -> torch.Tensor:
+        """``[B, T, H]`` as :meth:`PackedBatch.hidden_BTH`: completion t of row b attends to its prompt's
+        real tokens (the padding between is masked) and sits at position ``plen + t`` (RoPE)."""
+        from transformers import DynamicCache
+
+        P = self.prompt_PL.size(0)
+        out = trunk(input_ids=self.prompt_PL, attention_mask=self.prompt_attn_PL,
+                    past_key_values=DynamicCache(config=trunk.config), use_cache=True)
+        cache = out.past_key_values
+        cache.reorder_cache(self.row_prompt_B)  # [P, ...] -> [B, ...], differentiable (index_select)
+        last_PH = out.last_hidden_state[torch.arange(P, device=self.plen_P.device), self.plen_P - 1]
+        T = self.target_BT.size(1)
+        pos_BT = self.plen_P[self.row_prompt_B].unsqueeze(1) + torch.arange(T, device=self.plen_P.device)
+        attn = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.mask_BT.long()], dim=1)
+        comp_BTH = trunk(input_ids=self.target_BT, attention_mask=attn, position_ids=pos_BT,
+                         past_key_values=cache, use_cache=True).last_hidden_state
+        return torch.cat([last_PH[self.row_prompt_B].unsqueeze(1), comp_BTH[:, :-1]], dim=1)
+
+
+def _pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
+    """Build a :class:`PackedBatch` (rows sorted by caller; padding only to the batch's longest)."""
+    input_BL, attn_BL = _pad_rows([p + c for p, c in zip(prompts, completions)], pad_id)
+    target_BT, mask_BT = _pad_rows(completions, pad_id)
+    pos_BT = torch.zeros_like(target_BT)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        pos_BT[b, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+    return PackedBatch(input_BL, attn_BL, pos_BT, target_BT, mask_BT.float())
+
+
+def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> SharedPrefixBatch:
+    """Build a :class:`SharedPrefixBatch`: rows with equal prompt tokens share one prompt pass."""
+    index: dict[tuple[int, ...], int] = {}
+    row_prompt = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    distinct = [list(k) for k in index]
+    prompt_PL, prompt_attn_PL = _pad_rows(distinct, pad_id)
+    target_BT, mask_BT = _pad_rows(completions, pad_id)
+    return SharedPrefixBatch(prompt_PL, prompt_attn_PL, torch.tensor([len(p) for p in distinct]),
+                             torch.tensor(row_prompt), target_BT, mask_BT.float())
+
+
+def pack_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int, share: bool = True
+              ) -> PackedBatch | SharedPrefixBatch:
+    """:func:`pack_shared` where sharing saves at least :data:`SHARE_MIN_SAVED` of the tokens (and every
+    row has a prompt and a completion), else :func:`pack`."""
+    total = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    saved = sum(len(p) for p in prompts) - sum(len(p) for p in {tuple(p) for p in prompts})
+    if share and saved >= SHARE_MIN_SAVED * total and all(prompts) and all(completions):
+        return pack_shared(prompts, completions, pad_id)
+    return pack(prompts, completions, pad_id)
