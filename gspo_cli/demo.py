@@ -82,9 +82,10 @@ def _download_and_load(client, job_id: str, out: Path) -> int:
 
     ckpt = client.list_checkpoints(job_id)[-1]
     archive = client.download_checkpoint(ckpt["id"], out / f"{ckpt['id']}.tar.gz")
+    dest = out / "checkpoint" / ckpt["id"]  # one directory per checkpoint: a rerun never loads an older one
     with tarfile.open(archive) as tar:
-        tar.extractall(out / "checkpoint", filter="data")
-    model_dir = next((out / "checkpoint").glob("*/model"))
+        tar.extractall(dest, filter="data")
+    model_dir = next(dest.glob("*/model"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = tok("say c:", return_tensors="pt", add_special_tokens=False)
