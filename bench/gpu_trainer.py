@@ -24,7 +24,8 @@ import torch
 from bench.workload import QWEN_SHAPES
 from gspo_core import step as S
 from gspo_core.config import GSPOConfig
-from gspo_core.policy import completion_logprobs, pack
+from gspo_core.packing import pack
+from gspo_core.policy import completion_logprobs
 from gspo_core.registry import LOSSES
 from gspo_core.rollout.base import Completion
 

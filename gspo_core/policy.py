@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from gspo_core.config import GSPOConfig
-from gspo_core.packing import PackedBatch, SharedPrefixBatch, pack, pack_rows  # noqa: F401  (re-exported)
+from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.token_logprobs import token_logprobs
 
 

@@ -10,7 +10,8 @@ import torch
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
 from gspo_core import losses as _losses  # noqa: F401  (registers the losses)
 from gspo_core.config import GSPOConfig
-from gspo_core.policy import completion_logprobs, export_weights, pack_rows
+from gspo_core.packing import pack_rows
+from gspo_core.policy import completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rollout.base import Completion, SamplingSpec
 
@@ -139,12 +140,13 @@ def _pack(comps: list[Completion], idx, pad_id: int, cfg: GSPOConfig):
 def _recompute(model, ro: Rollout, rows: torch.Tensor, pad_id: int, cfg: GSPOConfig, amp) -> None:
     """Fill ``ro.old_logp_NT[rows]`` with batched no-grad forwards of the current weights (split only
     past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
+    if not len(rows):
+        return
     comps = ro.completions
-    tokens = int(_lengths_N(comps)[rows].sum()) if len(rows) else 0
-    chunks = rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))) if len(rows) else []
+    tokens = int(_lengths_N(comps)[rows].sum())
     device = next(model.parameters()).device
     with torch.inference_mode():
-        for idx in chunks:
+        for idx in rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))):
             sub = _pack(comps, idx, pad_id, cfg)
             lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
             ro.old_logp_NT[idx, : lp.size(1)] = lp * sub.mask_BT
@@ -175,9 +177,8 @@ def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: tor
     ro.first_batch_on_policy = ro.batches is not None
     if not ro.first_batch_on_policy:
         rows = torch.arange(len(comps))
-    else:  # one mini-batch: nothing left to recompute; 0-advantage rows are left out of the update
-        rows = (_with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0]) if len(ro.batches) > 1
-                else torch.zeros(0, dtype=torch.long))
+    else:
+        rows = _later_rows_with_signal(ro, cfg)
     _recompute(model, ro, rows, pad_id, cfg, amp)
     return {}
 
@@ -192,7 +193,7 @@ def _check_sampler(model, ro: Rollout, idx: torch.Tensor, logp_BT: torch.Tensor,
     err_B = ((logp_BT.detach() - samp_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
     err = float(err_B.max()) if err_B.numel() else 0.0
     if err > cfg.rollout_logprob_tol:
-        _recompute(model, ro, _with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0]), pad_id, cfg, amp)
+        _recompute(model, ro, _later_rows_with_signal(ro, cfg), pad_id, cfg, amp)
         ro.recomputed = True
     return {"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(ro.recomputed)}
 
@@ -221,6 +222,15 @@ def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
     per-row terms times the row's advantage, with no KL: a 0-advantage row has a zero gradient.)"""
     a = adv_N[idx]
     return idx[(a != 0) if a.dim() == 1 else (a != 0).any(-1)]
+
+
+def _later_rows_with_signal(ro: Rollout, cfg: GSPOConfig) -> torch.Tensor:
+    """The rows whose old logprobs the update reads from ``ro.old_logp_NT``: those of mini-batches
+    after the first (its own come from its on-policy forward) that it does not leave out for a 0
+    advantage (empty with one mini-batch)."""
+    if len(ro.batches) < 2:
+        return torch.zeros(0, dtype=torch.long)
+    return _with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0])
 
 
 def _minibatch_loss(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
