@@ -8,6 +8,7 @@ from typing import Iterable
 
 import torch
 
+from gspo_core.rollout import cpu_sampler
 from gspo_core.rollout.base import Completion, SamplingSpec
 
 
@@ -27,13 +28,17 @@ class VLLMEngine:
     (vLLM's ``raw_logprobs`` are the temperature-1 distribution whatever T is: an engine built with
     ``plain_sampling=True`` uses them, as T = 1 and top-p = 1 make them the sampled distribution, and
     refuses other settings.)
+    On vLLM's CPU backend the sampler draws by inverse CDF (`cpu_sampler`) instead of vLLM's
+    per-element Gumbel noise: the same distribution and seeding contract, ~10 ms less per decode
+    step at 64 x 32k (``fast_cpu_sampler=False`` keeps vLLM's own).
     """
 
     name = "vllm"
     shares_weights = False
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 1024,
-                 gpu_memory_utilization: float = 0.3, dtype: str = "float32", plain_sampling: bool = False) -> None:
+                 gpu_memory_utilization: float = 0.3, dtype: str = "float32", plain_sampling: bool = False,
+                 fast_cpu_sampler: bool = True) -> None:
         # The push hands tensors (not a path) to the engine's worker: it must live in our process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -45,11 +50,15 @@ class VLLMEngine:
         # processed_logprobs makes vLLM's sampler run a full-vocabulary log_softmax at every decode
         # step, asked for or not (~15-25 % of CPU rollout time on the 55 M model); with plain sampling
         # the raw distribution is the sampled one, and raw logprobs are computed only when asked.
+        # No chunked prefill on CPU: where a seeded request's prefill is split, vLLM rewinds its
+        # generator with set_offset, which CPU generators lack ("CPU Generator does not use offset":
+        # a rollout of 16 x 600-token prompts x 8 samples failed so).
         self.plain_sampling = plain_sampling
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                       enforce_eager=not current_platform.is_cuda_alike(),
                       logprobs_mode="raw_logprobs" if plain_sampling else "processed_logprobs",
-                      enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization)
+                      enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
+                      enable_chunked_prefill=not current_platform.is_cpu())
         if self._sleep_capable:
             kwargs.update(enable_sleep_mode=True)
         self.llm = LLM(**kwargs)
@@ -57,6 +66,9 @@ class VLLMEngine:
         self._asleep = False
         # Probe once which in-place push path the worker has, rather than branching on device names.
         self._reload_in_place = all(self.llm.collective_rpc(_has_reload_weights))
+        #: "inverse_cdf" where `cpu_sampler` replaced vLLM's CPU Gumbel kernel, else "vllm".
+        self.sampler = "inverse_cdf" if fast_cpu_sampler and all(self.llm.collective_rpc(cpu_sampler.install)) \
+            else "vllm"
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
