@@ -55,8 +55,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     prompt_ids = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)]
-    # As the trainer samples by default (old_logprobs=recompute: no sampler logprobs), and as on its
-    # gap-check steps (with them).
+    # Without sampler logprobs (old_logprobs=recompute, but for its gap-check steps) and with them
+    # (the default old_logprobs=auto and old_logprobs=rollout ask for them at every step).
     spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=False)
     spec_lp = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=True)
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,

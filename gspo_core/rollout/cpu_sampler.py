@@ -1,4 +1,4 @@
-"""Inverse-CDF token sampling for vLLM's CPU backend (its per-element Gumbel-noise kernel is ~3x slower)."""
+"""Faster sampling for vLLM's CPU backend: inverse-CDF draws and block-wise logprob ranks, swapped in per engine."""
 
 from __future__ import annotations
 
@@ -63,15 +63,54 @@ def _forward(sampler, logits: torch.Tensor, generators: dict[int, torch.Generato
     return inverse_cdf_sample(logits_f32, row_uniforms(logits.shape[0], generators)), returned
 
 
-def install(worker) -> bool:
-    """Run on a vLLM worker (``collective_rpc``): swap its CPU Gumbel sampler for the inverse-CDF
-    one. True where swapped; False (nothing changed) on other backends, for fp64 Gumbel noise, or
-    where this vLLM's sampler does not look like the one this was written against."""
-    sampler = getattr(getattr(getattr(worker, "model_runner", None), "sampler", None), "topk_topp_sampler", None)
-    forward_cpu = getattr(type(sampler), "forward_cpu", None)
-    if forward_cpu is None or getattr(sampler.forward, "__func__", None) is not forward_cpu:
-        return False
-    if getattr(sampler, "use_fp64_gumbel", False) or not hasattr(sampler, "logprobs_mode"):
-        return False
-    sampler.forward = functools.partial(_forward, sampler)
-    return True
+def count_at_least(x_NV: torch.Tensor, v_N1: torch.Tensor, rows: int = 16) -> torch.Tensor:
+    """``[N]`` int64: per row, how many entries of ``x_NV`` are >= ``v_N1`` (vLLM's rank of a token's
+    logprob). ``rows`` rows at a time as fp32 0/1 sums (exact below 2**24 columns) in one reused
+    buffer: vLLM's ``(x >= v).sum(-1)`` -- written for torch.compile, eager here -- widens the whole
+    ``[N, V]`` comparison to int64 (44 ms at 256 x 32k, this 3.4 ms)."""
+    N, V = x_NV.shape
+    if V >= 2**24:
+        return (x_NV >= v_N1).sum(-1)
+    out_N = torch.empty(N, dtype=torch.int64)
+    buf = x_NV.new_empty(min(rows, N), V, dtype=torch.float32)
+    for i in range(0, N, rows):
+        block = buf[: min(rows, N - i)]
+        torch.ge(x_NV[i:i + rows], v_N1[i:i + rows], out=block)
+        out_N[i:i + rows] = block.sum(-1)
+    return out_N
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor):
+    """vLLM's ``Sampler.gather_logprobs`` contract -- ``[N, k + 1]`` int32 ids (the token's, then the
+    top ``k``), their ``[N, k + 1]`` logprobs, the token's ``[N]`` rank -- with the rank from
+    `count_at_least` (tests/core/test_cpu_sampler.py compares it with vLLM's own)."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    logprobs_NV, token_ids_N = logprobs, token_ids  # vLLM passes them by these names
+    topk_lp_NK, topk_ids_NK = torch.topk(logprobs_NV, num_logprobs, dim=-1)
+    tok_N1 = token_ids_N.unsqueeze(-1)
+    tok_lp_N1 = logprobs_NV.gather(-1, tok_N1)
+    return LogprobsTensors(torch.cat((tok_N1, topk_ids_NK), dim=1).to(torch.int32),
+                           torch.cat((tok_lp_N1, topk_lp_NK), dim=1), count_at_least(logprobs_NV, tok_lp_N1))
+
+
+def install(worker) -> tuple[str, ...]:
+    """Run on a vLLM worker (``collective_rpc``): on the CPU backend, swap its sampler's Gumbel draw
+    for the inverse-CDF one and its logprob gather for `gather_logprobs`. Returns what was swapped:
+    nothing on other backends, for fp64 Gumbel noise, or where this vLLM's sampler does not look like
+    the one this was written against."""
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = getattr(getattr(worker, "model_runner", None), "sampler", None)
+    draw = getattr(sampler, "topk_topp_sampler", None)
+    forward_cpu = getattr(type(draw), "forward_cpu", None)
+    if forward_cpu is None or getattr(draw.forward, "__func__", None) is not forward_cpu:
+        return ()
+    if getattr(draw, "use_fp64_gumbel", False) or not hasattr(draw, "logprobs_mode"):
+        return ()
+    draw.forward = functools.partial(_forward, draw)
+    swapped = ("draw",)
+    if isinstance(sampler, Sampler) and sampler.gather_logprobs is Sampler.gather_logprobs:
+        sampler.gather_logprobs = gather_logprobs
+        swapped += ("gather_logprobs",)
+    return swapped

@@ -89,3 +89,24 @@ def test_seeded_rows_reproduce_and_unseeded_rows_use_the_global_generator():
     assert not torch.equal(a[:, 1], b[:, 1]), "unseeded rows follow the global generator"
     assert len(set(a[:, 0].tolist())) == 4, "a seeded row draws afresh at every step"
     assert ((a >= 0) & (a < 1)).all()
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 3])
+def test_gather_logprobs_equals_vllms(num_logprobs):
+    """Ids, logprobs and ranks exactly as vLLM's own gather (ties, -inf entries, a ragged last block)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample.sampler import Sampler
+
+    from gspo_core.rollout.cpu_sampler import gather_logprobs
+
+    gen = torch.Generator().manual_seed(num_logprobs)
+    logits_NV = torch.randint(-20, 20, (37, 1000), generator=gen).float()  # many exact ties
+    logits_NV[:, ::9] = -float("inf")
+    logprobs_NV = logits_NV.log_softmax(-1)
+    tokens_N = torch.randint(0, 1000, (37,), generator=gen)
+    tokens_N[0] = 0  # an excluded token: rank counts every entry
+    got, want = gather_logprobs(logprobs_NV, num_logprobs, tokens_N), Sampler.gather_logprobs(
+        logprobs_NV, num_logprobs, tokens_N)
+    for g, w in zip(got[:3], want[:3]):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert got.selected_token_ranks[0] == 1000

@@ -172,7 +172,7 @@ def test_sampled_tokens_follow_the_processed_distribution(engine, policy, prompt
     from gspo_core.rollout.hf_engine import top_p_mask
 
     if current_platform.is_cpu():
-        assert engine.sampler == "inverse_cdf"
+        assert engine.sampler_swaps == ("draw", "gather_logprobs")
     model, _ = policy
     prompt, temperature, top_p = prompts[1], 0.7, 0.8
     groups = engine.generate([prompt] * 8, SamplingSpec(n=500, max_tokens=1, temperature=temperature, top_p=top_p,
