@@ -239,12 +239,11 @@ def _minibatch_loss(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, 
     rows of the mini-batch (the left-out ones add 0). Returns ``(loss, loss metrics, step-0 extras)``."""
     device = next(model.parameters()).device
     adv_N, _ = advantages(ro, cfg)
-    comps = [ro.completions[i] for i in idx]
     batch = _pack(ro.completions, idx, pad_id, cfg).to(device)
     logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
     extra: dict[str, float] = {}
     if k == 0:
-        extra = _sampler_gap(logp_BT.cpu(), comps, batch.mask_BT.cpu())
+        extra = _sampler_gap(logp_BT.cpu(), [ro.completions[i] for i in idx], batch.mask_BT.cpu())
         if ro.verify_sampler:
             extra.update(_check_sampler(model, ro, idx, logp_BT, batch.mask_BT, pad_id, cfg, amp))
     old_BT = (logp_BT.detach() if k == 0 and ro.first_batch_on_policy

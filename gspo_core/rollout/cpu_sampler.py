@@ -56,10 +56,11 @@ def _forward(sampler, logits: torch.Tensor, generators: dict[int, torch.Generato
     logits = apply_top_k_top_p(logits, k, p)
     returned = None
     if sampler.logprobs_mode == "processed_logits":
-        returned, logits = logits, logits.clone()  # the draw consumes its input
+        returned = logits
     elif sampler.logprobs_mode == "processed_logprobs":
         returned = logits.log_softmax(dim=-1, dtype=torch.float32)
-    logits_f32 = logits.to(torch.float32)
+    # The draw consumes its input: copy only where the logits themselves are returned.
+    logits_f32 = logits.to(torch.float32, copy=returned is logits)
     return inverse_cdf_sample(logits_f32, row_uniforms(logits.shape[0], generators)), returned
 
 

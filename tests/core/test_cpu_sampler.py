@@ -13,6 +13,16 @@ def _draw(logits_V: torch.Tensor, n: int, seed: int = 0, block: int = 128) -> to
     return inverse_cdf_sample(logits_V.expand(n, -1).clone(), u_N, block=block)
 
 
+def assert_frequencies_match(tokens_N: torch.Tensor, p_V: torch.Tensor) -> None:
+    """No token of probability 0 drawn, and every token's frequency within 5 standard errors of its
+    probability (+ 3 / n: a token of tiny probability may still be drawn once or twice -- Poisson,
+    not normal)."""
+    n = len(tokens_N)
+    freq_V = torch.bincount(tokens_N, minlength=len(p_V)).double() / n
+    assert freq_V[p_V == 0].sum() == 0, "a token of probability 0 was drawn"
+    assert ((freq_V - p_V).abs() <= 5 * (p_V * (1 - p_V) / n).sqrt() + 3 / n).all(), (freq_V - p_V).abs().max()
+
+
 @pytest.mark.parametrize("vocab,block,n", [(300, 128, 100_000), (256, 128, 100_000), (50, 8, 100_000),
                                            (1000, 1000, 20_000)])
 def test_frequencies_match_softmax(vocab, block, n):
@@ -21,12 +31,7 @@ def test_frequencies_match_softmax(vocab, block, n):
     gen = torch.Generator().manual_seed(vocab)
     logits_V = torch.randn(vocab, generator=gen) * 2
     logits_V[::7] = -float("inf")
-    freq_V = torch.bincount(_draw(logits_V, n, block=block), minlength=vocab).double() / n
-    p_V = logits_V.double().softmax(-1)
-    se_V = (p_V * (1 - p_V) / n).sqrt()
-    assert freq_V[::7].sum() == 0
-    # 3 / n: a token of tiny probability may still be drawn once or twice (Poisson, not normal).
-    assert ((freq_V - p_V).abs() <= 5 * se_V + 3 / n).all(), (freq_V - p_V).abs().max()
+    assert_frequencies_match(_draw(logits_V, n, block=block), logits_V.double().softmax(-1))
 
 
 def test_same_tokens_as_an_fp64_inverse_cdf_over_the_whole_vocabulary():
