@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gspo_core.config import GSPOConfig
+from gspo_core.memory import keep_freed_memory as keep
 from gspo_core.policy import export_weights, load_policy
 from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
 from gspo_core.toy import build_tiny_model
@@ -45,13 +46,17 @@ def _push_seconds(engine, policy, reps: int) -> float:
 
 
 def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tokens: int = 32, reps: int = 3,
-                    engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None) -> dict:
+                    engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None,
+                    keep_freed_memory: bool = True) -> dict:
     """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
     "weight_push_s": float, "vllm_over_transformers": float, "vllm_over_transformers_with_logprobs": float,
     "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured).
+    ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
     """
+    if keep_freed_memory:
+        keep()
     model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     prompt_ids = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)]
@@ -60,7 +65,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=False)
     spec_lp = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=True)
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
-                 "prompts": prompts, "group": group, "tokens": tokens, "loadavg_1m_before": os.getloadavg()[0]}
+                 "prompts": prompts, "group": group, "tokens": tokens, "keep_freed_memory": keep_freed_memory,
+                 "loadavg_1m_before": os.getloadavg()[0]}
     for kind in engines:
         if kind == "vllm" and not vllm_available():
             continue
@@ -89,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engines", default="transformers,vllm", help="comma-separated: transformers, vllm")
+    ap.add_argument("--return-freed-memory", action="store_true",
+                    help="leave glibc's default heap policy (the trainer keeps freed memory: gspo_core.memory)")
     a = ap.parse_args(argv)
-    out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")))
+    out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")),
+                          keep_freed_memory=not a.return_freed_memory)
     print(json.dumps(out, indent=2))
     return 0
 

@@ -24,12 +24,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 OURS = {"ours": {}, "ours-recompute": {"old_logprobs": "recompute"}, "ours-rollout-lp": {"old_logprobs": "rollout"},
-        "ours-noshare": {"share_prompts": False}}
+        "ours-noshare": {"share_prompts": False}, "ours-returnmem": {"keep_freed_memory": False}}
 """Our variants by what they change of the defaults: ``ours`` is the default (``old_logprobs=auto``: the
 sampler's logprobs, checked every step; prompts shared in the trainer's forwards where that pays);
 ``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts the sampler unchecked,
-``ours-noshare`` runs every row's prompt itself."""
-TRAINERS = (*OURS, "trl")
+``ours-noshare`` runs every row's prompt itself, ``ours-returnmem`` lets glibc unmap freed memory (its
+default). ``trl-keepmem`` is TRL with our heap policy (``gspo_core.memory``) applied to its process."""
+TRAINERS = (*OURS, "trl", "trl-keepmem")
 
 
 def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
@@ -60,12 +61,12 @@ def summarize(runs: list[dict]) -> dict:
                      "engine": mine[0]["engine"], "reward_curve": _mean_curve([r["reward"] for r in mine])}
         if "weight_sync" in phases:
             out[name]["weight_push_frac_of_step"] = phases["weight_sync"] / out[name]["step_s_median"]
-    if "ours" in out and "trl" in out:
-        # Runs alternate A B A B: pair the i-th run of each so machine drift cancels within a pair.
-        med = {n: [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs if r["name"] == n]
-               for n in ("ours", "trl")}
-        out["ratio_per_run_pair"] = [a / b for a, b in zip(med["ours"], med["trl"])]
-        out["ratio_ours_over_trl"] = statistics.median(out["ratio_per_run_pair"])
+    # Runs alternate A B A B: pair the i-th run of each so machine drift cancels within a pair.
+    med = {n: [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs if r["name"] == n] for n in out}
+    for peer, suffix in (("trl", ""), ("trl-keepmem", "_keepmem")):
+        if "ours" in out and peer in out:
+            out[f"ratio_per_run_pair{suffix}"] = [a / b for a, b in zip(med["ours"], med[peer])]
+            out[f"ratio_ours_over_trl{suffix}"] = statistics.median(out[f"ratio_per_run_pair{suffix}"])
     return out
 
 
@@ -88,6 +89,9 @@ def markdown(w: Workload, s: dict) -> str:
     if "ratio_ours_over_trl" in s:
         lines += ["", f"**Step time ratio ours / TRL: {s['ratio_ours_over_trl']:.3f}** (median over run pairs "
                   f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair'])}; target <= 0.5)"]
+    if "ratio_ours_over_trl_keepmem" in s:
+        lines.append(f"Ours / TRL with our heap policy: {s['ratio_ours_over_trl_keepmem']:.3f} (pairs "
+                     f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair_keepmem'])})")
     if "weight_push_frac_of_step" in s.get("ours", {}):
         lines.append(f"Weight push: {100 * s['ours']['weight_push_frac_of_step']:.1f} % of our step (target <= 5 %)")
     return "\n".join(lines)
@@ -136,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.trainers import run_ours, run_trl
 
         w = Workload(**json.loads(a.workload))
-        if a.one == "trl":
-            res = run_trl(w, Path(a.root), a.trl_engine)
+        if a.one.startswith("trl"):
+            res = run_trl(w, Path(a.root), a.trl_engine, keep_freed_memory=a.one == "trl-keepmem")
         else:
             res = run_ours(w, Path(a.root), a.engine, **OURS[a.one])
         print(json.dumps({**res, "name": a.one}))

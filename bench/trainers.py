@@ -88,13 +88,18 @@ def trl_args(w: Workload, out_dir: Path, engine: str):
         max_grad_norm=1.0, adam_beta2=0.99, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, **vllm)
 
 
-def run_trl(w: Workload, root: Path, engine: str = "transformers") -> dict:
-    """TRL GRPOTrainer in GSPO mode; ``engine`` "transformers" (HF generate) or "vllm" (colocate)."""
+def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_memory: bool = False) -> dict:
+    """TRL GRPOTrainer in GSPO mode; ``engine`` "transformers" (HF generate) or "vllm" (colocate);
+    ``keep_freed_memory``: our trainer's heap policy applied to TRL's process too."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
+    if keep_freed_memory:
+        from gspo_core.memory import keep_freed_memory as keep
+
+        keep()
     model_dir, data = prepare(w, root)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     ds = Dataset.from_list([{"prompt": r["prompt"], "target": r["target"]} for r in rows])

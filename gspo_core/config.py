@@ -72,6 +72,10 @@ class GSPOConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0.0, le=1e6)
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
     gradient_checkpointing: bool = False
+    keep_freed_memory: bool = Field(
+        True, description="Keep freed memory in the training process's heap (glibc) instead of unmapping it, "
+        "so each step's large tensors reuse warm pages instead of page-faulting new ones (~15 % of a CPU "
+        "mini-batch); the process's RSS then stays at its high-water mark.")
 
     # --- LoRA (full fine-tuning when lora_rank == 0) ---
     lora_rank: int = Field(0, ge=0, le=1024)

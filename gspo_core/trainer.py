@@ -16,6 +16,7 @@ from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
+from gspo_core.memory import keep_freed_memory
 from gspo_core.policy import autocast_dtype, load_policy, pick_device
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import build_reward
@@ -80,6 +81,8 @@ class Trainer:
         self.cb = callbacks or Callbacks()
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)  # unknown names fail before any loading
         seed_everything(self.cfg.seed)
+        if self.cfg.keep_freed_memory:
+            keep_freed_memory()
         self.device = pick_device()
         self.amp = autocast_dtype(self.cfg, self.device)
         self.rows = load_rows(spec.training_file)

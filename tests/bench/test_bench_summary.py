@@ -10,7 +10,7 @@ from bench.workload import Workload
 
 def _run(name: str, steps: list[float], push: float = 0.0) -> dict:
     phases = {"rollout": [s / 2 for s in steps], "weight_sync": [push] * len(steps)}
-    return {"trainer": "trl" if name == "trl" else "ours", "name": name, "engine": "transformers",
+    return {"trainer": "trl" if name.startswith("trl") else "ours", "name": name, "engine": "transformers",
             "step_s": steps, "phases": phases, "reward": [0.1, 0.2, 0.3], "peak_rss_mb": 100.0}
 
 
@@ -31,3 +31,13 @@ def test_summary_pairs_alternating_runs_and_drops_warmup():
 def test_summary_of_one_trainer_has_no_ratio():
     s = summarize([_run("ours", [2.0, 1.0])])
     assert "ratio_ours_over_trl" not in s and s["ours"]["step_s_median"] == 1.0
+
+
+def test_summary_also_pairs_ours_with_trl_under_our_heap_policy():
+    runs = [_run("ours", [9.0, 2.0]), _run("trl", [9.0, 4.0]), _run("trl-keepmem", [9.0, 2.5]),
+            _run("ours", [9.0, 3.0]), _run("trl", [9.0, 5.0]), _run("trl-keepmem", [9.0, 5.0])]
+    s = summarize(runs)
+    assert s["ratio_per_run_pair"] == pytest.approx([0.5, 0.6])
+    assert s["ratio_per_run_pair_keepmem"] == pytest.approx([0.8, 0.6])
+    assert s["ratio_ours_over_trl_keepmem"] == pytest.approx(0.7)
+    assert "Ours / TRL with our heap policy: 0.700" in markdown(Workload(), s)
