@@ -20,6 +20,9 @@ from store.models import Sample, StepMetric
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["metrics"])
 METRICS_PAGE = TypeAdapter(Page[StepMetricsOut])
 ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}}
+#: No job has more steps (GSPOConfig.steps <= 1e6); larger numbers are a 422 naming the parameter, not a
+#: database overflow (SQLite integers stop at 2**63).
+MAX_STEP = 1_000_000
 
 
 def _csv(rows) -> str:
@@ -34,7 +37,7 @@ def _csv(rows) -> str:
 
 @router.get("/metrics", response_model=Page[StepMetricsOut],
             responses={200: {"content": {"text/csv": {}}}, **ERRORS})
-def get_metrics(job: JobDep, s: SessionDep, after_step: Annotated[int, Query(ge=0)] = 0,
+def get_metrics(job: JobDep, s: SessionDep, after_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
                 limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000, format: Literal["json", "csv"] = "json"):
     # Plain rows, not ORM objects: a dashboard polls this with thousands of steps.
     rows = s.execute(select(StepMetric.step, StepMetric.metrics, StepMetric.created_at)
@@ -53,7 +56,7 @@ def job_events(job: JobDep, request: Request, last_event_id: Annotated[str | Non
 
 
 @router.get("/samples", response_model=SamplesOut, responses=ERRORS)
-def get_samples(job: JobDep, s: SessionDep, step: Annotated[int | None, Query(ge=1)] = None):
+def get_samples(job: JobDep, s: SessionDep, step: Annotated[int | None, Query(ge=1, le=MAX_STEP)] = None):
     """The stored rollouts of ``step`` (default: the latest): prompts, completions, rewards, grader errors."""
     steps = list(s.scalars(select(Sample.step).where(Sample.job_id == job.id).order_by(Sample.step)))
     if not steps:

@@ -74,6 +74,10 @@ def test_samples(client, auth, job_with_progress):
     assert latest["rows"][0]["completions"][0]["scores"] == {"m": 0.5}
     assert client.get(f"/v1/jobs/{job_with_progress}/samples?step=1", headers=auth).json()["step"] == 1
     assert client.get(f"/v1/jobs/{job_with_progress}/samples?step=9", headers=auth).status_code == 404
+    # Past any job's last step: a 422 naming the parameter (it was a database overflow, a 500, on SQLite).
+    for url in ("samples?step=9734114785686062727", "metrics?after_step=9734114785686062727"):
+        r = client.get(f"/v1/jobs/{job_with_progress}/{url}", headers=auth)
+        assert r.status_code == 422 and "step" in r.text, r.text
 
 
 def test_checkpoints_list_and_download(client, auth, job_with_progress):
