@@ -73,9 +73,9 @@ class GSPOConfig(BaseModel):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
     gradient_checkpointing: bool = False
     keep_freed_memory: bool = Field(
-        True, description="Keep freed memory in the training process's heap (glibc) instead of unmapping it, "
-        "so each step's large tensors reuse warm pages instead of page-faulting new ones (~15 % of a CPU "
-        "mini-batch); the process's RSS then stays at its high-water mark.")
+        True, description="CPU training: from the first step on, keep freed memory in the process's heap (glibc) "
+        "instead of unmapping it, so each step's large tensors reuse warm pages instead of page-faulting new "
+        "ones (~15 % of a CPU mini-batch); the process's RSS then stays at its high-water mark.")
 
     # --- LoRA (full fine-tuning when lora_rank == 0) ---
     lora_rank: int = Field(0, ge=0, le=1024)

@@ -81,8 +81,6 @@ class Trainer:
         self.cb = callbacks or Callbacks()
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)  # unknown names fail before any loading
         seed_everything(self.cfg.seed)
-        if self.cfg.keep_freed_memory:
-            keep_freed_memory()
         self.device = pick_device()
         self.amp = autocast_dtype(self.cfg, self.device)
         self.rows = load_rows(spec.training_file)
@@ -100,6 +98,10 @@ class Trainer:
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
             raise
+        # After loading, so load-time copies (a dtype cast, a CPU copy on its way to the GPU) are returned
+        # to the OS, not kept; on CPU only, where the steps' large tensors live in this heap.
+        if self.cfg.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.step = 0
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
