@@ -55,8 +55,6 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured).
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
     """
-    if keep_freed_memory:
-        keep()
     model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     prompt_ids = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)]
@@ -72,6 +70,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
             continue
         eng = make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
                           max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
+        if keep_freed_memory:  # as the Trainer does: once the model and engine are loaded
+            keep()
         try:
             out[f"{kind}_tokens_per_s"] = _tokens_per_s(eng, prompt_ids, spec, reps)
             out[f"{kind}_tokens_per_s_with_logprobs"] = _tokens_per_s(eng, prompt_ids, spec_lp, reps)

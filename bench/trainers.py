@@ -96,10 +96,6 @@ def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_me
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    if keep_freed_memory:
-        from gspo_core.memory import keep_freed_memory as keep
-
-        keep()
     model_dir, data = prepare(w, root)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     ds = Dataset.from_list([{"prompt": r["prompt"], "target": r["target"]} for r in rows])
@@ -126,6 +122,10 @@ def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_me
     _timed(trainer, "_generate", gen)
     _timed(trainer, "_calculate_rewards", rew)
     _timed(trainer, "_generate_and_score_completions", prep)
+    if keep_freed_memory:  # where our Trainer applies it: after the model is loaded, before the first step
+        from gspo_core.memory import keep_freed_memory as keep
+
+        keep()
     t0 = time.perf_counter()
     trainer.train()
     # One GSPO step = one generation + `updates` optimizer updates: group the update timestamps.
