@@ -72,6 +72,11 @@ class GSPOConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0.0, le=1e6)
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
     gradient_checkpointing: bool = False
+    micro_batch_tokens: int = Field(
+        0, ge=0, le=10_000_000, description="Most tokens (prompt + completion) one forward + backward holds: a "
+        "mini-batch over it runs as micro-batches whose gradients add up to the same update (gradient "
+        "accumulation), so memory, not the number of optimizer updates, is what it trades. 0 = the whole "
+        "mini-batch at once.")
     keep_freed_memory: bool = Field(
         True, description="CPU training: from the first step on, keep freed memory in the process's heap (glibc) "
         "instead of unmapping it, so each step's large tensors reuse warm pages instead of page-faulting new "

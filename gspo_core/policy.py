@@ -9,7 +9,7 @@ import torch
 
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
-from gspo_core.token_logprobs import token_logprobs
+from gspo_core.token_logprobs import head_logprobs, token_logprobs
 
 
 def pick_device() -> torch.device:
@@ -62,16 +62,24 @@ def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperatu
 
     ``batch`` is plain rows or rows sharing prompt passes (:mod:`gspo_core.packing`). The LM head runs
     only on completion positions (not the prompt), which saves most of the vocabulary projection;
-    the log-softmax, gather and entropy run fused, block by block
-    (:mod:`gspo_core.token_logprobs`). With ``with_entropy`` also returns the mean token entropy
-    (detached).
+    the head's matmul, log-softmax, gather and entropy run fused, a chunk at a time, and the head's
+    backward skips positions with a zero gradient (:mod:`gspo_core.token_logprobs`; a head that is not
+    a plain ``nn.Linear``, e.g. a LoRA-wrapped one, runs as a module). With ``with_entropy`` also
+    returns the mean token entropy (detached).
     """
     trunk, head = _trunk_and_head(model)
     device_type = batch.target_BT.device.type
-    with torch.autocast(device_type=device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        z_BTV = head(batch.hidden_BTH(trunk)).float()
-    B, T, V = z_BTV.shape
-    logp_N, ent_N = token_logprobs(z_BTV.reshape(B * T, V), batch.target_BT.reshape(-1), temperature, with_entropy)
+    autocast = torch.autocast(device_type=device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+    with autocast:
+        h_BTH = batch.hidden_BTH(trunk)
+    B, T, H = h_BTH.shape
+    target_N = batch.target_BT.reshape(-1)
+    if type(head) is torch.nn.Linear:
+        logp_N, ent_N = head_logprobs(h_BTH.reshape(B * T, H), head, target_N, temperature, with_entropy, amp_dtype)
+    else:
+        with autocast:
+            z_NV = head(h_BTH.reshape(B * T, H)).float()
+        logp_N, ent_N = token_logprobs(z_NV, target_N, temperature, with_entropy)
     logp_BT = logp_N.view(B, T) * batch.mask_BT
     if not with_entropy:
         return logp_BT

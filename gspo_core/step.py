@@ -233,24 +233,61 @@ def _later_rows_with_signal(ro: Rollout, cfg: GSPOConfig) -> torch.Tensor:
     return _with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0])
 
 
-def _minibatch_loss(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
-                    amp) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
-    """Forward of mini-batch ``k``'s rows ``idx`` and their loss, scaled as a mean over all ``n_rows``
-    rows of the mini-batch (the left-out ones add 0). Returns ``(loss, loss metrics, step-0 extras)``."""
+def micro_batches(comps: list[Completion], idx: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """Rows ``idx``, in order, as runs of at most ``budget`` tokens (prompt + completion) each, a row over
+    the budget alone; ``budget`` 0: all in one."""
+    if budget <= 0 or not len(idx):
+        return [idx]
+    parts: list[list[int]] = [[]]
+    tokens = 0
+    for i, n in zip(idx.tolist(), _lengths_N(comps)[idx].tolist()):
+        if parts[-1] and tokens + n > budget:
+            parts.append([])
+            tokens = 0
+        parts[-1].append(i)
+        tokens += n
+    return [torch.tensor(p, dtype=torch.long) for p in parts]
+
+
+def _forward_backward(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
+                      amp) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Mini-batch ``k``'s rows ``idx`` forward and backward, a micro-batch of ``cfg.micro_batch_tokens`` at a
+    time, each loss scaled as a share of the mean over all ``n_rows`` rows of the mini-batch (left-out
+    rows add 0), so the gradients add up to the one-batch ones. Returns the detached logprobs and mask
+    ``[len(idx), T]`` (on the CPU) and the mean token entropy."""
     device = next(model.parameters()).device
     adv_N, _ = advantages(ro, cfg)
-    batch = _pack(ro.completions, idx, pad_id, cfg).to(device)
-    logp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
+    logp_BT, mask_BT = torch.zeros(len(idx), ro.old_logp_NT.size(1)), torch.zeros(len(idx), ro.old_logp_NT.size(1))
+    entropy_sum, at = 0.0, 0
+    for part in micro_batches(ro.completions, idx, cfg.micro_batch_tokens):
+        batch = _pack(ro.completions, part, pad_id, cfg).to(device)
+        lp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
+        old_BT = (lp_BT.detach() if k == 0 and ro.first_batch_on_policy
+                  else ro.old_logp_NT[part][:, : lp_BT.size(1)].to(device))
+        loss, _ = LOSSES.get(cfg.loss)(lp_BT, old_BT, adv_N[part].to(device), batch.mask_BT, cfg.clip_eps_low,
+                                       cfg.clip_eps_high)
+        (loss * (len(part) / n_rows)).backward()
+        rows, T = slice(at, at + len(part)), lp_BT.size(1)
+        logp_BT[rows, :T], mask_BT[rows, :T] = lp_BT.detach().cpu(), batch.mask_BT.cpu()
+        entropy_sum += entropy * float(batch.mask_BT.sum())
+        at += len(part)
+    return logp_BT, mask_BT, entropy_sum / max(float(mask_BT.sum()), 1.0)
+
+
+def _minibatch(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
+               amp) -> tuple[dict[str, float], dict[str, float]]:
+    """Gradients of mini-batch ``k``'s rows ``idx`` (see :func:`_forward_backward`) and their loss metrics,
+    computed once over all of them; returns ``(loss metrics, step-0 extras)``."""
+    logp_BT, mask_BT, entropy = _forward_backward(model, ro, k, idx, n_rows, pad_id, cfg, amp)
     extra: dict[str, float] = {}
-    if k == 0:
-        extra = _sampler_gap(logp_BT.cpu(), [ro.completions[i] for i in idx], batch.mask_BT.cpu())
+    if k == 0:  # on-policy: before the optimizer step, so a failed check can still recompute in time
+        extra = _sampler_gap(logp_BT, [ro.completions[i] for i in idx], mask_BT)
         if ro.verify_sampler:
-            extra.update(_check_sampler(model, ro, idx, logp_BT, batch.mask_BT, pad_id, cfg, amp))
-    old_BT = (logp_BT.detach() if k == 0 and ro.first_batch_on_policy
-              else ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(device))
-    loss, m = LOSSES.get(cfg.loss)(logp_BT, old_BT, adv_N[idx].to(device), batch.mask_BT, cfg.clip_eps_low,
+            extra.update(_check_sampler(model, ro, idx, logp_BT, mask_BT, pad_id, cfg, amp))
+    old_BT = logp_BT if k == 0 and ro.first_batch_on_policy else ro.old_logp_NT[idx][:, : logp_BT.size(1)]
+    loss, m = LOSSES.get(cfg.loss)(logp_BT, old_BT, advantages(ro, cfg)[0][idx], mask_BT, cfg.clip_eps_low,
                                    cfg.clip_eps_high)
-    return loss * (len(idx) / n_rows), {**m, "entropy": entropy}, extra
+    return {**m, "entropy": entropy, "loss": float(loss) * len(idx) / n_rows}, extra
 
 
 def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen) -> dict[str, float]:
@@ -261,6 +298,7 @@ def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfi
     later mini-batches, rows with a zero advantage (groups whose rewards all tie) are left out of the
     forward and backward: their gradient is exactly 0, so the update is the same
     (``update/rows_skipped_frac``); a mini-batch left empty still steps AdamW, with zero gradients.
+    A mini-batch over ``cfg.micro_batch_tokens`` accumulates its gradient over micro-batches.
     """
     adv_N, adv_metrics = advantages(ro, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -273,18 +311,17 @@ def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfi
         skipped += len(idx) - len(live)
         optimizer.zero_grad(set_to_none=True)
         if len(live):
-            loss, m, first = _minibatch_loss(model, ro, k, live, len(idx), pad_id, cfg, amp)
+            m, first = _minibatch(model, ro, k, live, len(idx), pad_id, cfg, amp)
             extra.update(first)
-            loss.backward()
         else:
-            loss, m = torch.zeros(()), {}
+            m = {"loss": 0.0}
             for p in params:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         extra["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
         optimizer.step()
         scheduler.step()
-        for name, v in {**m, "loss": float(loss.detach()), "grad_norm": float(grad_norm)}.items():
+        for name, v in {**m, "grad_norm": float(grad_norm)}.items():
             acc.setdefault(name, []).append(v)
     out = {name: sum(v) / len(v) for name, v in acc.items()}
     out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import pytest
 import torch
 
 from gspo_core import step as S
-from gspo_core.config import GSPOConfig
-from gspo_core.policy import load_policy
-from gspo_core.rollout import SamplingSpec, make_engine
 from gspo_core import trainer as T
-from gspo_core.trainer import make_optimizer, train
-from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec
+from gspo_core.trainer import train
+from tests.core.trainer_support import UPDATE_CFG as CFG
+from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, update_step
 
 
 @pytest.fixture(autouse=True)
@@ -23,34 +20,8 @@ def _one_thread():
         yield
 
 
-CFG = GSPOConfig(group_size=4, max_new_tokens=6, mini_batches=4, learning_rate=1e-2)
-
-
-@pytest.fixture(scope="module")
-def sampled(tiny_model_dir):
-    """The tiny policy and one real rollout of it (transformers engine, sampler logprobs asked)."""
-    model, tok = load_policy(str(tiny_model_dir), CFG, torch.device("cpu"))
-    eng = make_engine("transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
-                      max_model_len=64)
-    prompts = [f"say {c}:" for c in "abcd"]
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    groups = eng.generate(ids, SamplingSpec(n=CFG.group_size, max_tokens=CFG.max_new_tokens, seed=0, logprobs=True))
-    comps = [c for g in groups for c in g]
-    rewards_N = torch.rand(len(comps), generator=torch.Generator().manual_seed(0))
-    return model, tok.pad_token_id, comps, rewards_N
-
-
 def _step(sampled, mode: str, logprob_bias: float = 0.0):
-    """old_logprobs + update of a fresh copy of the policy in ``mode``; returns (rollout, metrics, model)."""
-    model0, pad_id, comps, rewards_N = sampled
-    model = copy.deepcopy(model0)
-    comps = [replace(c, logprobs=[lp + logprob_bias for lp in c.logprobs]) for c in comps]
-    ro = S.Rollout(rows=[{}] * 4, prompts=[""] * 4, completions=comps, rewards_N=rewards_N)
-    cfg = CFG.model_copy(update={"old_logprobs": mode})
-    opt, sched = make_optimizer(model, cfg)
-    gen = torch.Generator().manual_seed(1)
-    S.old_logprobs(model, ro, pad_id, cfg, None, gen)
-    return ro, S.update(model, opt, sched, ro, pad_id, cfg, None, gen), model
+    return update_step(sampled, CFG.model_copy(update={"old_logprobs": mode}), logprob_bias)
 
 
 def test_auto_takes_the_sampler_logprobs_when_they_match_the_trainer(sampled):

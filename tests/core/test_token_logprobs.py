@@ -50,3 +50,66 @@ def test_gradcheck_in_double():
     z = torch.randn(6, 11, generator=g, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, 11, (6,), generator=g)
     assert torch.autograd.gradcheck(lambda x: TL.token_logprobs(x, target, 1.3)[0], (z,))
+
+
+def _head_case(seed: int, N: int = 37, H: int = 12, V: int = 300, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64).requires_grad_()
+    head = torch.nn.Linear(H, V, bias=bias, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g, dtype=torch.float64))
+    target = torch.randint(0, V, (N,), generator=g)
+    w = torch.randn(N, generator=g, dtype=torch.float64)
+    w[::3] = 0.0  # positions with no gradient (padding, clipped sequences): skipped by the backward
+    return h, head, target, w
+
+
+def _grads(h, head, loss):
+    params = [h, *[p for p in head.parameters() if p.requires_grad]]
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunks", ["one (logits kept)", "several (recomputed)"])
+def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temperature, chunks):
+    h, head, target, w = _head_case(3)
+    if chunks.startswith("several"):
+        monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 5 * head.out_features)  # 37 positions in chunks of 5
+    monkeypatch.setattr(TL, "BLOCK_ELEMENTS", 2 * head.out_features)
+    logp, ent = TL.head_logprobs(h, head, target, temperature, with_entropy=True)
+    ref_logp, ref_ent = _reference(head(h), target, temperature)
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(ent, ref_ent.detach())
+    assert not ent.requires_grad
+    for got, want in zip(_grads(h, head, (logp * w).sum()), _grads(h, head, (ref_logp * w).sum())):
+        torch.testing.assert_close(got, want)
+
+
+def test_head_backward_runs_only_over_positions_with_a_gradient(monkeypatch):
+    h, head, target, w = _head_case(4, bias=False)
+    monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 10 * head.out_features)  # recomputed: each backward chunk is seen
+    rows = []
+    real = TL._logits
+    monkeypatch.setattr(TL, "_logits", lambda h_CH, *a: rows.append(h_CH.size(0)) or real(h_CH, *a))
+    logp, _ = TL.head_logprobs(h, head, target)
+    assert sum(rows) == 37
+    rows.clear()
+    gh, gw = _grads(h, head, (logp * w).sum())
+    assert sum(rows) == int((w != 0).sum()) == 24
+    assert (gh[w == 0] == 0).all() and gh[w != 0].abs().sum(-1).min() > 0 and gw.abs().sum() > 0
+
+
+def test_head_logprobs_in_bf16_and_a_frozen_head():
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(20, 16, generator=g).requires_grad_()
+    head = torch.nn.Linear(16, 500, bias=False).requires_grad_(False)  # frozen, as under LoRA
+    target = torch.randint(0, 500, (20,), generator=g)
+    logp, _ = TL.head_logprobs(h, head, target, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = head(h)
+    torch.testing.assert_close(logp, _reference(z.float(), target, 1.0)[0], atol=1e-5, rtol=1e-5)
+    assert logp.dtype == torch.float32
+    (gh,) = torch.autograd.grad(logp.sum(), [h])
+    (ref,) = torch.autograd.grad(_reference(head(h), target, 1.0)[0].sum(), [h])
+    assert gh.dtype == torch.float32 and head.weight.grad is None
+    torch.testing.assert_close(gh, ref, atol=0.05, rtol=0.05)
