@@ -8,8 +8,8 @@ all of its work while it is in cache and writes only ``[N]`` results; the backwa
 gradient it has to in one pass per block.
 
 :func:`head_logprobs` also takes the LM head's matmul in: logits are made a chunk of positions at
-a time (at most :data:`CHUNK_ELEMENTS` alive, where ``[N, V]`` fp32 logits of 16 rows x 1k tokens
-at a 150k vocabulary would be 10 GB), and the backward runs the head's two GEMMs only over positions
+a time past :data:`KEEP_LOGITS_ELEMENTS` (where ``[N, V]`` fp32 logits of 16 rows x 1k tokens at a
+150k vocabulary would be 10 GB, and their gradient as much again), and the backward runs the head's two GEMMs only over positions
 whose log-prob has a nonzero gradient: padding, and every token of a sequence GSPO clipped (its
 whole gradient is 0), cost nothing there. Same values and gradients up to fp32 rounding
 (tests/core/test_token_logprobs.py checks both against the plain formula).
@@ -21,8 +21,12 @@ import torch
 
 #: Elements of one softmax block (positions x vocabulary): ~2 MiB of fp32, so a block's temporaries stay in cache.
 BLOCK_ELEMENTS = 1 << 19
-#: Elements of one chunk of logits the head's GEMMs make at once (512 MiB of fp32).
+#: Elements of one chunk of logits the head's GEMMs make at once (512 MiB of fp32), past KEEP_LOGITS_ELEMENTS.
 CHUNK_ELEMENTS = 1 << 27
+#: Logits up to this many elements (1 GiB of fp32) are made at once and kept for the backward; more are made
+#: a chunk at a time and made again in the backward (the head's forward GEMM twice: ~1/3 more head work,
+#: for memory that does not grow with the mini-batch).
+KEEP_LOGITS_ELEMENTS = 1 << 28
 
 
 def _spans(n_positions: int, per: int) -> list[slice]:
@@ -109,12 +113,12 @@ class _HeadLogprobs(torch.autograd.Function):
     def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype):
         N, V = h_NH.size(0), w_VH.size(0)
         logp_N, lse_N, ent_N = _new_outputs(h_NH, N, with_entropy, _logit_dtype(w_VH))
-        spans = _spans(N, CHUNK_ELEMENTS // V)
-        kept = []  # the logits, kept for the backward when they fit in one chunk (no recompute)
-        for s in spans:
+        keep = N * V <= KEEP_LOGITS_ELEMENTS
+        kept = []  # the logits, kept for the backward when they are few enough
+        for s in [slice(0, N)] if keep else _spans(N, CHUNK_ELEMENTS // V):
             z_CV = _logits(h_NH[s], w_VH, b_V, dtype)
             _forward_blocks(z_CV, target_N[s], temperature, with_entropy, logp_N[s], lse_N[s], ent_N[s])
-            if len(spans) == 1:
+            if keep:
                 kept.append(z_CV)
         ctx.save_for_backward(h_NH, w_VH, b_V, target_N, lse_N, *kept)
         ctx.temperature, ctx.dtype = temperature, dtype

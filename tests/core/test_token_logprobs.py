@@ -70,11 +70,12 @@ def _grads(h, head, loss):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunks", ["one (logits kept)", "several (recomputed)"])
-def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temperature, chunks):
+@pytest.mark.parametrize("logits", ["kept", "recomputed"])
+def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temperature, logits):
     h, head, target, w = _head_case(3)
-    if chunks.startswith("several"):
-        monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 5 * head.out_features)  # 37 positions in chunks of 5
+    monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 5 * head.out_features)  # 37 positions in chunks of 5
+    if logits == "recomputed":
+        monkeypatch.setattr(TL, "KEEP_LOGITS_ELEMENTS", 0)
     monkeypatch.setattr(TL, "BLOCK_ELEMENTS", 2 * head.out_features)
     logp, ent = TL.head_logprobs(h, head, target, temperature, with_entropy=True)
     ref_logp, ref_ent = _reference(head(h), target, temperature)
@@ -87,7 +88,8 @@ def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temper
 
 def test_head_backward_runs_only_over_positions_with_a_gradient(monkeypatch):
     h, head, target, w = _head_case(4, bias=False)
-    monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 10 * head.out_features)  # recomputed: each backward chunk is seen
+    monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 10 * head.out_features)
+    monkeypatch.setattr(TL, "KEEP_LOGITS_ELEMENTS", 0)  # recomputed: each backward chunk is seen
     rows = []
     real = TL._logits
     monkeypatch.setattr(TL, "_logits", lambda h_CH, *a: rows.append(h_CH.size(0)) or real(h_CH, *a))
