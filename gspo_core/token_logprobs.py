@@ -8,10 +8,10 @@ all of its work while it is in cache and writes only ``[N]`` results; the backwa
 gradient it has to in one pass per block.
 
 :func:`head_logprobs` also takes the LM head's matmul in: logits are made a chunk of positions at
-a time past :data:`KEEP_LOGITS_ELEMENTS` (where ``[N, V]`` fp32 logits of 16 rows x 1k tokens at a
-150k vocabulary would be 10 GB, and their gradient as much again), and the backward runs the head's two GEMMs only over positions
-whose log-prob has a nonzero gradient: padding, and every token of a sequence GSPO clipped (its
-whole gradient is 0), cost nothing there. Same values and gradients up to fp32 rounding
+a time past :data:`KEEP_LOGITS_ELEMENTS` (``[N, V]`` fp32 logits of 16 rows x 1k tokens at a 150k
+vocabulary would be 10 GB, and their gradient as much again), and the backward runs the head's two
+GEMMs only over positions whose log-prob has a nonzero gradient: padding, and every token of a
+sequence GSPO clipped (its whole gradient is 0), cost nothing there. Same values and gradients up to fp32 rounding
 (tests/core/test_token_logprobs.py checks both against the plain formula).
 """
 
@@ -131,8 +131,7 @@ class _HeadLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         live_L = grad_logp_N.nonzero().squeeze(-1)  # positions with a gradient; the rest add exactly 0
         grad_h = torch.zeros_like(h_NH) if need_h else None
-        grad_w = torch.zeros_like(w_VH) if need_w else None
-        grad_b = torch.zeros_like(b_V) if need_b else None
+        grad_w = grad_b = None  # the first chunk's product is the gradient, later ones add to it
         V = w_VH.size(0)
         w_dt = w_VH.to(ctx.dtype)
         for s in _spans(len(live_L), CHUNK_ELEMENTS // V):
@@ -147,9 +146,15 @@ class _HeadLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[pos] = (dz @ w_dt).to(grad_h.dtype)
             if need_w:
-                grad_w += (dz.t() @ h_NH[pos].to(ctx.dtype)).to(grad_w.dtype)
+                part = (dz.t() @ h_NH[pos].to(ctx.dtype)).to(w_VH.dtype)
+                grad_w = part if grad_w is None else grad_w.add_(part)
             if need_b:
-                grad_b += z_CV.sum(0).to(grad_b.dtype)
+                part = z_CV.sum(0).to(b_V.dtype)
+                grad_b = part if grad_b is None else grad_b.add_(part)
+        if need_w and grad_w is None:  # no position had a gradient
+            grad_w = torch.zeros_like(w_VH)
+        if need_b and grad_b is None:
+            grad_b = torch.zeros_like(b_V)
         return grad_h, grad_w, grad_b, None, None, None, None
 
 

@@ -115,3 +115,11 @@ def test_head_logprobs_in_bf16_and_a_frozen_head():
     (ref,) = torch.autograd.grad(_reference(head(h), target, 1.0)[0].sum(), [h])
     assert gh.dtype == torch.float32 and head.weight.grad is None
     torch.testing.assert_close(gh, ref, atol=0.05, rtol=0.05)
+
+
+def test_head_backward_with_no_live_position_gives_zero_gradients():
+    h, head, target, _ = _head_case(6)
+    logp, _ = TL.head_logprobs(h, head, target)
+    gh, gw, gb = _grads(h, head, (logp * 0.0).sum())
+    assert gh.shape == h.shape and gw.shape == head.weight.shape and gb.shape == head.bias.shape
+    assert not gh.any() and not gw.any() and not gb.any()
