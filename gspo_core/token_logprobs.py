@@ -11,8 +11,8 @@ gradient it has to in one pass per block.
 a time past :data:`KEEP_LOGITS_ELEMENTS` (``[N, V]`` fp32 logits of 16 rows x 1k tokens at a 150k
 vocabulary would be 10 GB, and their gradient as much again), and the backward runs the head's two
 GEMMs only over positions whose log-prob has a nonzero gradient: padding, and every token of a
-sequence GSPO clipped (its whole gradient is 0), cost nothing there. Same values and gradients up to fp32 rounding
-(tests/core/test_token_logprobs.py checks both against the plain formula).
+sequence GSPO clipped (its whole gradient is 0), cost nothing there. Same values and gradients up to
+fp32 rounding (tests/core/test_token_logprobs.py checks both against the plain formula).
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def _grad_blocks_(z_NV, target_N, lse_N, g_N, temperature: float, out_NV, rows_N
 
 
 def _new_outputs(like, n: int, with_entropy: bool, dtype):
-    return like.new_empty(n, dtype=dtype), like.new_empty(n, dtype=dtype), like.new_zeros(n if with_entropy else 0,
-                                                                                        dtype=dtype)
+    """Empty ``logp_N``, ``lse_N`` and ``ent_N`` (size 0 without entropy) on ``like``'s device."""
+    ent_N = like.new_zeros(n if with_entropy else 0, dtype=dtype)
+    return like.new_empty(n, dtype=dtype), like.new_empty(n, dtype=dtype), ent_N
 
 
 class _TokenLogprobs(torch.autograd.Function):
