@@ -1,6 +1,6 @@
 """Rollout tokens/s of the vLLM engine vs the transformers engine, and the weight-push time.
 
-``python -m bench.rollout_speed [--shape small] [--prompts 32] [--group 8] [--tokens 32]``: the same
+``python -m bench.rollout_speed [--shape small] [--prompts 32] [--group 8] [--tokens 32] [--prompt-tokens 0]``: the same
 prompts, fixed-length completions (EOS ignored, seeded as the trainer samples), one warm-up call per
 engine, then the median of ``--reps``. ``measure_rollout`` is the same as a function (bench/run.py
 may import it). The load average is reported because on a shared CPU machine it moves the numbers.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.workload import instructions
 from gspo_core.config import GSPOConfig
 from gspo_core.memory import keep_freed_memory as keep
 from gspo_core.policy import export_weights, load_policy
@@ -47,23 +48,27 @@ def _push_seconds(engine, policy, reps: int) -> float:
 
 def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tokens: int = 32, reps: int = 3,
                     engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None,
-                    keep_freed_memory: bool = True) -> dict:
+                    keep_freed_memory: bool = True, prompt_tokens: int = 0) -> dict:
     """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
     "weight_push_s": float, "vllm_over_transformers": float, "vllm_over_transformers_with_logprobs": float,
     "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured).
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
+    ``prompt_tokens``: every prompt opens with this many tokens of instructions (the short prompts
+    alone are 17-18 tokens, under one KV block, so the samples of a prompt share none of its KV).
     """
     model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    prompt_ids = [tok(f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)]
+    prompt_ids = [tok(instructions(prompt_tokens) + f"say {chr(97 + i % 5)}: question {i}")["input_ids"]
+                  for i in range(prompts)]
     # Without sampler logprobs (old_logprobs=recompute, but for its gap-check steps) and with them
     # (the default old_logprobs=auto and old_logprobs=rollout ask for them at every step).
     spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=False)
     spec_lp = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=True)
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
                  "prompts": prompts, "group": group, "tokens": tokens, "keep_freed_memory": keep_freed_memory,
+                 "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
                  "loadavg_1m_before": os.getloadavg()[0]}
     for kind in engines:
         if kind == "vllm" and not vllm_available():
@@ -94,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="tokens of instructions opening every prompt")
     ap.add_argument("--engines", default="transformers,vllm", help="comma-separated: transformers, vllm")
     ap.add_argument("--return-freed-memory", action="store_true",
                     help="leave glibc's default heap policy (the trainer keeps freed memory: gspo_core.memory)")
     a = ap.parse_args(argv)
     out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")),
-                          keep_freed_memory=not a.return_freed_memory)
+                          keep_freed_memory=not a.return_freed_memory, prompt_tokens=a.prompt_tokens)
     print(json.dumps(out, indent=2))
     return 0
 

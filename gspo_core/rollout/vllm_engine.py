@@ -11,6 +11,12 @@ import torch
 from gspo_core.rollout import cpu_sampler
 from gspo_core.rollout.base import Completion, SamplingSpec
 
+#: KV block size on vLLM's CPU backend: the smallest its attention kernel takes (vLLM's CPU default
+#: is 128). The G samples of a prompt share its KV only per full block, so a 117-token prompt shared
+#: nothing at 128 and shares 96 tokens at 32: the rollout of 32 such prompts x 8 samples x 32 tokens
+#: on the 55 M model took 15.1 s at 128 and 7.2 s at 32; decode speed is the same at both.
+CPU_KV_BLOCK = 32
+
 
 def _has_reload_weights(worker) -> bool:
     """Probe run on the engine's worker: does its model runner reload weights in place?"""
@@ -60,6 +66,8 @@ class VLLMEngine:
                       logprobs_mode="raw_logprobs" if plain_sampling else "processed_logprobs",
                       enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                       enable_chunked_prefill=not current_platform.is_cpu())
+        if current_platform.is_cpu():
+            kwargs.update(block_size=CPU_KV_BLOCK)
         if self._sleep_capable:
             kwargs.update(enable_sleep_mode=True)
         self.llm = LLM(**kwargs)

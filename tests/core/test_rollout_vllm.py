@@ -151,6 +151,24 @@ def test_the_cache_reset_is_what_keeps_long_prompts_fresh(engine, policy, tiny_m
         engine.load_weights(export_weights(model))
 
 
+def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine, policy):
+    """On CPU the KV block is 32 tokens (vLLM's CPU default, 128, shares nothing of a prompt under
+    128 tokens): the G samples of a 69-token prompt, one call on an empty prefix cache, reuse its
+    first 64 tokens' keys and values."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
+
+    _, tok = policy
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == CPU_KV_BLOCK == 32
+    ids = tok("say a: and then b; " * 10)["input_ids"][:69]
+    engine.llm.reset_prefix_cache()
+    out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(n=4, max_tokens=4, seed=0),
+                              use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and out.num_cached_tokens == 64
+
+
 def test_sleep_and_wake_keep_the_engine_usable(engine, prompts):
     """No-ops on CPU (sleep mode is unsupported there); on GPU they offload and restore."""
     engine.sleep()
