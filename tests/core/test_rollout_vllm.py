@@ -158,8 +158,12 @@ def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine, policy):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm.platforms import current_platform
+
     from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
 
+    if not current_platform.is_cpu():
+        pytest.skip("the block size is vLLM's own off CPU")
     _, tok = policy
     assert engine.llm.llm_engine.vllm_config.cache_config.block_size == CPU_KV_BLOCK == 32
     ids = tok("say a: and then b; " * 10)["input_ids"][:69]
