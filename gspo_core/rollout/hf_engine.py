@@ -96,7 +96,6 @@ class TransformersEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         if any(len(ids) == 0 for ids in prompt_ids):
             raise ValueError("prompt_ids: every prompt needs at least one token")
-        flat = [(p, ids) for p, ids in enumerate(prompt_ids) for _ in range(sampling.n)]
         device = next(self.policy.parameters()).device
         was_training = self.policy.training
         outs: list[Completion] = []
@@ -109,8 +108,10 @@ class TransformersEngine:
             with fork, _clean_generation_config(self.policy, eos, self.pad_id):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
-                for k in range(0, len(flat), self.batch_size):
-                    outs += self._generate_batch(flat[k:k + self.batch_size], sampling, device)
+                per_batch = max(1, self.batch_size // sampling.n)  # a prompt's group is never split
+                for k in range(0, len(prompt_ids), per_batch):
+                    batch = list(enumerate(prompt_ids))[k:k + per_batch]
+                    outs += self._generate_batch(batch, sampling, device)
         finally:
             self.policy.train(was_training)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
@@ -118,28 +119,48 @@ class TransformersEngine:
             grouped[c.prompt_index].append(c)
         return grouped
 
+    def _prompt_cache(self, input_PW: torch.Tensor, attn_PW: torch.Tensor, n: int):
+        """Keys and values of every prompt but its last token, computed once and repeated for its
+        ``n`` samples (generate would run each prompt ``n`` times); None when there is nothing to share."""
+        if n == 1 or input_PW.size(1) < 2:
+            return None
+        from transformers import DynamicCache
+
+        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        trunk = base.get_decoder()
+        # generate's own rule for left-padded rows: positions count real tokens only.
+        pos_PW = (attn_PW.cumsum(-1) - 1).clamp(min=0)
+        cache = trunk(input_ids=input_PW[:, :-1], attention_mask=attn_PW[:, :-1], position_ids=pos_PW[:, :-1],
+                      past_key_values=DynamicCache(config=base.config), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(n)
+        return cache
+
     @torch.inference_mode()
     def _generate_batch(self, batch, sampling: SamplingSpec, device) -> list[Completion]:
+        """``sampling.n`` samples of each ``(index, ids)`` prompt in ``batch``, the prompts prefilled once."""
         width = max(len(ids) for _, ids in batch)
-        input_BP = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attn_BP = torch.zeros((len(batch), width), dtype=torch.long)
+        input_PW = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attn_PW = torch.zeros((len(batch), width), dtype=torch.long)
         for b, (_, ids) in enumerate(batch):  # left padding, so every row ends at the same column
-            input_BP[b, width - len(ids):] = torch.tensor(ids)
-            attn_BP[b, width - len(ids):] = 1
+            input_PW[b, width - len(ids):] = torch.tensor(ids)
+            attn_PW[b, width - len(ids):] = 1
+        input_PW, attn_PW = input_PW.to(device), attn_PW.to(device)
         from transformers import LogitsProcessorList
 
         recorder = SampledLogprobs(sampling.temperature, sampling.top_p)
         # temperature/top-p/top-k are neutral here: the recorder applies them, once.
         seq_BL = self.policy.generate(
-            input_ids=input_BP.to(device), attention_mask=attn_BP.to(device), do_sample=True,
+            input_ids=input_PW.repeat_interleave(sampling.n, 0), attention_mask=attn_PW.repeat_interleave(sampling.n, 0),
+            past_key_values=self._prompt_cache(input_PW, attn_PW, sampling.n), do_sample=True,
             temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=sampling.max_tokens, use_cache=True,
             logits_processor=LogitsProcessorList([recorder]),
         )
         new_BT = seq_BL[:, width:]
         logp_BT = recorder.finish(new_BT).float().cpu() if sampling.logprobs else None
         new_BT = new_BT.cpu()
+        rows = [(p, ids) for p, ids in batch for _ in range(sampling.n)]
         return [self._completion(p, ids, new_BT[b], None if logp_BT is None else logp_BT[b], sampling)
-                for b, (p, ids) in enumerate(batch)]
+                for b, (p, ids) in enumerate(rows)]
 
     def _completion(self, p: int, ids: list[int], new_T, logp_T, sampling: SamplingSpec) -> Completion:
         toks = new_T.tolist()

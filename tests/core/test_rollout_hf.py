@@ -115,6 +115,37 @@ def test_batches_split_and_keep_prompt_order(policy, prompts):
     check_contract(groups, prompts * 2, 4, 5, tok.eos_token_id)
 
 
+def test_each_prompt_is_prefilled_once_for_its_group(engine, policy, prompts):
+    """The G samples reuse one pass over their prompt: the model embeds each prompt's tokens once
+    (all but the last; the first decode step runs that one per sample), then one token per sample and
+    step -- not G copies of every prompt."""
+    model, _ = policy
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    try:
+        engine.generate(prompts, SamplingSpec(n=4, max_tokens=6, ignore_eos=True, seed=0))
+    finally:
+        hook.remove()
+    width = max(map(len, prompts))
+    assert seen == [len(prompts) * (width - 1)] + [len(prompts) * 4] * 6
+
+
+def test_a_lora_policy_samples_with_its_adapter(policy, tiny_model_dir, prompts):
+    """The shared prompt pass runs the adapted model (PEFT-wrapped): logprobs match its plain forward."""
+    _, tok = policy
+    lora, _ = load_policy(str(tiny_model_dir), GSPOConfig(lora_rank=4), DEVICE)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    groups = TransformersEngine(lora, tok, seed=0).generate(prompts, SamplingSpec(n=3, max_tokens=8, seed=1))
+    for c in groups[0] + groups[1]:
+        ref = reference_logprobs(lora, c.prompt_ids, c.completion_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+        with lora.disable_adapter():
+            assert (ref - reference_logprobs(lora, c.prompt_ids, c.completion_ids)).abs().max() > 1e-2
+
+
 def test_shares_the_trainers_weights(engine, policy, prompts):
     """No copy: an in-place change of the policy is what the next rollout samples from."""
     model, _ = policy
