@@ -25,7 +25,7 @@ from bench.workload import QWEN_SHAPES
 from gspo_core import step as S
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import pack
-from gspo_core.policy import completion_logprobs
+from gspo_core.policy import base_model, completion_logprobs
 from gspo_core.registry import LOSSES
 from gspo_core.rollout.base import Completion
 
@@ -151,7 +151,7 @@ def packed_logprobs(model, comps: list[Completion], device, amp) -> tuple[torch.
         pos += range(len(seq))
         where.append(torch.arange(off + len(c.prompt_ids) - 1, off + len(seq) - 1))
         targets += c.completion_ids
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         hid_1LH = base.get_decoder()(input_ids=torch.tensor([ids], device=device),
                                      position_ids=torch.tensor([pos], device=device), use_cache=False).last_hidden_state

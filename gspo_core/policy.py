@@ -50,9 +50,15 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
     return model, tokenizer
 
 
+def base_model(model):
+    """The transformers model inside a PEFT wrapper (the model itself when unwrapped); a LoRA
+    adapter's layers sit inside it, so its forward is the adapted one."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _trunk_and_head(model):
     """The decoder stack and LM head of a (possibly PEFT-wrapped) causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return base.get_decoder(), base.get_output_embeddings()
 
 

@@ -7,6 +7,7 @@ from typing import Iterable
 
 import torch
 
+from gspo_core.policy import base_model
 from gspo_core.rollout.base import Completion, SamplingSpec
 
 
@@ -66,7 +67,7 @@ def _clean_generation_config(policy, eos_ids: list[int] | None, pad_id: int):
     must not change what is sampled, as vLLM ignores them too once sampling params are given."""
     from transformers import GenerationConfig
 
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    base = base_model(policy)
     saved = base.generation_config
     base.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id,
                                               bos_token_id=getattr(saved, "bos_token_id", None))
@@ -108,10 +109,10 @@ class TransformersEngine:
             with fork, _clean_generation_config(self.policy, eos, self.pad_id):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
+                indexed = list(enumerate(prompt_ids))
                 per_batch = max(1, self.batch_size // sampling.n)  # a prompt's group is never split
-                for k in range(0, len(prompt_ids), per_batch):
-                    batch = list(enumerate(prompt_ids))[k:k + per_batch]
-                    outs += self._generate_batch(batch, sampling, device)
+                for k in range(0, len(indexed), per_batch):
+                    outs += self._generate_batch(indexed[k:k + per_batch], sampling, device)
         finally:
             self.policy.train(was_training)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
@@ -126,7 +127,7 @@ class TransformersEngine:
             return None
         from transformers import DynamicCache
 
-        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        base = base_model(self.policy)
         trunk = base.get_decoder()
         # generate's own rule for left-padded rows: positions count real tokens only.
         pos_PW = (attn_PW.cumsum(-1) - 1).clamp(min=0)

@@ -45,6 +45,16 @@ def check_contract(groups, prompts, n, max_tokens, eos_id):
                 assert eos_id not in c.completion_ids
 
 
+def adapted_lora(tiny_model_dir):
+    """A LoRA policy whose adapter changes the model (random ``lora_B``; PEFT starts it at 0)."""
+    lora, _ = load_policy(str(tiny_model_dir), GSPOConfig(lora_rank=4), DEVICE)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return lora
+
+
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir):
     return load_policy(str(tiny_model_dir), GSPOConfig(), DEVICE)
@@ -133,11 +143,7 @@ def test_each_prompt_is_prefilled_once_for_its_group(engine, policy, prompts):
 def test_a_lora_policy_samples_with_its_adapter(policy, tiny_model_dir, prompts):
     """The shared prompt pass runs the adapted model (PEFT-wrapped): logprobs match its plain forward."""
     _, tok = policy
-    lora, _ = load_policy(str(tiny_model_dir), GSPOConfig(lora_rank=4), DEVICE)
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    lora = adapted_lora(tiny_model_dir)
     groups = TransformersEngine(lora, tok, seed=0).generate(prompts, SamplingSpec(n=3, max_tokens=8, seed=1))
     for c in groups[0] + groups[1]:
         ref = reference_logprobs(lora, c.prompt_ids, c.completion_ids)

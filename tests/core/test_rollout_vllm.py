@@ -9,7 +9,7 @@ from gspo_core.config import GSPOConfig
 from gspo_core.policy import export_weights, load_policy
 from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
 from tests.core.test_cpu_sampler import assert_frequencies_match
-from tests.core.test_rollout_hf import check_contract, check_logprobs_only_when_asked, reference_logprobs
+from tests.core.test_rollout_hf import adapted_lora, check_contract, check_logprobs_only_when_asked, reference_logprobs
 
 pytestmark = pytest.mark.vllm
 DEVICE = torch.device("cpu")
@@ -123,11 +123,7 @@ def test_lora_push_sends_the_merged_weights(engine, policy, tiny_model_dir):
     """A LoRA export merges the adapter only while it is iterated: the push must consume it
     lazily, so the engine samples from base + adapter (not from the unmerged base)."""
     model, tok = policy
-    lora, _ = load_policy(str(tiny_model_dir), GSPOConfig(lora_rank=4), DEVICE)
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    lora = adapted_lora(tiny_model_dir)
     lora.eval()
     spec = SamplingSpec(n=1, max_tokens=8, ignore_eos=True, seed=9)
     assert_push_samples_from(engine, lora, model, tok("say c:")["input_ids"], spec)
