@@ -11,10 +11,12 @@ import torch
 from gspo_core.rollout import cpu_sampler
 from gspo_core.rollout.base import Completion, SamplingSpec
 
-#: KV block size on vLLM's CPU backend: the smallest its attention kernel takes (vLLM's CPU default
-#: is 128). The G samples of a prompt share its KV only per full block, so a 117-token prompt shared
-#: nothing at 128 and shares 96 tokens at 32: the rollout of 32 such prompts x 8 samples x 32 tokens
-#: on the 55 M model took 15.1 s at 128 and 7.2 s at 32; decode speed is the same at both.
+#: KV block size on vLLM's CPU backend: the smallest its attention backend accepts (it declares
+#: multiples of 32; vLLM's CPU default is 128). The G samples of a prompt share its KV only per full
+#: block, so a 117-token prompt shared nothing at 128 and shares 96 tokens at 32: the rollout of 32
+#: such prompts x 8 samples x 32 tokens on the 55 M model took 15.1 s at 128 and 7.2 s at 32; decode
+#: speed is the same at both. (16 runs through an override of that declaration, on a kernel that
+#: decodes 617-token contexts ~10 % slower: docs/bench.md.)
 CPU_KV_BLOCK = 32
 
 

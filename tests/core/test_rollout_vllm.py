@@ -153,7 +153,6 @@ def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine, policy):
     first 64 tokens' keys and values."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
     from vllm.platforms import current_platform
 
     from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
