@@ -85,7 +85,9 @@ class GSPOConfig(BaseModel):
     # --- LoRA (full fine-tuning when lora_rank == 0) ---
     lora_rank: int = Field(0, ge=0, le=1024)
     lora_alpha: float = Field(32.0, gt=0.0, le=4096.0)
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_dropout: float = Field(
+        0.0, ge=0.0, le=0.0, description="Must be 0: GSPO compares two forwards' log-probs within its clip range "
+        "(3e-4), and a random dropout mask makes that ratio noise; the model's own dropout is turned off too.")
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     save_merged: bool = Field(True, description="With LoRA, also save a merged full model.")
 
@@ -104,6 +106,11 @@ class GSPOConfig(BaseModel):
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) must divide prompts_per_step*group_size ({total})"
             )
+        if self.old_logprobs == "rollout" and self.top_p < 1.0:
+            # The sampler's log-probs are of the nucleus renormalised, the trainer's of the full softmax:
+            # unchecked, every ratio would start below 1 and clip the negative-advantage rows.
+            raise ValueError(f"old_logprobs='rollout' needs top_p == 1 (got {self.top_p}): with top-p the "
+                             f"sampler's log-probs are of another distribution; use 'auto' or 'recompute'")
         return self
 
 

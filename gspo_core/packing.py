@@ -54,9 +54,11 @@ class PackedBatch:
 class SharedPrefixBatch:
     """Rows whose prompts repeat, each distinct prompt run once.
 
-    ``prompt_PL``/``prompt_attn_PL``: the ``P`` distinct prompts, right-padded; ``plen_P`` their
-    lengths; ``row_prompt_B``: the prompt of each row; ``comp_BT``/``mask_BT``: completions,
-    right-padded (``target_BT`` is ``comp_BT``: the tokens are the targets).
+    ``prompt_PL``/``prompt_attn_PL``: the ``P`` distinct prompts, left-padded, so every prompt ends at
+    the last column and a completion token's distance in the cache to its prompt's tokens is their
+    real distance (sliding-window attention masks by that distance); ``plen_P`` their lengths;
+    ``row_prompt_B``: the prompt of each row; ``target_BT``/``mask_BT``: the completions (the tokens
+    are the targets), right-padded.
     """
 
     prompt_PL: torch.Tensor
@@ -74,12 +76,12 @@ class SharedPrefixBatch:
         real tokens (the padding between is masked) and sits at position ``plen + t`` (RoPE)."""
         from transformers import DynamicCache
 
-        P = self.prompt_PL.size(0)
-        out = trunk(input_ids=self.prompt_PL, attention_mask=self.prompt_attn_PL,
+        pos_PL = (self.prompt_attn_PL.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
+        out = trunk(input_ids=self.prompt_PL, attention_mask=self.prompt_attn_PL, position_ids=pos_PL,
                     past_key_values=DynamicCache(config=trunk.config), use_cache=True)
         cache = out.past_key_values
         cache.reorder_cache(self.row_prompt_B)  # [P, ...] -> [B, ...], differentiable (index_select)
-        last_PH = out.last_hidden_state[torch.arange(P, device=self.plen_P.device), self.plen_P - 1]
+        last_PH = out.last_hidden_state[:, -1]
         T = self.target_BT.size(1)
         pos_BT = self.plen_P[self.row_prompt_B].unsqueeze(1) + torch.arange(T, device=self.plen_P.device)
         attn = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.mask_BT.long()], dim=1)
@@ -88,13 +90,14 @@ class SharedPrefixBatch:
         return torch.cat([last_PH[self.row_prompt_B].unsqueeze(1), comp_BTH[:, :-1]], dim=1)
 
 
-def _pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(1, max(len(r) for r in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, cols] = torch.tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
     return ids, mask
 
 
@@ -113,7 +116,7 @@ def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_id: 
     index: dict[tuple[int, ...], int] = {}
     row_prompt = [index.setdefault(tuple(p), len(index)) for p in prompts]
     distinct = [list(k) for k in index]
-    prompt_PL, prompt_attn_PL = _pad_rows(distinct, pad_id)
+    prompt_PL, prompt_attn_PL = _pad_rows(distinct, pad_id, left=True)
     target_BT, mask_BT = _pad_rows(completions, pad_id)
     return SharedPrefixBatch(prompt_PL, prompt_attn_PL, torch.tensor([len(p) for p in distinct]),
                              torch.tensor(row_prompt), target_BT, mask_BT.float())

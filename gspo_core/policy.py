@@ -46,8 +46,64 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
         model = get_peft_model(model, LoraConfig(
             r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
             target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM"))
+    disable_dropout(model)
+    check_logit_head(model)
     model.train()
     return model, tokenizer
+
+
+def disable_dropout(model) -> None:
+    """Zero every dropout probability of the model (modules and the float rates attention layers read).
+
+    GSPO compares two forwards' log-probs to within its clip range (3e-4 on the mean of a sequence): a
+    random dropout mask in either would make the ratio noise and clip most rows. The model's saved
+    config keeps its rates: only this process's modules change.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        rates = [k for k, v in vars(module).items() if isinstance(v, float) and ("dropout" in k or "pdrop" in k)]
+        for name in rates:
+            setattr(module, name, 0.0)
+
+
+def logit_postprocess(config) -> tuple[float, float | None]:
+    """``(scale, softcap)`` a model family's forward applies to its LM head's output ``z``: logits are
+    ``scale * softcap * tanh(z / softcap)`` (or ``scale * z`` without a cap). Cohere multiplies by
+    ``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2+ soft-caps; vLLM applies the same."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    return scale, (float(softcap) if softcap else None)
+
+
+@torch.no_grad()
+def check_logit_head(model, tol: float = 1e-3) -> None:
+    """Refuse a model whose own logits are not what :func:`completion_logprobs` computes from its trunk
+    and head (a post-processing step :func:`logit_postprocess` does not know): the trainer would score
+    a different distribution than the sampler draws from. One 8-token forward, at load."""
+    base = base_model(model)
+    trunk, head = _trunk_and_head(model)
+    was_training = base.training
+    base.eval()
+    try:
+        ids = torch.arange(8, device=head.weight.device).remainder(head.weight.shape[0]).unsqueeze(0)
+        want = base(input_ids=ids).logits.float().log_softmax(-1)
+        got = _postprocessed(head(trunk(input_ids=ids).last_hidden_state).float(), base.config).log_softmax(-1)
+    finally:
+        base.train(was_training)
+    err = float((got - want).abs().max())
+    if not err <= tol:
+        raise ValueError(f"{type(base).__name__}: its forward post-processes the LM head's logits in a way the "
+                         f"trainer does not reproduce (log-probs differ by up to {err:.3g}); this model family "
+                         f"is not supported yet")
+
+
+def _postprocessed(z_NV: torch.Tensor, config) -> torch.Tensor:
+    scale, softcap = logit_postprocess(config)
+    if softcap is not None:
+        z_NV = torch.tanh(z_NV / softcap) * softcap
+    return z_NV * scale if scale != 1.0 else z_NV
 
 
 def base_model(model):
@@ -64,7 +120,8 @@ def _trunk_and_head(model):
 
 def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperature: float,
                         amp_dtype: torch.dtype | None = None, with_entropy: bool = False):
-    """Log-probs ``[B, T]`` of the completion tokens under ``log_softmax(logits / temperature)``.
+    """Log-probs ``[B, T]`` of the completion tokens under ``log_softmax(logits / temperature)``, where
+    ``logits`` are the model's own (its family's scaling or soft-capping applied: :func:`logit_postprocess`).
 
     ``batch`` is plain rows or rows sharing prompt passes (:mod:`gspo_core.packing`). The LM head runs
     only on completion positions (not the prompt), which saves most of the vocabulary projection;
@@ -74,18 +131,22 @@ def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperatu
     returns the mean token entropy (detached).
     """
     trunk, head = _trunk_and_head(model)
+    config = base_model(model).config
     device_type = batch.target_BT.device.type
     autocast = torch.autocast(device_type=device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
     with autocast:
         h_BTH = batch.hidden_BTH(trunk)
     B, T, H = h_BTH.shape
     target_N = batch.target_BT.reshape(-1)
-    if type(head) is torch.nn.Linear:
-        logp_N, ent_N = head_logprobs(h_BTH.reshape(B * T, H), head, target_N, temperature, with_entropy, amp_dtype)
+    scale, softcap = logit_postprocess(config)
+    # softmax(scale * z / t) is softmax(z / (t / scale)): a constant scale is a temperature.
+    if type(head) is torch.nn.Linear and softcap is None:
+        logp_N, ent_N = head_logprobs(h_BTH.reshape(B * T, H), head, target_N, temperature / scale,
+                                      with_entropy, amp_dtype)
     else:
         with autocast:
             z_NV = head(h_BTH.reshape(B * T, H)).float()
-        logp_N, ent_N = token_logprobs(z_NV, target_N, temperature, with_entropy)
+        logp_N, ent_N = token_logprobs(_postprocessed(z_NV, config), target_N, temperature, with_entropy)
     logp_BT = logp_N.view(B, T) * batch.mask_BT
     if not with_entropy:
         return logp_BT
@@ -94,18 +155,23 @@ def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperatu
 
 
 def export_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full weights for the rollout engine; LoRA adapters are merged on the fly."""
-    if not hasattr(model, "merge_adapter"):
+    """HF-named full weights for the rollout engine; a LoRA layer's weight is made as ``W + delta``,
+    one new tensor at a time. (Merging into ``W`` and unmerging again would leave ``W`` off by rounding,
+    differently after each push, and break exact resume from a checkpoint's clean base weights.)"""
+    if not hasattr(model, "get_base_model"):
         yield from model.state_dict().items()
         return
-    model.merge_adapter()
-    try:
-        for name, tensor in model.get_base_model().state_dict().items():
-            if "lora_" in name:
-                continue
-            yield name.replace(".base_layer", ""), tensor
-    finally:
-        model.unmerge_adapter()
+    base = model.get_base_model()
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            layer = base.get_submodule(name[: -len(".base_layer.weight")])
+            with torch.no_grad():
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        yield name.replace(".base_layer", ""), tensor.detach()
 
 
 def save_hf(model, tokenizer, out_dir: Path) -> None:
@@ -113,8 +179,8 @@ def save_hf(model, tokenizer, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "merge_and_unload"):
         model.save_pretrained(str(out_dir.parent / "adapter"))
-        # export_weights yields views of the merged weights, unmerged again when it finishes
-        state = {name: t.detach().clone() for name, t in export_weights(model)}
+        # export_weights yields the live tensors of layers without an adapter: clone them
+        state = {name: t.clone() for name, t in export_weights(model)}
         base = model.get_base_model()
         base.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     else:

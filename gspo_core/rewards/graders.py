@@ -92,15 +92,34 @@ class RegexGrader(Grader):
         return float(self.on if hit else self.off)
 
 
-_BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")
+_BOXED = re.compile(r"\\boxed\s*\{")
+_BRACES = re.compile(r"[{}]")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+#: Minus signs besides ASCII '-' (U+2212 minus, small and full-width hyphen-minus); an en dash is left
+#: alone, as "3\u20135" is a range more often than a subtraction.
+_MINUSES = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` to close, at any nesting depth (one pass over the braces)."""
+    opens = {m.end() - 1 for m in _BOXED.finditer(text)}  # where each box's "{" is
+    found, stack = None, []
+    for m in (_BRACES.finditer(text) if opens else ()):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            start = stack.pop()
+            if start in opens:
+                found = text[start + 1:m.start()]
+    return found
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer: the last ``\\boxed{}`` content, else the last number in the text."""
-    boxed = _BOXED.findall(text)
-    if boxed:
-        return boxed[-1].strip()
+    text = text.translate(_MINUSES)
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
     nums = _NUMBER.findall(text)
     return nums[-1].replace(",", "") if nums else None
 
@@ -132,7 +151,7 @@ class MathAnswer(Grader):
 
     def grade(self, sample, item):
         answer = extract_answer(render(self.input, sample, item))
-        ref = render(self.reference, sample, item).strip()
+        ref = render(self.reference, sample, item).strip().translate(_MINUSES)
         if answer is None:
             return 0.0
         a, b = _to_float(answer), _to_float(ref)

@@ -177,10 +177,8 @@ class TransformersEngine:
                           finish_reason=finish)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to copy: this engine samples with the trainer's live weights (the iterable is
-        drained so a LoRA export merges and unmerges its adapter as it would for vLLM)."""
-        for _ in named_tensors:
-            pass
+        """Nothing to copy: this engine samples with the trainer's live weights (a LoRA policy's
+        forward applies its adapter), so the iterable is left unconsumed and makes no tensor."""
 
     def sleep(self) -> None:
         """No-op: the weights are the trainer's own and no KV cache outlives a call."""

@@ -43,6 +43,21 @@ def _qwen2(tmp_path):
     return tmp_path
 
 
+def _mistral_sliding(tmp_path):
+    """A sliding window (4) shorter than the rows: it masks by distance in the cache, which left-padded
+    shared prompts keep equal to the real distance."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from gspo_core.toy import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, sliding_window=4, pad_token_id=tok.pad_token_id)
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    return tmp_path
+
+
 def _logprobs_and_grads(model, batch, temperature, weights_BT):
     model.zero_grad(set_to_none=True)
     logp_BT, entropy = completion_logprobs(model, batch, temperature, with_entropy=True)
@@ -52,9 +67,9 @@ def _logprobs_and_grads(model, batch, temperature, weights_BT):
 
 
 @pytest.mark.parametrize("arch,lora_rank,temperature", [("llama", 0, 1.0), ("llama", 0, 0.7), ("llama", 4, 1.0),
-                                                         ("qwen2", 0, 1.0)])
+                                                         ("qwen2", 0, 1.0), ("mistral_sliding", 0, 1.0)])
 def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model_dir, tmp_path, arch, lora_rank, temperature):
-    model_dir = tiny_model_dir if arch == "llama" else _qwen2(tmp_path)
+    model_dir = {"llama": lambda _: tiny_model_dir, "qwen2": _qwen2, "mistral_sliding": _mistral_sliding}[arch](tmp_path)
     model, tok = load_policy(str(model_dir), GSPOConfig(lora_rank=lora_rank), torch.device("cpu"))
     prompts, comps = _rows(len(tok))
     plain, shared = pack(prompts, comps, tok.pad_token_id), pack_shared(prompts, comps, tok.pad_token_id)

@@ -63,6 +63,13 @@ def test_math_answer():
     assert score(math, "first 42 then 41", {"answer": "42"}).reward == 0.0  # the last number counts
     assert score(math, "no number here", {"answer": "42"}).reward == 0.0
     assert score({**math, "tolerance": 0.01}, "3.14", {"answer": "3.1416"}).reward == 1.0
+    assert score(math, "so x = \u22125", {"answer": "-5"}).reward == 1.0  # a Unicode minus is a minus
+    assert score(math, "so x = \u22125", {"answer": "5"}).reward == 0.0
+    assert score(math, "x = -5", {"answer": "\u22125"}).reward == 1.0
+    deep = "\\boxed{\\sqrt{\\frac{1}{x^{2}}}}"  # three brace levels inside the box
+    assert score(math, deep, {"answer": "2"}).reward == 0.0
+    assert score(math, deep, {"answer": "\\sqrt{\\frac{1}{x^{2}}}"}).reward == 1.0
+    assert score(math, "\\boxed{1} then \\boxed{\\frac{3}{4}} and \\boxed{unclosed", {"answer": "0.75"}).reward == 1.0
 
 
 def test_json_schema():
