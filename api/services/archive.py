@@ -12,22 +12,36 @@ CHUNK = 1024 * 1024
 _DONE = object()
 
 
+class _Abandoned(Exception):
+    """The client went away: the producer stops instead of waiting forever on a full queue."""
+
+
 class _QueueWriter:
     """A write-only file object whose writes become chunks in a bounded queue."""
 
-    def __init__(self, q: queue.Queue) -> None:
-        self.q, self.buf = q, bytearray()
+    def __init__(self, q: queue.Queue, stop: threading.Event) -> None:
+        self.q, self.stop, self.buf = q, stop, bytearray()
+
+    def put(self, item) -> None:
+        while True:
+            if self.stop.is_set():
+                raise _Abandoned
+            try:
+                self.q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def write(self, data: bytes) -> int:
         self.buf += data
         if len(self.buf) >= CHUNK:
-            self.q.put(bytes(self.buf))
+            self.put(bytes(self.buf))
             self.buf.clear()
         return len(data)
 
     def flush(self) -> None:
         if self.buf:
-            self.q.put(bytes(self.buf))
+            self.put(bytes(self.buf))
             self.buf.clear()
 
 
@@ -62,22 +76,31 @@ def archive_members(objects, prefix: str) -> list[tuple[str, str, int]]:
 def stream_tar_gz(objects, members: list[tuple[str, str, int]], root: str) -> Iterator[bytes]:
     """Yield a gzip'd tar of ``members`` under ``root/``; a producer thread fills a bounded queue."""
     q: queue.Queue = queue.Queue(maxsize=8)
+    stop = threading.Event()
 
     def produce() -> None:
-        writer = _QueueWriter(q)
+        writer = _QueueWriter(q, stop)
         try:
-            with tarfile.open(fileobj=writer, mode="w|gz") as tar:
-                for key, name, size in members:
-                    info = tarfile.TarInfo(f"{root}/{name}")
-                    info.size, info.mtime, info.mode = size, int(time.time()), 0o644
-                    tar.addfile(info, _StreamReader(objects.open_stream(key)))
-            writer.flush()
-        except Exception as exc:  # surfaces as a broken download, never a silent truncation
-            q.put(exc)
-        q.put(_DONE)
+            try:
+                with tarfile.open(fileobj=writer, mode="w|gz") as tar:
+                    for key, name, size in members:
+                        info = tarfile.TarInfo(f"{root}/{name}")
+                        info.size, info.mtime, info.mode = size, int(time.time()), 0o644
+                        tar.addfile(info, _StreamReader(objects.open_stream(key)))
+                writer.flush()
+            except _Abandoned:
+                raise
+            except Exception as exc:  # surfaces as a broken download, never a silent truncation
+                writer.put(exc)
+            writer.put(_DONE)
+        except _Abandoned:
+            pass
 
     threading.Thread(target=produce, name="tar-stream", daemon=True).start()
-    while (item := q.get()) is not _DONE:
-        if isinstance(item, Exception):
-            raise item
-        yield item
+    try:
+        while (item := q.get()) is not _DONE:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:  # also on a client disconnect (the server closes this generator)
+        stop.set()

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from api.schemas import JobCreate, JobOut
 from gspo_core.config import GSPOConfig
-from gspo_core.rewards import RewardSpecError, build_reward
+from gspo_core.rewards import RewardSpecError, build_reward, redact_secrets
 from store import jobs as job_state
 from store.models import Checkpoint, File, Job, JobEvent, Tenant
 from store.queue import enqueue_run_job
@@ -86,11 +86,9 @@ def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
 
 def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None) -> tuple[Job, bool]:
     """Validate everything, insert the job, enqueue it. Returns (job, created)."""
-    if idem_key:
-        prior = s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key))
-        if prior is not None:
-            return prior, False
     cfg = check_hyperparameters(req.hyperparameters)
+    if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:
+        return _replayed(prior, req, cfg), False
     train = _owned_file(s, tenant, req.training_file, "training_file")
     if req.validation_file:
         _owned_file(s, tenant, req.validation_file, "validation_file")
@@ -107,7 +105,7 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
             idempotency_key=idem_key, max_attempts=settings.max_attempts)
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
         s.rollback()
-        return s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key)), False
+        return _replayed(_prior(s, tenant, idem_key), req, cfg), False
     s.commit()
     try:
         enqueue_run_job(settings, job.id)
@@ -116,6 +114,23 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
         raise ApiError(503, "broker_unavailable", f"the job queue is unreachable ({type(exc).__name__}); "
                        "nothing was created, retry shortly", headers={"Retry-After": "5"}) from None
     return job, True
+
+
+def _prior(s: Session, tenant: Tenant, idem_key: str) -> Job | None:
+    return s.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == idem_key))
+
+
+def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
+    """The job an earlier request with this Idempotency-Key created, if this request is the same one:
+    a key reused for a different job would otherwise silently answer with a job the caller did not ask for."""
+    asked = (req.model, req.training_file, req.validation_file, req.reward, req.name, req.metadata, req.seed,
+             cfg.model_dump(mode="json", exclude={"seed"}))
+    made = (prior.model, prior.training_file_id, prior.validation_file_id, prior.reward, prior.name,
+            prior.job_metadata or {}, prior.seed, prior.hyperparameters)
+    if asked != made:
+        raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key was already used for job {prior.id} with "
+                       "a different request; use a new key for a different job", "Idempotency-Key")
+    return prior
 
 
 def _discard(s: Session, job: Job) -> None:
@@ -130,7 +145,7 @@ def to_out(s: Session, job: Job) -> JobOut:
         id=job.id, name=job.name, model=job.model, status=job.status, step=job.step, total_steps=job.total_steps,
         queue_position=job_state.queue_position(s, job), error=job.error, created_at=job.created_at,
         started_at=job.started_at, finished_at=job.finished_at, training_file=job.training_file_id,
-        validation_file=job.validation_file_id, reward=job.reward, hyperparameters={**job.hyperparameters, "seed": job.seed},
+        validation_file=job.validation_file_id, reward=redact_secrets(job.reward), hyperparameters={**job.hyperparameters, "seed": job.seed},
         metadata=job.job_metadata or {}, seed=job.seed, attempts=job.attempts,
         latest_metrics=job.latest_metrics)
 

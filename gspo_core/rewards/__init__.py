@@ -11,10 +11,11 @@ from gspo_core.rewards import multi as _multi  # noqa: F401
 from gspo_core.rewards import python_grader as _python  # noqa: F401
 from gspo_core.rewards import remote as _remote  # noqa: F401
 from gspo_core.rewards import reward_model as _reward_model  # noqa: F401
-from gspo_core.rewards.base import GRADERS, GradeResult, Grader, GraderError, RewardSpecError, as_score, build_grader
+from gspo_core.rewards.base import (GRADERS, GradeResult, Grader, GraderError, RewardSpecError, as_score, build_grader,
+                                   redact_secrets)
 from gspo_core.rewards.multi import MultiGrader
 
-__all__ = ["GRADERS", "GradeResult", "GraderError", "RewardFunction", "RewardSpecError", "build_reward"]
+__all__ = ["GRADERS", "GradeResult", "GraderError", "RewardFunction", "RewardSpecError", "build_reward", "redact_secrets"]
 
 #: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.
 MAX_THREADS = 32

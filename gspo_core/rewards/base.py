@@ -209,3 +209,27 @@ def build_grader(spec: Any, path: str) -> Grader:
         known = ", ".join(sorted(GRADERS))
         raise RewardSpecError(f"{path}.type" if path else "type", f"unknown grader type {kind!r}; known: {known}")
     return GRADERS[kind](spec, path)
+
+
+#: Spec keys whose value is a credential (``score_model.api_key``), and keys whose every value may be
+#: one (``http.headers``, e.g. ``Authorization``): the worker needs them, nobody needs to read them back.
+SECRET_KEYS = frozenset({"api_key"})
+SECRET_MAPS = frozenset({"headers"})
+REDACTED = "[redacted]"
+
+
+def redact_secrets(spec: Any) -> Any:
+    """A copy of a reward spec with credentials replaced by ``REDACTED``, at any nesting depth."""
+    if isinstance(spec, list):
+        return [redact_secrets(v) for v in spec]
+    if not isinstance(spec, dict):
+        return spec
+    out = {}
+    for key, value in spec.items():
+        if key in SECRET_KEYS and isinstance(value, str):
+            out[key] = REDACTED
+        elif key in SECRET_MAPS and isinstance(value, dict):
+            out[key] = {k: REDACTED for k in value}
+        else:
+            out[key] = redact_secrets(value)
+    return out

@@ -47,7 +47,42 @@ def test_idempotency_key_returns_the_same_job(client, app, auth, uploaded, model
     a = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h)
     b = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h)
     assert a.status_code == 201 and b.status_code == 200 and a.json()["id"] == b.json()["id"]
+    # The same request spelled differently (a default written out) is still the same request.
+    c = client.post("/v1/jobs", json=job_body(uploaded["id"], clip_eps_low=3e-4), headers=h)
+    assert c.status_code == 200 and c.json()["id"] == a.json()["id"]
     assert count_jobs(app) == 1
+
+
+@pytest.mark.parametrize("patch", [{"hyperparameters": {"steps": 3, "group_size": 4, "prompts_per_step": 2}},
+                                   {"seed": 5}, {"name": "other"}, {"model": "ckpt:nope"},
+                                   {"reward": {"type": "math_answer", "reference": "{{item.answer}}"}}])
+def test_idempotency_key_reused_for_a_different_job_is_refused(client, app, auth, uploaded, model_name, patch):
+    h = {**auth, "Idempotency-Key": "abc-456"}
+    a = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h)
+    b = client.post("/v1/jobs", json={**job_body(uploaded["id"]), **patch}, headers=h)
+    assert a.status_code == 201 and b.status_code == 422, b.text
+    err = b.json()["error"]
+    assert err["type"] == "idempotency_key_reused" and err["field"] == "Idempotency-Key" and a.json()["id"] in err["message"]
+    assert count_jobs(app) == 1
+
+
+def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, model_name):
+    judge = {"type": "score_model", "name": "judge", "base_url": "http://judge.invalid/v1", "model": "m",
+             "api_key": "sk-live-1234", "input": [{"role": "user", "content": "{{sample.output_text}}"}]}
+    hook = {"type": "http", "name": "hook", "url": "http://rm.invalid/score",
+            "headers": {"Authorization": "Bearer tok-5678", "X-Team": "rl"}}
+    spec = {"type": "multi", "graders": {"judge": judge, "hook": hook}, "calculate_output": "judge + hook"}
+    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": spec}, headers=auth)
+    assert r.status_code == 201, r.text
+    for body in (r.text, client.get(f"/v1/jobs/{r.json()['id']}", headers=auth).text,
+                 client.get("/v1/jobs", headers=auth).text):
+        assert "sk-live-1234" not in body and "tok-5678" not in body
+    got = client.get(f"/v1/jobs/{r.json()['id']}", headers=auth).json()["reward"]["graders"]
+    assert got["judge"]["api_key"] == "[redacted]" and got["hook"]["headers"] == {"Authorization": "[redacted]",
+                                                                                  "X-Team": "[redacted]"}
+    assert got["judge"]["base_url"] == judge["base_url"] and got["hook"]["url"] == hook["url"]
+    with app.state.db.session() as s:  # the worker still gets the credentials it needs
+        assert s.get(Job, r.json()["id"]).reward["graders"]["judge"]["api_key"] == "sk-live-1234"
 
 
 @pytest.mark.parametrize("patch,field", [
