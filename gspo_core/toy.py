@@ -99,6 +99,21 @@ TOY_REWARD = {
 """The toy task's grader: similarity of the completion to the asked letter repeated (dense signal)."""
 
 
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A one-layer Llama sequence classifier (one logit) with the toy tokenizer: a ``reward_model``
+    grader's model, built locally and deterministically."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(out)
+    return out
+
+
 def write_toy_dataset(path: str | Path, n: int = 64, seed: int = 0, length: int = 4) -> Path:
     """Write the toy verifiable task as JSONL: ``say a:`` -> ``aaaa``; graded by :data:`TOY_REWARD`.
 

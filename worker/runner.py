@@ -13,8 +13,10 @@ from pydantic import ValidationError
 
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
+from gspo_core.rewards import map_reward_models
 from gspo_core.trainer import train
 from store import jobs
+from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
 from store.objects import get_dir
 from store.queue import enqueue_run_job
@@ -27,16 +29,6 @@ log = logging.getLogger(__name__)
 
 class JobInputError(Exception):
     """The job's model or data cannot be used; the message tells the user what to fix."""
-
-
-def resolve_model(models_dir: Path, model: str) -> str:
-    """A name under the models directory becomes its path; hub ids and ckpt: refs pass through."""
-    if model.startswith("ckpt:"):
-        return model
-    local = (models_dir / model).resolve()
-    if models_dir.resolve() in local.parents and (local / "config.json").is_file():
-        return str(local)
-    return model
 
 
 def _fetch_inputs(s, objects, job: Job, work: Path, settings_models_dir: Path) -> tuple[str, str, str | None]:
@@ -119,6 +111,7 @@ def run_job(job_id: str) -> str:
                 job = s.get(Job, job_id)
                 model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
                 resume = _resume_dir(s, objects, job_id, work / "output")
+            reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
             spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
                            hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
             cb = PersistCallbacks(db, objects, job_id, tenant_id, SHUTDOWN, hb.lost)

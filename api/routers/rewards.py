@@ -6,19 +6,16 @@ import asyncio
 
 from fastapi import APIRouter
 
-from api.deps import TenantDep
-from api.errors import ApiError
+from api.deps import SettingsDep, TenantDep
 from api.schemas import ErrorBody, RewardRunIn, RewardRunOut, RewardRunResult
-from gspo_core.rewards import RewardSpecError, build_reward
+from api.services.rewards import build_checked
+from store.settings import Settings
 
 router = APIRouter(prefix="/v1/rewards", tags=["rewards"])
 
 
-def _run(req: RewardRunIn) -> RewardRunOut:
-    try:
-        fn = build_reward(req.reward)
-    except RewardSpecError as exc:
-        raise ApiError(422, "invalid_reward", str(exc), f"reward.{exc.field}") from None
+def _run(req: RewardRunIn, settings: Settings) -> RewardRunOut:
+    fn = build_checked(req.reward, settings)
     try:
         samples = [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in req.samples]
         results = fn.score_batch([req.item] * len(samples), samples)
@@ -30,5 +27,5 @@ def _run(req: RewardRunIn) -> RewardRunOut:
 
 
 @router.post("/run", response_model=RewardRunOut, responses={401: {"model": ErrorBody}, 422: {"model": ErrorBody}})
-async def run_reward(req: RewardRunIn, tenant: TenantDep):
-    return await asyncio.to_thread(_run, req)
+async def run_reward(req: RewardRunIn, tenant: TenantDep, settings: SettingsDep):
+    return await asyncio.to_thread(_run, req, settings)

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import base64
-import os
-import re
 from datetime import datetime
-from pathlib import Path
 
 from pydantic import ValidationError
 from sqlalchemy import delete, select
@@ -15,14 +12,14 @@ from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from api.schemas import JobCreate, JobOut
+from api.services.rewards import build_checked
 from gspo_core.config import GSPOConfig
-from gspo_core.rewards import RewardSpecError, build_reward, redact_secrets
+from gspo_core.rewards import redact_secrets
 from store import jobs as job_state
+from store.model_refs import ModelRefError, check_local_or_hub
 from store.models import Checkpoint, File, Job, JobEvent, Tenant
 from store.queue import enqueue_run_job
 from store.settings import Settings
-
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
 def check_hyperparameters(raw: dict) -> GSPOConfig:
@@ -35,12 +32,10 @@ def check_hyperparameters(raw: dict) -> GSPOConfig:
         raise ApiError(422, "invalid_hyperparameters", f"{field}: {err['msg']}", field) from None
 
 
-def check_reward(spec: dict, fields: set[str] | None) -> None:
-    """The spec builds, and every ``{{item.x}}`` it uses exists in the training file."""
-    try:
-        fn = build_reward(spec)
-    except RewardSpecError as exc:
-        raise ApiError(422, "invalid_reward", str(exc), f"reward.{exc.field}" if exc.field else "reward") from None
+def check_reward(spec: dict, fields: set[str] | None, settings: Settings) -> None:
+    """The spec builds, its grader models are allowed, and every ``{{item.x}}`` it uses exists in the
+    training file."""
+    fn = build_checked(spec, settings)
     try:
         missing = sorted(fn.item_fields() - fields) if fields is not None else []
     finally:
@@ -57,24 +52,11 @@ def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> N
         if ckpt is None or ckpt.tenant_id != tenant.id:
             raise ApiError(404, "not_found", f"checkpoint {model[5:]} not found", "model")
         return
-    if model.startswith(("/", ".", "~")) or "\\" in model or ".." in model.split("/"):
-        root = settings.models_dir.resolve()
-        path = (root / model).resolve() if not model.startswith("/") else Path(model).resolve()
-        if root not in path.parents and path != root:
-            raise ApiError(422, "invalid_model", f"model path must be inside the models directory {root}", "model")
-        if not (path / "config.json").is_file():
-            raise ApiError(422, "invalid_model", f"no model (config.json) at {model}", "model")
-        return
-    root, entry = settings.models_dir.resolve(), settings.models_dir / model
-    local = entry.resolve()
-    if os.path.lexists(entry) and root not in local.parents:  # e.g. a symlink pointing out of models_dir
-        raise ApiError(422, "invalid_model", f"model {model!r} resolves outside the models directory", "model")
-    if root in local.parents and (local / "config.json").is_file():
-        return
-    if HF_ID.match(model) and settings.allow_hub_models:
-        return
-    raise ApiError(422, "invalid_model", f"unknown model {model!r}: use an org/name hub id, a directory "
-                   f"under the models directory, or ckpt:<checkpoint id>", "model")
+    try:
+        check_local_or_hub(settings, model)
+    except ModelRefError as exc:
+        hint = ", or ckpt:<checkpoint id>" if str(exc).startswith("unknown model") else ""
+        raise ApiError(422, "invalid_model", f"{exc}{hint}", "model") from None
 
 
 def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
@@ -92,7 +74,7 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
     train = _owned_file(s, tenant, req.training_file, "training_file")
     if req.validation_file:
         _owned_file(s, tenant, req.validation_file, "validation_file")
-    check_reward(req.reward, set(train.item_fields))
+    check_reward(req.reward, set(train.item_fields), settings)
     check_model(s, settings, tenant, req.model)
     if job_state.count_active(s, tenant.id) >= settings.max_active_jobs_per_tenant:
         raise ApiError(429, "too_many_jobs", f"at most {settings.max_active_jobs_per_tenant} queued or running "

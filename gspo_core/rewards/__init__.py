@@ -15,7 +15,7 @@ from gspo_core.rewards.base import (GRADERS, GradeResult, Grader, GraderError, R
                                    redact_secrets)
 from gspo_core.rewards.multi import MultiGrader
 
-__all__ = ["GRADERS", "GradeResult", "GraderError", "RewardFunction", "RewardSpecError", "build_reward", "redact_secrets"]
+__all__ = ["GRADERS", "GradeResult", "GraderError", "RewardFunction", "RewardSpecError", "build_reward", "map_reward_models", "redact_secrets"]
 
 #: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.
 MAX_THREADS = 32
@@ -33,6 +33,10 @@ class RewardFunction:
         )
         self.grader_names = list(self.parts)
         self._pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="grader")
+
+    def local_models(self) -> dict[str, str]:
+        """``{field: model}`` of every model the spec's graders load (``reward_model``)."""
+        return self.root.local_models()
 
     def item_fields(self) -> set[str]:
         """Top-level dataset fields the spec's templates (given or default) reference."""
@@ -125,3 +129,15 @@ def build_reward(spec: dict) -> RewardFunction:
     if not isinstance(spec, dict):
         raise RewardSpecError("reward", "must be a JSON object")
     return RewardFunction(spec)
+
+
+def map_reward_models(spec: dict, fn) -> dict:
+    """A copy of ``spec`` with each ``reward_model`` grader's ``model`` replaced by ``fn(model)``
+    (the worker turns names under its models directory into paths this way)."""
+    if not isinstance(spec, dict):
+        return spec
+    if spec.get("type") == "reward_model" and isinstance(spec.get("model"), str):
+        return {**spec, "model": fn(spec["model"])}
+    if spec.get("type") == "multi" and isinstance(spec.get("graders"), dict):
+        return {**spec, "graders": {k: map_reward_models(v, fn) for k, v in spec["graders"].items()}}
+    return spec

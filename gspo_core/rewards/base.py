@@ -116,6 +116,11 @@ class Grader:
         """The dotted path of one of this grader's keys, for error messages."""
         return f"{self.path}.{key}" if self.path else key
 
+    def local_models(self) -> dict[str, str]:
+        """``{field: model}`` of the models this grader loads from disk or a hub (the service checks
+        them against the same policy as the trained model)."""
+        return {}
+
     def grade(self, sample: dict, item: dict) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 

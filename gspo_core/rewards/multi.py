@@ -81,6 +81,9 @@ class MultiGrader(Grader):
             raise RewardSpecError(self.field("calculate_output"), f"not a formula: {getattr(exc, 'msg', exc)}") from None
         _check(self.tree, set(self.subs), self.field("calculate_output"))
 
+    def local_models(self) -> dict[str, str]:
+        return {k: v for sub in self.subs.values() for k, v in sub.local_models().items()}
+
     def combine(self, scores: dict[str, float]) -> float:
         try:
             out = float(_eval(self.tree, scores))

@@ -45,6 +45,9 @@ class RewardModelGrader(Grader):
         self._model = self._tok = None
         self._lock = threading.Lock()
 
+    def local_models(self) -> dict[str, str]:
+        return {self.field("model"): self.model_path}
+
     def _load(self):
         with self._lock:
             if self._model is None:

@@ -156,18 +156,9 @@ def test_batch_of_slow_graders_takes_one_graders_time(server):
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from gspo_core.toy import build_tiny_reward_model
 
-    from gspo_core.toy import build_tokenizer
-
-    path = tmp_path_factory.mktemp("rm")
-    tok = build_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
-    LlamaForSequenceClassification(cfg).save_pretrained(path)
-    return path
+    return build_tiny_reward_model(tmp_path_factory.mktemp("rm"))
 
 
 def test_reward_model_grader(reward_model_dir):

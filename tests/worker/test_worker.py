@@ -8,6 +8,7 @@ import time
 import psutil
 import pytest
 
+from gspo_core.toy import build_tiny_reward_model
 from store import jobs
 from store.models import Job, JobEvent
 from tests.worker.conftest import wait_for
@@ -23,14 +24,21 @@ def test_job_runs_to_success(rig):
     ckpts = rig.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=rig.h).json()["data"]
     assert [c["step"] for c in ckpts] == [2, 4] and ckpts[-1]["final"]
     assert job["attempts"] == 1 and job["latest_metrics"]["step"] == 4
-    # A later job starts from that checkpoint's weights (`ckpt:<id>`, fetched from object storage).
+    # A later job starts from that checkpoint's weights (`ckpt:<id>`, fetched from object storage),
+    # graded by a reward model named like the policy model: a directory under the models directory.
+    build_tiny_reward_model(rig.settings.models_dir / "rm")
+    reward = {"type": "multi", "graders": {"fmt": {"type": "regex", "pattern": "a"},
+                                          "rm": {"type": "reward_model", "model": "rm"}}}
     r = rig.client.post("/v1/jobs", headers=rig.h, json={
-        "model": f"ckpt:{ckpts[-1]['id']}", "training_file": rig.file_id, "reward": {"type": "regex", "pattern": "a"},
+        "model": f"ckpt:{ckpts[-1]['id']}", "training_file": rig.file_id, "reward": reward,
         "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4,
                             "rollout_engine": "transformers"}})
     assert r.status_code == 201, r.text
     job = rig.wait_status(r.json()["id"], {"succeeded", "failed"}, timeout=120)
     assert job["status"] == "succeeded", (job, rig.logs())
+    rows = rig.client.get(f"/v1/jobs/{job['id']}/samples", headers=rig.h).json()["rows"]
+    comps = [c for row in rows for c in row["completions"]]
+    assert comps and all(not c["errors"] and 0 < c["scores"]["rm"] < 1 for c in comps), comps
 
 
 def test_duplicate_delivery_does_not_train_twice(rig):
