@@ -24,6 +24,10 @@ class IllegalTransition(ValueError):
     """A status change the state machine refuses (e.g. succeeded -> running)."""
 
 
+class LeaseLost(RuntimeError):
+    """The worker writing no longer holds the job: another worker took it over, or it was settled."""
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -72,14 +76,16 @@ def claim(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job 
     """Take the job's lease if it is queued or its holder's lease expired (atomic UPDATE).
 
     Returns the job (now ``running``, attempts + 1) or None when another live worker holds it or
-    it is no longer runnable: a duplicated delivery then exits at once.
+    it is no longer runnable: a duplicated delivery then exits at once. A stale lease of a job past
+    its retry budget is not taken over: the reaper fails that job.
     """
     now = _now()
+    stale = and_(Job.status.in_(("running", "cancelling")), or_(Job.lease_until.is_(None), Job.lease_until < now),
+                 Job.attempts < Job.max_attempts)
     res = s.execute(
         update(Job)
         .where(Job.id == job_id)
-        .where(or_(Job.status == "queued",
-                   and_(Job.status.in_(("running", "cancelling")), or_(Job.lease_until.is_(None), Job.lease_until < now))))
+        .where(or_(Job.status == "queued", stale))
         .values(worker_id=worker_id, lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now,
                 attempts=Job.attempts + 1)
         .execution_options(synchronize_session=False)
@@ -101,6 +107,22 @@ def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> 
         .values(lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
         .execution_options(synchronize_session=False))
     return res.rowcount == 1
+
+
+def hold(s: Session, job_id: str, worker_id: str) -> None:
+    """Fence a worker's write: raise `LeaseLost` unless ``worker_id`` still holds the job.
+
+    Called first in every transaction in which a worker writes the job's progress or status. The
+    UPDATE locks the job's row until the transaction ends (the whole database on SQLite), so a
+    takeover (`claim`, `reap`) waits for a write in flight, and a worker that stalled past its lease
+    or was cut off from the database cannot write over its successor's steps, checkpoints or status
+    once the job has been taken over.
+    """
+    res = s.execute(
+        update(Job).where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .values(heartbeat_at=_now()).execution_options(synchronize_session=False))
+    if res.rowcount != 1:
+        raise LeaseLost(f"job {job_id}: worker {worker_id} no longer holds it")
 
 
 def _upsert(s: Session, table, values: dict, keys: list[str], update_cols: list[str]) -> None:

@@ -47,18 +47,25 @@ def build_archive(ckpt_dir: Path, root: str) -> Path:
 class PersistCallbacks(Callbacks):
     """Writes through store/ what the trainer reports; stops on cancel, shutdown or lost lease."""
 
-    def __init__(self, db, objects, job_id: str, tenant_id: str, shutdown: threading.Event,
+    def __init__(self, db, objects, job_id: str, worker_id: str, attempt: int, shutdown: threading.Event,
                  lease_lost: threading.Event) -> None:
-        self.db, self.objects, self.job_id, self.tenant_id = db, objects, job_id, tenant_id
+        self.db, self.objects, self.job_id, self.worker_id, self.attempt = db, objects, job_id, worker_id, attempt
         self.shutdown, self.lease_lost = shutdown, lease_lost
         self.stop_reason: str | None = None
 
     def _tx(self, fn, what: str):
+        """``fn(session)`` in one transaction fenced by this worker's lease (`jobs.LeaseLost` if gone)."""
         def run():
             with self.db.session() as s:
+                jobs.hold(s, self.job_id, self.worker_id)
                 return fn(s)
 
-        return with_db_retry(run, what=what)
+        try:
+            return with_db_retry(run, what=what)
+        except jobs.LeaseLost:
+            self.lease_lost.set()
+            self.stop_reason = "lease_lost"
+            raise
 
     def on_step(self, step, metrics):
         self._tx(lambda s: jobs.record_step(s, self.job_id, step, metrics), f"recording step {step}")
@@ -67,7 +74,10 @@ class PersistCallbacks(Callbacks):
         self._tx(lambda s: jobs.record_samples(s, self.job_id, step, rows), f"recording samples of step {step}")
 
     def on_checkpoint(self, step, path, final):
-        prefix = f"jobs/{self.job_id}/checkpoints/step-{step:06d}"
+        # The attempt in the prefix keeps a worker that lost the job mid-upload from overwriting the
+        # objects of its successor's checkpoint at the same step (its row write is then refused).
+        prefix = f"jobs/{self.job_id}/checkpoints/step-{step:06d}-a{self.attempt}"
+        self._tx(lambda s: None, f"checking the lease before uploading checkpoint {step}")
         size = put_dir(self.objects, prefix, Path(path))
         if self.objects.presigned_url(f"{prefix}/{ARCHIVE_NAME}") is not None:
             # Object stores that hand out presigned URLs get the download archive ready-made.

@@ -60,36 +60,48 @@ def _resume_dir(s, objects, job_id: str, out_dir: Path) -> str | None:
     return str(get_dir(objects, ckpt.object_prefix, out_dir / "checkpoints" / f"step-{ckpt.step:06d}"))
 
 
-def _settle(db, job_id: str, cb: PersistCallbacks, settings) -> str:
+def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> str:
+    """Write the outcome of a finished or stopped run (its holder only; retried while the database is
+    down, so a restart at the end of a run does not turn a finished job into a failed one)."""
     reason = cb.stop_reason
-    with db.session() as s:
-        job = s.get(Job, job_id, populate_existing=True)
-        if reason == "lease_lost":
-            return "lease_lost"
-        if reason == "cancel" or job.status == "cancelling":
-            jobs.transition(s, job, "cancelled")
-            return "cancelled"
-        if reason == "shutdown":
+    if reason == "lease_lost":
+        return "lease_lost"
+
+    def run() -> str:
+        with db.session() as s:
+            jobs.hold(s, job_id, worker_id)
+            job = s.get(Job, job_id, populate_existing=True)
+            if reason == "cancel" or job.status == "cancelling":
+                jobs.transition(s, job, "cancelled")
+                return "cancelled"
+            if reason != "shutdown":
+                jobs.transition(s, job, "succeeded")
+                return "succeeded"
             jobs.add_event(s, job_id, "log", "worker shutting down: checkpointed and requeued")
             jobs.transition(s, job, "queued")
             job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt
-        else:
-            jobs.transition(s, job, "succeeded")
-            return "succeeded"
-    try:
-        enqueue_run_job(settings, job_id)
-    except Exception as exc:  # the job is safely queued in the database; the reaper re-sends it
-        log.warning("could not publish the requeued job %s (%s); the reaper will send it again", job_id, exc)
-    return "requeued"
+            return "requeued"
+
+    outcome = with_db_retry(run, what="settling the job")
+    if outcome == "requeued":
+        try:
+            enqueue_run_job(settings, job_id)
+        except Exception as exc:  # the job is safely queued in the database; the reaper re-sends it
+            log.warning("could not publish the requeued job %s (%s); the reaper will send it again", job_id, exc)
+    return outcome
 
 
-def _fail(db, job_id: str, message: str) -> None:
+def _fail(db, job_id: str, worker_id: str, message: str) -> str:
     def run():
         with db.session() as s:
-            job = s.get(Job, job_id, populate_existing=True)
-            if job.status in ("running", "cancelling", "queued"):
-                jobs.transition(s, job, "failed", error=message)
-    with_db_retry(run, what="marking the job failed")
+            jobs.hold(s, job_id, worker_id)
+            jobs.transition(s, s.get(Job, job_id, populate_existing=True), "failed", error=message)
+    try:
+        with_db_retry(run, what="marking the job failed")
+    except jobs.LeaseLost:  # another worker runs it now: its outcome is not ours to write
+        log.warning("job %s failed here (%s), but this worker no longer holds it", job_id, message)
+        return "lease_lost"
+    return "failed"
 
 
 def run_job(job_id: str) -> str:
@@ -101,7 +113,7 @@ def run_job(job_id: str) -> str:
         job = jobs.claim(s, job_id, worker_id, settings.lease_seconds)
         if job is None:
             return "skipped"  # another live worker holds it, or it is finished
-        tenant_id, hp, seed, reward, status = job.tenant_id, dict(job.hyperparameters), job.seed, job.reward, job.status
+        hp, seed, reward, status, attempt = dict(job.hyperparameters), job.seed, job.reward, job.status, job.attempts
     work = settings.data_dir / "work" / job_id
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -114,21 +126,22 @@ def run_job(job_id: str) -> str:
             reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
             spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
                            hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
-            cb = PersistCallbacks(db, objects, job_id, tenant_id, SHUTDOWN, hb.lost)
+            cb = PersistCallbacks(db, objects, job_id, worker_id, attempt, SHUTDOWN, hb.lost)
             if status == "cancelling":
                 cb.stop_reason = "cancel"
             else:
                 train(spec, cb, resume_from=resume)
-            return _settle(db, job_id, cb, settings)
+            return _settle(db, job_id, worker_id, cb, settings)
+    except jobs.LeaseLost as exc:
+        log.warning("%s: stopped without writing further", exc)
+        return "lease_lost"
     except (JobInputError, DataError, ValidationError) as exc:
-        _fail(db, job_id, f"invalid job input: {exc}")
-        return "failed"
+        return _fail(db, job_id, worker_id, f"invalid job input: {exc}")
     except OSError as exc:
-        _fail(db, job_id, str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}")
-        return "failed"
+        return _fail(db, job_id, worker_id,
+                     str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}")
     except Exception as exc:
         log.exception("job %s failed", job_id)
-        _fail(db, job_id, f"{type(exc).__name__}: {exc}")
-        return "failed"
+        return _fail(db, job_id, worker_id, f"{type(exc).__name__}: {exc}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

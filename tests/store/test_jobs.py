@@ -85,6 +85,66 @@ def test_concurrent_claims_have_exactly_one_winner(db):
         assert s.get(Job, job_id).attempts == 1 and s.get(Job, job_id).worker_id == wins[0]
 
 
+def _stale(s, job_id: str) -> None:
+    s.get(Job, job_id).lease_until = jobs._now().replace(year=2000)
+
+
+def test_writes_are_fenced_by_the_lease(db):
+    job_id = make_job(db)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", lease_seconds=60)
+        jobs.hold(s, job_id, "w1")
+        with pytest.raises(jobs.LeaseLost):
+            jobs.hold(s, job_id, "w2")
+    with db.session() as s:
+        _stale(s, job_id)  # w1 stalled past its lease; its row still names it until someone takes over
+    with db.session() as s:
+        jobs.hold(s, job_id, "w1")
+        assert jobs.claim(s, job_id, "w2", lease_seconds=60) is not None
+    with db.session() as s:
+        with pytest.raises(jobs.LeaseLost, match="w1 no longer holds"):
+            jobs.hold(s, job_id, "w1")
+        jobs.hold(s, job_id, "w2")
+        jobs.transition(s, s.get(Job, job_id), "succeeded")
+    with db.session() as s:
+        with pytest.raises(jobs.LeaseLost):
+            jobs.hold(s, job_id, "w2")  # a settled job takes no more writes
+
+
+def test_a_takeover_waits_for_the_holders_write_in_flight(db):
+    job_id = make_job(db)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", lease_seconds=60)
+        _stale(s, job_id)
+    took_over = threading.Event()
+
+    def successor() -> None:
+        with db.session() as s:
+            if jobs.claim(s, job_id, "w2", lease_seconds=60) is not None:
+                took_over.set()
+
+    with db.session() as s:
+        jobs.hold(s, job_id, "w1")
+        t = threading.Thread(target=successor)
+        t.start()
+        assert not took_over.wait(1.0), "the takeover must wait until the fenced write commits"
+        jobs.record_step(s, job_id, 1, {"step": 1})
+    t.join(30)
+    assert took_over.is_set()
+    with db.session() as s:
+        assert s.get(Job, job_id).worker_id == "w2" and s.get(Job, job_id).step == 1
+
+
+def test_a_stale_lease_past_the_retry_budget_is_not_taken_over(db):
+    job_id = make_job(db, max_attempts=2)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", lease_seconds=-1)
+        s.get(Job, job_id).attempts = 2
+    with db.session() as s:
+        assert jobs.claim(s, job_id, "w2", lease_seconds=60) is None, "the reaper fails it instead"
+        assert jobs.reap(s)[1] == [job_id]
+
+
 def test_finished_jobs_cannot_be_claimed(db):
     job_id = make_job(db)
     with db.session() as s:

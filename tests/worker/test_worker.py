@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from datetime import timedelta
 
 import psutil
 import pytest
@@ -111,6 +112,20 @@ def test_cancel_is_seen_within_one_step(rig):
     assert rig.client.post(f"/v1/jobs/{job_id}/cancel", headers=rig.h).json()["status"] == "cancelling"
     job = rig.wait_status(job_id, {"cancelled"}, timeout=30)
     assert job["step"] <= at_cancel + 2
+
+
+def test_a_worker_whose_job_was_taken_over_stops_writing_at_once(rig):
+    rig.start_worker()
+    job_id = rig.submit(steps=200)
+    wait_for(lambda: len(rig.steps(job_id)) >= 2, 120, "2 steps")
+    with rig.app.state.db.session() as s:  # what a successor's claim does after this worker stalled
+        job = s.get(Job, job_id)
+        job.worker_id, job.lease_until = "successor", jobs._now() + timedelta(minutes=10)
+    at = rig.steps(job_id)
+    wait_for(lambda: "'lease_lost'" in rig.logs(), 60, "the worker to give the job up")
+    assert rig.steps(job_id) == at, "not one step written after the takeover"
+    job = rig.db_job(job_id)
+    assert (job.status, job.worker_id, job.error) == ("running", "successor", None)
 
 
 def test_reaper_fails_jobs_past_their_retry_budget(rig):
