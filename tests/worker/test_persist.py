@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
 from store import jobs
 from store.db import Database
@@ -73,3 +75,76 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(db, tmp_path):
         ckpt = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id))
         assert ckpt.object_prefix == f"jobs/{job_id}/checkpoints/step-000002-a2"
     assert _settle(db, job_id, "w2", new, settings=None) == "succeeded"
+
+
+class _Link:
+    """A TCP relay to PostgreSQL that can be cut: the worker's database connection really goes away."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target, self.up, self.socks = (host, port), threading.Event(), []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if not self.up.is_set():
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            self.socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            sock.close()
+
+    def cut(self) -> None:
+        self.up.clear()
+        for sock in self.socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.cut()
+        self.server.close()
+
+
+def test_a_finished_run_waits_out_a_database_outage_instead_of_failing(pg_database, db, tmp_path):
+    url = make_url(pg_database)
+    link = _Link(url.host, url.port or 5432)
+    link.up.set()
+    relayed = Database(url.set(host="127.0.0.1", port=link.port).render_as_string(hide_password=False))
+    try:
+        job_id = make_job(relayed)
+        with relayed.session() as s:
+            jobs.claim(s, job_id, "w1", lease_seconds=600)
+        cb = _callbacks(relayed, LocalObjectStore(tmp_path), job_id, "w1", 1)
+        cb.on_step(1, {"reward/mean": 0.5})
+        link.cut()  # the database goes away just as the run finishes
+        outcome: list[str] = []
+        t = threading.Thread(target=lambda: outcome.append(_settle(relayed, job_id, "w1", cb, settings=None)))
+        t.start()
+        t.join(2.0)
+        assert t.is_alive(), "settling must wait for the database, not give up"
+        link.up.set()
+        t.join(60)
+        assert outcome == ["succeeded"]
+        with db.session() as s:
+            assert s.get(Job, job_id).status == "succeeded"
+    finally:
+        relayed.dispose()
+        link.close()
