@@ -7,11 +7,12 @@ import threading
 import time
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from gspo_core.callbacks import Callbacks
 from store import jobs
-from store.models import Job
+from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, put_dir
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,19 @@ def build_archive(ckpt_dir: Path, root: str) -> Path:
             if (ckpt_dir / part).is_dir():
                 tar.add(ckpt_dir / part, arcname=f"{root}/{part}")
     return out
+
+
+def drop_orphan_uploads(s, objects, job_id: str) -> list[str]:
+    """Delete checkpoint uploads of the job that no checkpoint row references: those of an earlier
+    attempt that died (or lost the job) between its upload and its row. Run by the lease holder
+    before it trains, so no live attempt of this job is uploading. Returns the prefixes removed."""
+    root = f"jobs/{job_id}/checkpoints"
+    kept = set(s.scalars(select(Checkpoint.object_prefix).where(Checkpoint.job_id == job_id)))
+    found = {f"{root}/{key[len(root) + 1:].split('/', 1)[0]}" for key, _ in objects.list(root)}
+    orphans = sorted(found - kept)
+    for prefix in orphans:
+        objects.delete_prefix(prefix)
+    return orphans
 
 
 class PersistCallbacks(Callbacks):

@@ -22,7 +22,7 @@ from store.objects import get_dir
 from store.queue import enqueue_run_job
 from store.settings import get_settings
 from worker.context import SHUTDOWN, get_db, get_store
-from worker.persist import Heartbeat, PersistCallbacks, with_db_retry
+from worker.persist import Heartbeat, PersistCallbacks, drop_orphan_uploads, with_db_retry
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,9 @@ def run_job(job_id: str) -> str:
                 job = s.get(Job, job_id)
                 model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
                 resume = _resume_dir(s, objects, job_id, work / "output")
+                if dropped := drop_orphan_uploads(s, objects, job_id):
+                    jobs.add_event(s, job_id, "log", f"removed {len(dropped)} checkpoint upload(s) a lost attempt "
+                                                     "left without a record")
             reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
             spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
                            hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))

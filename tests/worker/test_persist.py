@@ -12,10 +12,10 @@ from sqlalchemy.engine import make_url
 from store import jobs
 from store.db import Database
 from store.models import Checkpoint, Job, StepMetric
-from store.objects import LocalObjectStore
+from store.objects import LocalObjectStore, put_dir
 from tests.conftest import truncate_all
 from tests.store.conftest import make_job
-from worker.persist import PersistCallbacks
+from worker.persist import PersistCallbacks, drop_orphan_uploads
 from worker.runner import _fail, _settle
 
 
@@ -74,6 +74,11 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(db, tmp_path):
         assert [(r.step, r.metrics["reward/mean"]) for r in rows] == [(1, 0.1), (2, 0.2)]
         ckpt = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id))
         assert ckpt.object_prefix == f"jobs/{job_id}/checkpoints/step-000002-a2"
+    # w1 had uploaded step 3 before it died, but never wrote its row: w2's next attempt cleans that up.
+    put_dir(objects, f"jobs/{job_id}/checkpoints/step-000003-a1", _checkpoint_dir(tmp_path, "lost"))
+    with db.session() as s:
+        assert drop_orphan_uploads(s, objects, job_id) == [f"jobs/{job_id}/checkpoints/step-000003-a1"]
+    assert {k.split("/")[3] for k, _ in objects.list(f"jobs/{job_id}/")} == {"step-000002-a2"}
     assert _settle(db, job_id, "w2", new, settings=None) == "succeeded"
 
 
