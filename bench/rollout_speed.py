@@ -2,8 +2,8 @@
 
 ``python -m bench.rollout_speed [--shape small] [--prompts 32] [--group 8] [--tokens 32] [--prompt-tokens 0]``: the same
 prompts, fixed-length completions (EOS ignored, seeded as the trainer samples), one warm-up call per
-engine, then the median of ``--reps``. ``measure_rollout`` is the same as a function (bench/run.py
-may import it). The load average is reported because on a shared CPU machine it moves the numbers.
+engine, then ``--reps`` calls per engine, the engines taking turns (A B A B ...) in one process.
+``measure_rollout`` is the same as a function (bench/run.py may import it). The load average is reported because on a shared CPU machine it moves the numbers.
 """
 
 from __future__ import annotations
@@ -26,15 +26,21 @@ from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
 from gspo_core.toy import build_tiny_model
 
 
-def _tokens_per_s(engine, prompts: list[list[int]], spec: SamplingSpec, reps: int) -> float:
-    engine.generate(prompts, spec)  # warm-up: first-call allocations, kernel selection
-    times, n = [], 0
+def _alternated_seconds(engines: dict, prompts: list[list[int]], spec: SamplingSpec,
+                        reps: int) -> tuple[dict[str, int], dict[str, list[float]]]:
+    """Completion tokens of one call and seconds of ``reps`` calls, per engine; the engines take turns
+    call by call (A B A B ...), so the machine's drift (+-20 % within minutes on some of these VMs)
+    falls on both alike."""
+    # Warm-up (first-call allocations, kernel selection), which also counts the tokens of a call.
+    n_tokens = {kind: sum(len(c.completion_ids) for g in eng.generate(prompts, spec) for c in g)
+                for kind, eng in engines.items()}
+    times: dict[str, list[float]] = {kind: [] for kind in engines}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        groups = engine.generate(prompts, spec)
-        times.append(time.perf_counter() - t0)
-        n = sum(len(c.completion_ids) for g in groups for c in g)
-    return n / statistics.median(times)
+        for kind, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.generate(prompts, spec)
+            times[kind].append(time.perf_counter() - t0)
+    return n_tokens, times
 
 
 def _push_seconds(engine, policy, reps: int) -> float:
@@ -53,7 +59,9 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
     "weight_push_s": float, "vllm_over_transformers": float, "vllm_over_transformers_with_logprobs": float,
-    "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured).
+    "vllm_over_transformers_per_pair"(_with_logprobs): [float], "loadavg_1m_before"/"_after": float, ...}``
+    (keys present for the engines measured). Tokens/s are medians over ``reps`` calls; the engines
+    alternate call by call, and each ratio is the median of the per-pair ratios.
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
     ``prompt_tokens``: every prompt opens with this many tokens of instructions (the short prompts
     alone are 17-18 tokens, under one KV block, so the samples of a prompt share none of its KV).
@@ -62,32 +70,34 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     prompt_ids = [tok(instructions(prompt_tokens) + f"say {chr(97 + i % 5)}: question {i}")["input_ids"]
                   for i in range(prompts)]
-    # Without sampler logprobs (old_logprobs=recompute, but for its gap-check steps) and with them
-    # (the default old_logprobs=auto and old_logprobs=rollout ask for them at every step).
-    spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=False)
-    spec_lp = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=True)
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
                  "prompts": prompts, "group": group, "tokens": tokens, "keep_freed_memory": keep_freed_memory,
                  "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
                  "loadavg_1m_before": os.getloadavg()[0]}
-    for kind in engines:
-        if kind == "vllm" and not vllm_available():
-            continue
-        eng = make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
-                          max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
-        if keep_freed_memory:  # as the Trainer does: once the model and engine are loaded
-            keep()
-        try:
-            out[f"{kind}_tokens_per_s"] = _tokens_per_s(eng, prompt_ids, spec, reps)
-            out[f"{kind}_tokens_per_s_with_logprobs"] = _tokens_per_s(eng, prompt_ids, spec_lp, reps)
+    built = {kind: make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
+                               max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
+             for kind in engines if kind != "vllm" or vllm_available()}
+    if keep_freed_memory:  # as the Trainer does: once the model and engines are loaded
+        keep()
+    try:
+        # Without sampler logprobs (old_logprobs=recompute, but for its gap-check steps) and with them
+        # (the default old_logprobs=auto and old_logprobs=rollout ask for them at every step).
+        for suffix, logprobs in (("", False), ("_with_logprobs", True)):
+            spec = SamplingSpec(n=group, max_tokens=tokens, ignore_eos=True, seed=0, logprobs=logprobs)
+            n_tokens, times = _alternated_seconds(built, prompt_ids, spec, reps)
+            for kind, ts in times.items():
+                out[f"{kind}_tokens_per_s{suffix}"] = n_tokens[kind] / statistics.median(ts)
+            if {"vllm", "transformers"} <= set(times):
+                speed = {k: [n_tokens[k] / t for t in ts] for k, ts in times.items()}
+                pairs = [v / h for v, h in zip(speed["vllm"], speed["transformers"])]
+                out[f"vllm_over_transformers_per_pair{suffix}"] = pairs
+                out[f"vllm_over_transformers{suffix}"] = statistics.median(pairs)
+        for eng in built.values():
             if not eng.shares_weights:
                 out["weight_push_s"] = _push_seconds(eng, policy, reps)
-        finally:
+    finally:
+        for eng in built.values():
             eng.close()
-    if "vllm_tokens_per_s" in out and "transformers_tokens_per_s" in out:
-        out["vllm_over_transformers"] = out["vllm_tokens_per_s"] / out["transformers_tokens_per_s"]
-        out["vllm_over_transformers_with_logprobs"] = (out["vllm_tokens_per_s_with_logprobs"]
-                                                       / out["transformers_tokens_per_s_with_logprobs"])
     out["loadavg_1m_after"] = os.getloadavg()[0]
     return out
 

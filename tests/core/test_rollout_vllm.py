@@ -90,6 +90,24 @@ def test_ignore_eos_gives_full_length(engine, prompts):
     assert all(len(c.completion_ids) == 9 and c.finish_reason == "length" for g in groups for c in g)
 
 
+def test_text_is_the_completion_decoded_on_its_own(engine, policy, prompts):
+    """The engine turns vLLM's per-step detokenizer off and decodes each completion once: the text
+    is its tokens decoded alone, special tokens (EOS) skipped, which is what vLLM's own detokenizer
+    gives for the same tokens (checked on a request of vLLM's own)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _, tok = policy
+    groups = engine.generate(prompts, SamplingSpec(n=8, max_tokens=24, seed=5))
+    comps = [c for g in groups for c in g]
+    assert any(c.finish_reason == "stop" for c in comps) and any(c.text for c in comps)
+    for c in comps:
+        assert c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
+    own = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                              SamplingParams(n=8, max_tokens=24, seed=5, skip_special_tokens=True), use_tqdm=False)
+    for c in (c for out in own for c in out.outputs):
+        assert c.text == tok.decode(list(c.token_ids), skip_special_tokens=True)
+
 def test_seeds_reproduce_and_differ(engine, prompts):
     ids = lambda groups: [c.completion_ids for g in groups for c in g]  # noqa: E731
     a = engine.generate(prompts, SamplingSpec(n=3, max_tokens=8, seed=11))
