@@ -24,12 +24,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 OURS = {"ours": {}, "ours-recompute": {"old_logprobs": "recompute"}, "ours-rollout-lp": {"old_logprobs": "rollout"},
-        "ours-noshare": {"share_prompts": False}, "ours-returnmem": {"keep_freed_memory": False}}
+        "ours-noshare": {"share_prompts": False}, "ours-returnmem": {"keep_freed_memory": False},
+        "ours-blas": {"cpu_gemm": "blas"}}
 """Our variants by what they change of the defaults: ``ours`` is the default (``old_logprobs=auto``: the
 sampler's logprobs, checked every step; prompts shared in the trainer's forwards where that pays);
 ``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts the sampler unchecked,
 ``ours-noshare`` runs every row's prompt itself, ``ours-returnmem`` lets glibc unmap freed memory (its
-default). ``trl-keepmem`` is TRL with our heap policy (``gspo_core.memory``) applied to its process."""
+default), ``ours-blas`` runs the policy's products through torch's default BLAS (MKL) instead of oneDNN
+(``gspo_core.cpu_gemm``). ``trl-keepmem`` is TRL with our heap policy (``gspo_core.memory``) applied to its process."""
 TRAINERS = (*OURS, "trl", "trl-keepmem")
 
 

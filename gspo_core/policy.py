@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 
+from gspo_core import cpu_gemm
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.token_logprobs import head_logprobs, token_logprobs
@@ -47,6 +48,8 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
             r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
             target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM"))
     disable_dropout(model)
+    if cfg.cpu_gemm == "onednn" and device.type == "cpu":
+        cpu_gemm.route_linears(model)
     check_logit_head(model)
     model.train()
     return model, tokenizer

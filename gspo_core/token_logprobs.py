@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo_core.cpu_gemm import mm
+
 #: Elements of one softmax block (positions x vocabulary): ~2 MiB of fp32, so a block's temporaries stay in cache.
 BLOCK_ELEMENTS = 1 << 19
 #: Elements of one chunk of logits the head's GEMMs make at once (512 MiB of fp32), past KEEP_LOGITS_ELEMENTS.
@@ -101,7 +103,7 @@ def _logit_dtype(w_VH) -> torch.dtype:
 def _logits(h_CH, w_VH, b_V, dtype) -> torch.Tensor:
     """Logits ``[C, V]`` of the head's matmul run in ``dtype`` (bf16 where the trainer autocasts), in fp32
     (fp64 for an fp64 head)."""
-    z = h_CH.to(dtype) @ w_VH.to(dtype).t()
+    z = mm(h_CH.to(dtype), w_VH.to(dtype).t())
     if b_V is not None:
         z += b_V.to(dtype)
     return z.to(_logit_dtype(w_VH))
@@ -145,9 +147,9 @@ class _HeadLogprobs(torch.autograd.Function):
                 _grad_blocks_(z_CV, target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV)
             dz = z_CV.to(ctx.dtype)
             if need_h:
-                grad_h[pos] = (dz @ w_dt).to(grad_h.dtype)
+                grad_h[pos] = mm(dz, w_dt).to(grad_h.dtype)
             if need_w:
-                part = (dz.t() @ h_NH[pos].to(ctx.dtype)).to(w_VH.dtype)
+                part = mm(dz.t(), h_NH[pos].to(ctx.dtype)).to(w_VH.dtype)
                 grad_w = part if grad_w is None else grad_w.add_(part)
             if need_b:
                 part = z_CV.sum(0).to(b_V.dtype)
