@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run")
     p.add_argument("--shape", default="small", choices=SHAPE_NAMES,
                    help="toy/small: Llama shapes of gspo_core.toy (CPU); qwen0.5b: Qwen2-0.5B shape (GPU)")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10,
+                   help="GSPO steps per run; the medians skip step 1, and the weight push settles by step ~6 (docs/bench.md)")
     p.add_argument("--runs", type=int, default=2, help="runs per trainer, alternating ours/TRL")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompts", type=int, default=8)

@@ -37,12 +37,16 @@ def test_linear_values_and_gradients_match_torch(bias, shape):
 
 
 def test_a_frozen_weight_gets_no_gradient_product():
+    """LoRA's frozen base layers: no weight gradient; ``sum().backward()`` hands in a 0-stride ``dy``."""
     layer = torch.nn.Linear(8, 6)
     layer.weight.requires_grad_(False)
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    ref = torch.autograd.grad(torch.nn.functional.linear(x, layer.weight, layer.bias).sum(), [x, layer.bias])
     cpu_gemm.route_linears(layer)
-    x = torch.randn(4, 8, requires_grad=True)
     layer(x).sum().backward()
-    assert layer.weight.grad is None and x.grad is not None and layer.bias.grad is not None
+    assert layer.weight.grad is None
+    torch.testing.assert_close(x.grad, ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, ref[1], rtol=1e-5, atol=1e-6)
 
 
 def test_routed_layers_run_onednn_not_blas():
