@@ -3,7 +3,8 @@
 ``python -m bench.rollout_speed [--shape small] [--prompts 32] [--group 8] [--tokens 32] [--prompt-tokens 0]``: the same
 prompts, fixed-length completions (EOS ignored, seeded as the trainer samples), one warm-up call per
 engine, then ``--reps`` calls per engine, the engines taking turns (A B A B ...) in one process.
-``measure_rollout`` is the same as a function (bench/run.py may import it). The load average is reported because on a shared CPU machine it moves the numbers.
+``measure_rollout`` is the same as a function (bench/run.py may import it). The load average is
+reported because on a shared CPU machine it moves the numbers.
 """
 
 from __future__ import annotations

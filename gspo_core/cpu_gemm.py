@@ -18,6 +18,7 @@ import functools
 import torch
 
 
+@functools.cache
 def available() -> bool:
     """True when this torch build has oneDNN's fp32 ``linear`` op (every x86 and ARM CPU wheel does)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -107,14 +107,14 @@ class VLLMEngine:
                   for p in range(len(prompt_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        token_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
-        texts = iter(self.llm.get_tokenizer().batch_decode(token_ids, skip_special_tokens=True))
-        return [[self._completion(p, prompt_ids[p], c, next(texts)) for c in out.outputs]
-                for p, out in enumerate(outputs)]
+        token_ids = [[list(c.token_ids) for c in out.outputs] for out in outputs]
+        texts = iter(self.llm.get_tokenizer().batch_decode([t for g in token_ids for t in g],
+                                                           skip_special_tokens=True))
+        return [[self._completion(p, prompt_ids[p], c, toks, next(texts))
+                 for c, toks in zip(out.outputs, token_ids[p])] for p, out in enumerate(outputs)]
 
     @staticmethod
-    def _completion(p: int, ids: list[int], c, text: str) -> Completion:
-        toks = list(c.token_ids)
+    def _completion(p: int, ids: list[int], c, toks: list[int], text: str) -> Completion:
         # Flat logprobs: each position's entries start with the sampled token's (then the top-k, none here).
         logprobs = [c.logprobs.logprobs[i] for i in c.logprobs.start_indices] if c.logprobs is not None else []
         finish = "stop" if c.finish_reason == "stop" else "length"
