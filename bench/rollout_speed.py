@@ -55,7 +55,7 @@ def _push_seconds(engine, policy, reps: int) -> float:
 
 def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tokens: int = 32, reps: int = 3,
                     engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None,
-                    keep_freed_memory: bool = True, prompt_tokens: int = 0) -> dict:
+                    keep_freed_memory: bool = True, prompt_tokens: int = 0, dtype: str = "float32") -> dict:
     """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
@@ -66,6 +66,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
     ``prompt_tokens``: every prompt opens with this many tokens of instructions (the short prompts
     alone are 17-18 tokens, under one KV block, so the samples of a prompt share none of its KV).
+    ``dtype``: both engines' precision, as a trainer of that precision builds them (``bfloat16``: vLLM's
+    weights, the transformers engine's autocast over the fp32 policy).
     """
     model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -73,10 +75,11 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
                   for i in range(prompts)]
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
                  "prompts": prompts, "group": group, "tokens": tokens, "keep_freed_memory": keep_freed_memory,
+                 "dtype": dtype,
                  "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
                  "loadavg_1m_before": os.getloadavg()[0]}
     built = {kind: make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
-                               max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
+                               dtype=dtype, max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
              for kind in engines if kind != "vllm" or vllm_available()}
     if keep_freed_memory:  # as the Trainer does: once the model and engines are loaded
         keep()
@@ -111,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="tokens of instructions opening every prompt")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both engines' precision (a bf16 trainer samples in bf16)")
     ap.add_argument("--engines", default="transformers,vllm", help="comma-separated: transformers, vllm")
     ap.add_argument("--return-freed-memory", action="store_true",
                     help="leave glibc's default heap policy (the trainer keeps freed memory: gspo_core.memory)")
     a = ap.parse_args(argv)
     out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")),
-                          keep_freed_memory=not a.return_freed_memory, prompt_tokens=a.prompt_tokens)
+                          keep_freed_memory=not a.return_freed_memory, prompt_tokens=a.prompt_tokens, dtype=a.dtype)
     print(json.dumps(out, indent=2))
     return 0
 

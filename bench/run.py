@@ -25,14 +25,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 OURS = {"ours": {}, "ours-recompute": {"old_logprobs": "recompute"}, "ours-rollout-lp": {"old_logprobs": "rollout"},
         "ours-noshare": {"share_prompts": False}, "ours-returnmem": {"keep_freed_memory": False},
-        "ours-blas": {"cpu_gemm": "blas"}}
+        "ours-blas": {"cpu_gemm": "blas"}, "ours-onednn": {"cpu_gemm": "onednn"}, "ours-bf16": {"precision": "bf16"}}
 """Our variants by what they change of the defaults: ``ours`` is the default (``old_logprobs=auto``: the
 sampler's logprobs, checked every step; prompts shared in the trainer's forwards where that pays);
 ``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts the sampler unchecked,
 ``ours-noshare`` runs every row's prompt itself, ``ours-returnmem`` lets glibc unmap freed memory (its
-default), ``ours-blas`` runs the policy's products through torch's default BLAS (MKL) instead of oneDNN
-(``gspo_core.cpu_gemm``). ``trl-keepmem`` is TRL with our heap policy (``gspo_core.memory``) applied to its process."""
-TRAINERS = (*OURS, "trl", "trl-keepmem")
+default), ``ours-blas`` / ``ours-onednn`` run the policy's fp32 products through torch's default BLAS
+(MKL) / oneDNN (``gspo_core.cpu_gemm``; ``ours`` picks by CPU vendor), ``ours-bf16`` trains and samples
+under bf16 autocast (``precision=bf16``, the GPU default). ``trl-keepmem`` is TRL with our heap policy
+(``gspo_core.memory``) applied to its process; ``trl-bf16`` is TRL with ``bf16=True`` (the peer of
+``ours-bf16``)."""
+TRL = ("trl", "trl-keepmem", "trl-bf16")
+TRAINERS = (*OURS, *TRL)
+#: (ours, peer, key suffix) of the step-time ratios reported when both ran.
+RATIOS = (("ours", "trl", ""), ("ours", "trl-keepmem", "_keepmem"), ("ours-bf16", "trl-bf16", "_bf16"))
 
 
 def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
@@ -65,9 +71,9 @@ def summarize(runs: list[dict]) -> dict:
             out[name]["weight_push_frac_of_step"] = phases["weight_sync"] / out[name]["step_s_median"]
     # Runs alternate A B A B: pair the i-th run of each so machine drift cancels within a pair.
     med = {n: [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs if r["name"] == n] for n in out}
-    for peer, suffix in (("trl", ""), ("trl-keepmem", "_keepmem")):
-        if "ours" in out and peer in out:
-            out[f"ratio_per_run_pair{suffix}"] = [a / b for a, b in zip(med["ours"], med[peer])]
+    for ours, peer, suffix in RATIOS:
+        if ours in out and peer in out:
+            out[f"ratio_per_run_pair{suffix}"] = [a / b for a, b in zip(med[ours], med[peer])]
             out[f"ratio_ours_over_trl{suffix}"] = statistics.median(out[f"ratio_per_run_pair{suffix}"])
     return out
 
@@ -94,6 +100,9 @@ def markdown(w: Workload, s: dict) -> str:
     if "ratio_ours_over_trl_keepmem" in s:
         lines.append(f"Ours / TRL with our heap policy: {s['ratio_ours_over_trl_keepmem']:.3f} (pairs "
                      f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair_keepmem'])})")
+    if "ratio_ours_over_trl_bf16" in s:
+        lines.append(f"Both in bf16 (ours-bf16 / trl-bf16): {s['ratio_ours_over_trl_bf16']:.3f} (pairs "
+                     f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair_bf16'])})")
     if "weight_push_frac_of_step" in s.get("ours", {}):
         lines.append(f"Weight push: {100 * s['ours']['weight_push_frac_of_step']:.1f} % of our step (target <= 5 %)")
     return "\n".join(lines)
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
         w = Workload(**json.loads(a.workload))
         if a.one.startswith("trl"):
-            res = run_trl(w, Path(a.root), a.trl_engine, keep_freed_memory=a.one == "trl-keepmem")
+            res = run_trl(w, Path(a.root), a.trl_engine, keep_freed_memory=a.one == "trl-keepmem",
+                          bf16=a.one == "trl-bf16")
         else:
             res = run_ours(w, Path(a.root), a.engine, **OURS[a.one])
         print(json.dumps({**res, "name": a.one}))

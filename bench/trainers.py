@@ -64,9 +64,10 @@ def _timed(obj, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def trl_args(w: Workload, out_dir: Path, engine: str):
+def trl_args(w: Workload, out_dir: Path, engine: str, bf16: bool = False):
     """TRL GRPOConfig in GSPO mode, on the same work as ours: the precision ours picks (fp32 on CPU,
-    bf16 autocast on GPU; TRL's bf16 default is emulated and slow on a CPU without bf16 units), no
+    bf16 autocast on GPU; TRL's bf16 default is emulated and slow on a CPU without bf16 units), or bf16
+    autocast where ``bf16`` (the peer of ``precision=bf16``), no
     gradient checkpointing (TRL's default is on, ours off), constant LR, the same AdamW betas,
     clipping and grad-norm cap."""
     import torch
@@ -81,16 +82,17 @@ def trl_args(w: Workload, out_dir: Path, engine: str):
         epsilon_high=4e-4, beta=0.0, num_generations=w.group,
         per_device_train_batch_size=n // w.updates, steps_per_generation=w.updates, gradient_accumulation_steps=1,
         max_completion_length=w.tokens, learning_rate=w.lr, max_steps=w.steps * w.updates, use_cpu=not gpu,
-        bf16=gpu, gradient_checkpointing=False,
+        bf16=gpu or bf16, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", report_to="none", seed=w.seed, temperature=1.0, top_p=1.0,
         generation_kwargs=({"ignore_eos": True} if engine == "vllm" else {"min_new_tokens": w.tokens})
         if w.fixed_length else None, disable_tqdm=True,
         max_grad_norm=1.0, adam_beta2=0.99, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, **vllm)
 
 
-def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_memory: bool = False) -> dict:
+def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_memory: bool = False,
+            bf16: bool = False) -> dict:
     """TRL GRPOTrainer in GSPO mode; ``engine`` "transformers" (HF generate) or "vllm" (colocate);
-    ``keep_freed_memory``: our trainer's heap policy applied to TRL's process too."""
+    ``keep_freed_memory``: our trainer's heap policy applied to TRL's process too; ``bf16``: bf16 autocast."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -114,7 +116,7 @@ def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_me
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_args(w, root / "out-trl", engine),
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_args(w, root / "out-trl", engine, bf16),
                           train_dataset=ds, processing_class=tok, callbacks=[Clock()])
     gen: list[float] = []
     rew: list[float] = []

@@ -24,6 +24,14 @@ def autocast_dtype(cfg: GSPOConfig, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def sampler_dtype(amp_dtype: torch.dtype | None) -> str:
+    """The rollout engine's precision: the trainer's own. Under bf16 autocast the transformers engine
+    then runs the trainer's ops (old_logprobs=auto measured 0 error on the toy model, 7e-4 with an fp32
+    sampler, which made every step recompute); vLLM's bf16 kernels still miss the tolerance, but its
+    fp32 GEMMs run at half its bf16 rate on a CPU with AMX, and at a fraction on a GPU."""
+    return "bfloat16" if amp_dtype == torch.bfloat16 else "float32"
+
+
 def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
     """Load the causal LM (fp32 master weights) + tokenizer; wrap with LoRA when ``lora_rank > 0``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,7 +56,8 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
             r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
             target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM"))
     disable_dropout(model)
-    if cfg.cpu_gemm == "onednn" and device.type == "cpu":
+    gemm = cpu_gemm.preferred() if cfg.cpu_gemm == "auto" else cfg.cpu_gemm
+    if gemm == "onednn" and device.type == "cpu":
         cpu_gemm.route_linears(model)
     check_logit_head(model)
     model.train()

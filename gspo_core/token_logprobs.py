@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_core.cpu_gemm import mm
+from gspo_core.cpu_gemm import mm, routed
 
 #: Elements of one softmax block (positions x vocabulary): ~2 MiB of fp32, so a block's temporaries stay in cache.
 BLOCK_ELEMENTS = 1 << 19
@@ -100,10 +100,10 @@ def _logit_dtype(w_VH) -> torch.dtype:
     return torch.promote_types(w_VH.dtype, torch.float32)
 
 
-def _logits(h_CH, w_VH, b_V, dtype) -> torch.Tensor:
+def _logits(h_CH, w_VH, b_V, dtype, onednn: bool) -> torch.Tensor:
     """Logits ``[C, V]`` of the head's matmul run in ``dtype`` (bf16 where the trainer autocasts), in fp32
-    (fp64 for an fp64 head)."""
-    z = mm(h_CH.to(dtype), w_VH.to(dtype).t())
+    (fp64 for an fp64 head); by oneDNN where ``onednn`` (the head's layer is routed: `cpu_gemm`)."""
+    z = mm(h_CH.to(dtype), w_VH.to(dtype).t(), onednn)
     if b_V is not None:
         z += b_V.to(dtype)
     return z.to(_logit_dtype(w_VH))
@@ -115,11 +115,12 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype):
         N, V = h_NH.size(0), w_VH.size(0)
+        ctx.onednn = routed(w_VH)
         logp_N, lse_N, ent_N = _new_outputs(h_NH, N, with_entropy, _logit_dtype(w_VH))
         keep = N * V <= KEEP_LOGITS_ELEMENTS
         kept = []  # the logits, kept for the backward when they are few enough
         for s in [slice(0, N)] if keep else _spans(N, CHUNK_ELEMENTS // V):
-            z_CV = _logits(h_NH[s], w_VH, b_V, dtype)
+            z_CV = _logits(h_NH[s], w_VH, b_V, dtype, ctx.onednn)
             _forward_blocks(z_CV, target_N[s], temperature, with_entropy, logp_N[s], lse_N[s], ent_N[s])
             if keep:
                 kept.append(z_CV)
@@ -143,13 +144,13 @@ class _HeadLogprobs(torch.autograd.Function):
                 z_CV = kept[0].new_empty(len(pos), V)
                 _grad_blocks_(kept[0], target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV, pos)
             else:
-                z_CV = _logits(h_NH[pos], w_VH, b_V, ctx.dtype)
+                z_CV = _logits(h_NH[pos], w_VH, b_V, ctx.dtype, ctx.onednn)
                 _grad_blocks_(z_CV, target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV)
             dz = z_CV.to(ctx.dtype)
             if need_h:
-                grad_h[pos] = mm(dz, w_dt).to(grad_h.dtype)
+                grad_h[pos] = mm(dz, w_dt, ctx.onednn).to(grad_h.dtype)
             if need_w:
-                part = mm(dz.t(), h_NH[pos].to(ctx.dtype)).to(w_VH.dtype)
+                part = mm(dz.t(), h_NH[pos].to(ctx.dtype), ctx.onednn).to(w_VH.dtype)
                 grad_w = part if grad_w is None else grad_w.add_(part)
             if need_b:
                 part = z_CV.sum(0).to(b_V.dtype)

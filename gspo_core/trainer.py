@@ -17,7 +17,7 @@ from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
 from gspo_core.memory import keep_freed_memory
-from gspo_core.policy import autocast_dtype, load_policy, pick_device
+from gspo_core.policy import autocast_dtype, load_policy, pick_device, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import build_reward
 from gspo_core.rollout import make_engine
@@ -93,7 +93,7 @@ class Trainer:
             self.engine = engine or make_engine(
                 self.cfg.rollout_engine, model_dir=spec.model, policy=self.model, tokenizer=self.tokenizer,
                 seed=self.cfg.seed, max_model_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens,
-                gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
+                gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
                 plain_sampling=self.cfg.temperature == 1.0 and self.cfg.top_p == 1.0)
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start

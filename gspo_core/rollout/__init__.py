@@ -21,10 +21,10 @@ def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype,
                       gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, plain_sampling=plain_sampling)
 
 
-def _make_hf(*, policy, tokenizer, seed, **_):
+def _make_hf(*, policy, tokenizer, seed, dtype, **_):
     from gspo_core.rollout.hf_engine import TransformersEngine
 
-    return TransformersEngine(policy, tokenizer, seed=seed)
+    return TransformersEngine(policy, tokenizer, seed=seed, dtype=dtype)
 
 
 ENGINES = {"vllm": _make_vllm, "transformers": _make_hf}
@@ -35,6 +35,8 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
                 plain_sampling: bool = False) -> RolloutEngine:
     """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers).
 
+    ``dtype`` ("float32" or "bfloat16"): the precision the sampler computes in -- vLLM's weights, or the
+    transformers engine's autocast over the trainer's fp32 weights. The trainer passes its own precision.
     ``plain_sampling``: every call samples with temperature 1 and top-p 1 (lets vLLM skip work).
     """
     if kind == "auto":

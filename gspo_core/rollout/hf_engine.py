@@ -10,6 +10,9 @@ import torch
 from gspo_core.policy import base_model
 from gspo_core.rollout.base import Completion, SamplingSpec
 
+#: Sampler precision -> the autocast dtype its forwards run under (None: the weights' own fp32).
+AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
+
 
 def top_p_mask(scores_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     """Set the logits outside the nucleus of mass ``top_p`` to -inf (vLLM's and HF's rule: drop the
@@ -83,13 +86,18 @@ class TransformersEngine:
     ``logprobs[t]`` is ``log_softmax(top_p_mask(logits / T))`` of the sampled token: the distribution
     actually sampled from, the same quantity the vLLM engine returns (``processed_logprobs``). With
     ``top_p == 1`` it equals the trainer's ``log_softmax(logits / T)``.
+    ``dtype="bfloat16"`` samples under bf16 autocast, as a bf16 trainer computes (its weights stay fp32).
     """
 
     name = "transformers"
     shares_weights = True
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256) -> None:
+    def __init__(self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256,
+                 dtype: str = "float32") -> None:
+        if dtype not in AUTOCAST:
+            raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(AUTOCAST)}")
         self.policy, self.tokenizer = policy, tokenizer
+        self.amp_dtype = AUTOCAST[dtype]
         self.seed, self.batch_size = seed, batch_size
         self.eos_ids = _eos_ids(policy, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -104,9 +112,10 @@ class TransformersEngine:
         fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
                                      enabled=sampling.seed is not None)
         eos = None if sampling.ignore_eos else sorted(self.eos_ids)
+        amp = torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
         try:
             self.policy.eval()
-            with fork, _clean_generation_config(self.policy, eos, self.pad_id):
+            with fork, amp, _clean_generation_config(self.policy, eos, self.pad_id):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
                 indexed = list(enumerate(prompt_ids))

@@ -41,3 +41,12 @@ def test_summary_also_pairs_ours_with_trl_under_our_heap_policy():
     assert s["ratio_per_run_pair_keepmem"] == pytest.approx([0.8, 0.6])
     assert s["ratio_ours_over_trl_keepmem"] == pytest.approx(0.7)
     assert "Ours / TRL with our heap policy: 0.700" in markdown(Workload(), s)
+
+
+def test_summary_pairs_the_bf16_variants_with_each_other():
+    runs = [_run("ours", [9.0, 2.0]), _run("ours-bf16", [9.0, 1.0]), _run("trl-bf16", [9.0, 4.0]),
+            _run("ours", [9.0, 2.0]), _run("ours-bf16", [9.0, 1.5]), _run("trl-bf16", [9.0, 5.0])]
+    s = summarize(runs)
+    assert "ratio_ours_over_trl" not in s  # no fp32 TRL ran
+    assert s["ratio_per_run_pair_bf16"] == pytest.approx([0.25, 0.3])
+    assert "Both in bf16 (ours-bf16 / trl-bf16): 0.275" in markdown(Workload(), s)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gspo_core import cpu_gemm
+from gspo_core import token_logprobs as TL
 from gspo_core.config import GSPOConfig
 from gspo_core.policy import load_policy
 
@@ -82,7 +83,7 @@ def test_load_policy_routes_on_cpu_unless_asked_for_blas(tiny_model_dir, lora_ra
     """The routed policy's loss gradients equal torch's default path's (full and LoRA)."""
     ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
     grads = {}
-    for gemm in ("onednn", "blas"):
+    for gemm in ("onednn", "blas"):  # (auto is one of them: test_auto_picks_by_cpu_vendor)
         torch.manual_seed(0)  # the same LoRA initialisation for both
         model, _ = load_policy(str(tiny_model_dir), GSPOConfig(lora_rank=lora_rank, cpu_gemm=gemm), torch.device("cpu"))
         linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -91,3 +92,26 @@ def test_load_policy_routes_on_cpu_unless_asked_for_blas(tiny_model_dir, lora_ra
         grads[gemm] = [p.grad for p in model.parameters() if p.requires_grad]
     for a, b in zip(grads["onednn"], grads["blas"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_the_fused_head_follows_its_layers_routing(route):
+    """The LM head's fused logprobs run oneDNN forward and backward only when its layer was routed
+    (``cpu_gemm: blas`` must mean torch's products everywhere)."""
+    head = torch.nn.Linear(16, 50, bias=False)
+    if route:
+        cpu_gemm.route_linears(head)
+    h = torch.randn(6, 16, requires_grad=True)
+    target = torch.randint(0, 50, (6,))
+    ops = _ops(lambda: TL.head_logprobs(h, head, target)[0].sum().backward())
+    assert ("mkldnn::_linear_pointwise" in ops) == route
+    assert cpu_gemm.routed(head.weight) == route
+
+
+@pytest.mark.parametrize("vendor,gemm", [("AuthenticAMD", "onednn"), ("GenuineIntel", "blas"), (None, "blas")])
+def test_auto_picks_by_cpu_vendor(tmp_path, vendor, gemm):
+    """oneDNN where MKL would run its AVX2 kernels (AMD), MKL elsewhere and where the CPU cannot be read."""
+    info = tmp_path / "cpuinfo"
+    if vendor:
+        info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: avx2 avx512f\n")
+    assert cpu_gemm.preferred(str(info)) == gemm

@@ -9,6 +9,7 @@ import torch
 
 from gspo_core import step as S
 from gspo_core import trainer as T
+from gspo_core.rollout import vllm_available
 from gspo_core.trainer import train
 from tests.core.trainer_support import UPDATE_CFG as CFG
 from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, update_step
@@ -116,3 +117,27 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(sampled, mon
     # the tied rows of the later batches got no old-logprob forward either
     skipped = [i for i in later if i in tied]
     assert (ro.old_logp_NT[skipped] == 0).all() and (ref_ro.old_logp_NT[skipped] != 0).any()
+
+
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
+    """precision=bf16: the sampler computes in bf16 too. The transformers engine then runs the
+    trainer's own autocast ops, its logprobs within bf16 noise of the trainer's (measured: equal); vLLM's
+    bf16 kernels differ by bf16's rounding, past the tolerance, so step 1 recomputes."""
+    if engine == "vllm" and not vllm_available():
+        pytest.skip("vllm not installed")
+    rec = Recorder()
+    tr = T.Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2, precision="bf16", rollout_engine=engine,
+                            logprob_gap_every=0), rec)
+    try:
+        built = tr.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else tr.engine.amp_dtype
+        assert built == torch.bfloat16
+        T._loop(tr)
+    finally:
+        tr.close()
+    first = rec.steps[0][1]
+    if engine == "vllm":
+        assert first["old_logprobs/recomputed"] == 1.0 and 1e-5 < first["old_logprobs/sampler_err_max"] < 0.1
+    else:  # the fp32 sampler it had before: 7e-4 (step 1 recomputed, and every later step)
+        assert first["old_logprobs/sampler_err_max"] < 1e-4
+    assert len(rec.steps) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for _, m in rec.steps)

@@ -217,3 +217,36 @@ def check_logprobs_only_when_asked(engine, prompts, max_tokens: int) -> None:
 
 def test_logprobs_only_when_asked(engine, prompts):
     check_logprobs_only_when_asked(engine, prompts, 6)
+
+
+def bf16_reference_logprobs(model, prompt_ids, completion_ids) -> torch.Tensor:
+    """`reference_logprobs` of one forward under bf16 autocast (a bf16 trainer's forward)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return reference_logprobs(model, prompt_ids, completion_ids)
+
+
+def test_a_bfloat16_sampler_computes_under_autocast_on_fp32_weights(policy, tiny_model_dir, prompts):
+    """dtype="bfloat16": every forward of the rollout (shared prompt pass included) runs bf16 products,
+    its logprobs are a bf16 forward's (off the fp32 ones by bf16's rounding), the weights stay fp32."""
+    model, tok = policy
+    eng = make_engine("transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
+                      max_model_len=64, dtype="bfloat16")
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    try:
+        groups = eng.generate(prompts, SamplingSpec(n=2, max_tokens=6, ignore_eos=True, seed=0))
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    for c in groups[0] + groups[1]:
+        got = torch.tensor(c.logprobs)
+        fp32_gap = (got - reference_logprobs(model, c.prompt_ids, c.completion_ids)).abs().max()
+        bf16_gap = (got - bf16_reference_logprobs(model, c.prompt_ids, c.completion_ids)).abs().max()
+        assert 1e-4 < fp32_gap < 0.1 and bf16_gap < fp32_gap
+
+
+def test_an_unknown_sampler_dtype_is_named(policy):
+    model, tok = policy
+    with pytest.raises(ValueError, match="dtype: 'float16' is not one of float32, bfloat16"):
+        TransformersEngine(model, tok, dtype="float16")
