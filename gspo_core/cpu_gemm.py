@@ -7,8 +7,8 @@ update's shapes, oneDNN -- the library torch also ships, and the one vLLM's CPU 
 transposed views as they are, so a backward's ``g @ w`` and ``g.T @ x`` need no copies.
 
 :func:`route_linears` swaps the forward of a model's ``nn.Linear`` layers (LoRA's base layers
-included) for :class:`_Linear` and tags their weights; :func:`mm` is ``a @ b`` on the same path, for
-the fused LM head, which asks :func:`routed` of its weight. Both fall back to torch where oneDNN does
+included) for :class:`_Linear`; :func:`mm` is ``a @ b`` on the same path, for the fused LM head,
+which asks :func:`routed` of its layer. Both fall back to torch where oneDNN does
 not apply: off CPU, dtypes other than fp32, under autocast. On Intel CPUs MKL runs its AVX-512 kernels
 and is the faster of the two (:func:`preferred`).
 """
@@ -19,9 +19,6 @@ import functools
 from pathlib import Path
 
 import torch
-
-#: Attribute set on the weight of every routed layer (the fused LM head reads it from its weight).
-_TAG = "_gspo_onednn"
 
 
 @functools.cache
@@ -51,9 +48,10 @@ def preferred(cpuinfo: str = "/proc/cpuinfo") -> str:
     return "onednn" if amd else "blas"
 
 
-def routed(w: torch.Tensor) -> bool:
-    """True when ``w`` is the weight of a layer :func:`route_linears` routed."""
-    return getattr(w, _TAG, False)
+def routed(layer: torch.nn.Module) -> bool:
+    """True when :func:`route_linears` routed ``layer`` (a deep copy of the model keeps that)."""
+    fwd = vars(layer).get("forward")
+    return isinstance(fwd, functools.partial) and fwd.func is _forward
 
 
 def mm(a_MK: torch.Tensor, b_KN: torch.Tensor, onednn: bool = True) -> torch.Tensor:
@@ -99,5 +97,4 @@ def route_linears(model: torch.nn.Module) -> int:
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for layer in layers:
         layer.forward = functools.partial(_forward, layer)
-        setattr(layer.weight, _TAG, True)
     return len(layers)

@@ -113,9 +113,9 @@ class _HeadLogprobs(torch.autograd.Function):
     """``h_NH`` (the head's inputs at ``N`` positions), head ``w_VH`` / ``b_V`` -> ``logp_N``, ``entropy_N``."""
 
     @staticmethod
-    def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype):
+    def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype, onednn: bool):
         N, V = h_NH.size(0), w_VH.size(0)
-        ctx.onednn = routed(w_VH)
+        ctx.onednn = onednn
         logp_N, lse_N, ent_N = _new_outputs(h_NH, N, with_entropy, _logit_dtype(w_VH))
         keep = N * V <= KEEP_LOGITS_ELEMENTS
         kept = []  # the logits, kept for the backward when they are few enough
@@ -159,7 +159,7 @@ class _HeadLogprobs(torch.autograd.Function):
             grad_w = torch.zeros_like(w_VH)
         if need_b and grad_b is None:
             grad_b = torch.zeros_like(b_V)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, target_N: torch.Tensor, temperature: float = 1.0,
@@ -168,4 +168,4 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, target_N: torch.Ten
     (default: the weight's) made a chunk at a time, and its backward only over positions whose
     log-prob gets a nonzero gradient."""
     return _HeadLogprobs.apply(h_NH, head.weight, head.bias, target_N, float(temperature), bool(with_entropy),
-                               dtype or head.weight.dtype)
+                               dtype or head.weight.dtype, routed(head))

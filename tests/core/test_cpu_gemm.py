@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -105,7 +107,8 @@ def test_the_fused_head_follows_its_layers_routing(route):
     target = torch.randint(0, 50, (6,))
     ops = _ops(lambda: TL.head_logprobs(h, head, target)[0].sum().backward())
     assert ("mkldnn::_linear_pointwise" in ops) == route
-    assert cpu_gemm.routed(head.weight) == route
+    assert cpu_gemm.routed(head) == route
+    assert cpu_gemm.routed(copy.deepcopy(head)) == route  # tests and callers deep-copy policies
 
 
 @pytest.mark.parametrize("vendor,gemm", [("AuthenticAMD", "onednn"), ("GenuineIntel", "blas"), (None, "blas")])
