@@ -40,7 +40,7 @@ def _nt(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torc
 @functools.cache
 def preferred(cpuinfo: str = "/proc/cpuinfo") -> str:
     """``cpu_gemm: auto``: "onednn" on AMD CPUs, where MKL runs its AVX2 kernels, else "blas" (on an Intel
-    Xeon with AVX-512 the bench's update took 2.41 s with MKL, 2.70 s with oneDNN)."""
+    Xeon with AVX-512 the bench's update took 2.32 s with MKL, 2.57 s with oneDNN)."""
     try:
         amd = "AuthenticAMD" in Path(cpuinfo).read_text(errors="replace")
     except OSError:

@@ -30,23 +30,23 @@ def engine(tiny_model_dir, policy):
     eng.close()
 
 
-def gaps(c, model) -> tuple[float, float]:
-    """Largest |logprob| gap of completion ``c`` to ``model``'s fp32 forward and to its bf16 forward."""
-    got = torch.tensor(c.logprobs)
-    return ((got - reference_logprobs(model, c.prompt_ids, c.completion_ids)).abs().max().item(),
-            (got - bf16_reference_logprobs(model, c.prompt_ids, c.completion_ids)).abs().max().item())
+def gap(c, model, reference=reference_logprobs) -> float:
+    """Largest |logprob| gap of completion ``c`` to ``model``'s forward by ``reference`` (fp32 by default)."""
+    return (torch.tensor(c.logprobs) - reference(model, c.prompt_ids, c.completion_ids)).abs().max().item()
+
+
+def weight_dtypes(engine) -> set[torch.dtype]:
+    return engine.llm.apply_model(lambda m: {p.dtype for p in m.parameters()})[0]
 
 
 def test_weights_are_bf16_and_logprobs_a_bf16_forwards(engine, policy):
     """vLLM holds bf16 weights; its logprobs are off the fp32 forward's by bf16 rounding (not more)."""
     model, tok = policy
-    dtypes = engine.llm.apply_model(lambda m: {p.dtype for p in m.parameters()})[0]
-    assert dtypes == {torch.bfloat16}
+    assert weight_dtypes(engine) == {torch.bfloat16}
     groups = engine.generate([tok("say a:")["input_ids"], tok("say bb, then c:")["input_ids"]],
                              SamplingSpec(n=2, max_tokens=8, ignore_eos=True, seed=0, logprobs=True))
     for c in groups[0] + groups[1]:
-        fp32_gap, bf16_gap = gaps(c, model)
-        assert 1e-4 < fp32_gap < 0.1 and bf16_gap < 0.1
+        assert 1e-4 < gap(c, model) < 0.1 and gap(c, model, bf16_reference_logprobs) < 0.1
 
 
 def test_an_fp32_push_lands_cast_to_bf16(engine, policy, tiny_model_dir):
@@ -59,9 +59,8 @@ def test_an_fp32_push_lands_cast_to_bf16(engine, policy, tiny_model_dir):
     try:
         engine.load_weights(export_weights(new))
         c = engine.generate([prompt], spec)[0][0]
-        to_new, _ = gaps(c, new)
-        to_old, _ = gaps(c, model)
+        to_new, to_old = gap(c, new), gap(c, model)
         assert to_new < 0.1 and to_old > 4 * to_new
-        assert engine.llm.apply_model(lambda m: {p.dtype for p in m.parameters()})[0] == {torch.bfloat16}
+        assert weight_dtypes(engine) == {torch.bfloat16}
     finally:
         engine.load_weights(export_weights(model))
