@@ -3,7 +3,6 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export VLLM_NO_USAGE_STATS ?= 1
 export DO_NOT_TRACK ?= 1

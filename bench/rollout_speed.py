@@ -79,7 +79,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
                  "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
                  "loadavg_1m_before": os.getloadavg()[0]}
     built = {kind: make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
-                               dtype=dtype, max_model_len=max(len(p) for p in prompt_ids) + tokens + 16)
+                               dtype=dtype, max_model_len=max(len(p) for p in prompt_ids) + tokens + 16,
+                               max_num_seqs=prompts * group)
              for kind in engines if kind != "vllm" or vllm_available()}
     if keep_freed_memory:  # as the Trainer does: once the model and engines are loaded
         keep()

