@@ -37,8 +37,8 @@ def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: i
     """vLLM arguments giving its CPU KV cache room for ``max_num_seqs`` sequences of ``max_model_len``
     tokens each, all at once, and no more.
 
-    vLLM otherwise takes ``VLLM_CPU_KVCACHE_SPACE`` GiB, or 30 % of the host's memory less the
-    process's size (5.6 GiB of a 23 GiB machine for a model of a few MB), and touches every page of it
+    vLLM otherwise takes ``VLLM_CPU_KVCACHE_SPACE`` GiB, or 30 % of its NUMA node's memory less the
+    process's size (2.7 GiB of an 11 GiB node for a model of a few MB), and touches every page of it
     over a job. Sized so, no running sequence can run out of blocks, so none is ever preempted and
     recomputed; vLLM admits at most ``max_num_seqs`` at once, and later ones wait (same samples: seeds
     are per request).
