@@ -20,7 +20,7 @@ from gspo_core.memory import keep_freed_memory
 from gspo_core.policy import autocast_dtype, load_policy, pick_device, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import build_reward
-from gspo_core.rollout import make_engine
+from gspo_core.rollout import engine_kind, make_engine
 
 
 @dataclass
@@ -102,9 +102,12 @@ class Trainer:
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
     def _make_engine(self):
-        max_model_len, max_num_seqs = self.sampling_bounds()
+        kind, cfg = engine_kind(self.cfg.rollout_engine), self.cfg
+        # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
+        max_model_len, max_num_seqs = (self.sampling_bounds() if kind == "vllm"
+                                       else (cfg.max_prompt_tokens + cfg.max_new_tokens, None))
         return make_engine(
-            self.cfg.rollout_engine, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
+            kind, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
             seed=self.cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
             plain_sampling=self.cfg.temperature == 1.0 and self.cfg.top_p == 1.0)

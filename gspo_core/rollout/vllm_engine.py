@@ -30,7 +30,7 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
 
 
 def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int) -> dict:
@@ -45,7 +45,7 @@ def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: i
     The block count is exact for any architecture (``num_gpu_blocks_override``; one more for the
     null block vLLM holds back); the byte size only serves vLLM's check of free memory.
     """
-    seqs = max(1, min(max_num_seqs, CPU_MAX_SEQS))
+    seqs = min(max_num_seqs, CPU_MAX_SEQS)
     blocks = seqs * -(-max_model_len // CPU_KV_BLOCK) + 1
     return dict(max_num_seqs=seqs, num_gpu_blocks_override=blocks,
                 kv_cache_memory_bytes=blocks * CPU_KV_BLOCK * kv_bytes_per_token(model_dir, dtype))
