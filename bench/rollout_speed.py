@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from bench.gemm_bound import gemm_bound
 from bench.workload import instructions
 from gspo_core.config import GSPOConfig
 from gspo_core.memory import keep_freed_memory as keep
 from gspo_core.policy import export_weights, load_policy
 from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
+from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
 from gspo_core.toy import build_tiny_model
 
 
@@ -60,9 +62,12 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
     "weight_push_s": float, "vllm_over_transformers": float, "vllm_over_transformers_with_logprobs": float,
-    "vllm_over_transformers_per_pair"(_with_logprobs): [float], "loadavg_1m_before"/"_after": float, ...}``
-    (keys present for the engines measured). Tokens/s are medians over ``reps`` calls; the engines
-    alternate call by call, and each ratio is the median of the per-pair ratios.
+    "vllm_over_transformers_per_pair"(_with_logprobs): [float], "gemm_bound_tokens_per_s": float,
+    "gemm_bound_block_shared_tokens_per_s": float, "<engine>_share_of_gemm_bound"(_with_logprobs): float,
+    "gemm_bound(_block_shared)_over_transformers"(_with_logprobs): float, "loadavg_1m_before"/"_after": float,
+    ...}`` (keys present for the engines measured; the bounds: :mod:`bench.gemm_bound`). Tokens/s are
+    medians over ``reps`` calls; the engines alternate call by call, and each ratio is the median of the
+    per-pair ratios.
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
     ``prompt_tokens``: every prompt opens with this many tokens of instructions (the short prompts
     alone are 17-18 tokens, under one KV block, so the samples of a prompt share none of its KV).
@@ -103,8 +108,30 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     finally:
         for eng in built.values():
             eng.close()
+    out.update(_against_gemm_bound(out, policy, prompt_ids, group, tokens, dtype))
     out["loadavg_1m_after"] = os.getloadavg()[0]
     return out
+
+
+def _against_gemm_bound(out: dict, policy, prompt_ids: list[list[int]], group: int, tokens: int,
+                        dtype: str) -> dict:
+    """:func:`bench.gemm_bound.gemm_bound` of this rollout, each engine's tokens/s as a share of it, and
+    the bounds over the transformers engine's tokens/s: the most any engine could gain over that one here,
+    and the most one could that shares prompts between samples only by whole KV blocks, as vLLM does."""
+    # vLLM's KV block: ours on CPU, its own default on a GPU.
+    block = CPU_KV_BLOCK if next(policy.parameters()).device.type == "cpu" else 16
+    bound = gemm_bound(policy, [len(p) for p in prompt_ids], group, tokens, getattr(torch, dtype),
+                       kv_block=block)
+    top = bound["gemm_bound_tokens_per_s"]
+    for key in [k for k in out if "_tokens_per_s" in k]:
+        bound[key.replace("_tokens_per_s", "_share_of_gemm_bound")] = out[key] / top
+    for suffix in ("", "_with_logprobs"):
+        if f"transformers_tokens_per_s{suffix}" in out:
+            hf = out[f"transformers_tokens_per_s{suffix}"]
+            bound[f"gemm_bound_over_transformers{suffix}"] = top / hf
+            bound[f"gemm_bound_block_shared_over_transformers{suffix}"] = (
+                bound["gemm_bound_block_shared_tokens_per_s"] / hf)
+    return bound
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,4 +37,9 @@ def test_a_real_run_reports_both_engines_and_the_push(tiny_model_dir):
         assert out[f"transformers_tokens_per_s{suffix}"] > 0 and out[f"vllm_tokens_per_s{suffix}"] > 0
         assert len(out[f"vllm_over_transformers_per_pair{suffix}"]) == 2
         assert min(out[f"vllm_over_transformers_per_pair{suffix}"]) <= out[f"vllm_over_transformers{suffix}"]
+        # Neither engine outruns the GEMMs it must do (bench/gemm_bound.py).
+        assert 0 < out[f"vllm_share_of_gemm_bound{suffix}"] <= 1
+        assert 0 < out[f"transformers_share_of_gemm_bound{suffix}"] <= 1
+        assert out[f"gemm_bound_over_transformers{suffix}"] >= 1
+        assert out[f"gemm_bound_block_shared_over_transformers{suffix}"] > 0
     assert out["weight_push_s"] > 0
