@@ -5,9 +5,10 @@ Any sampling engine must at least run every ``nn.Linear`` of the model (the LM h
 decoded token and once per prompt token (the prompt once per prompt: its G samples can share it; only the
 last prompt token needs the LM head). :func:`gemm_bound` times exactly those products, each weight by the
 fastest product this process offers for it (torch's ``linear``: MKL, or oneDNN for bf16; oneDNN's fp32
-``linear``; vLLM's prepacked oneDNN matmul where vLLM is installed), decode batched over every sequence
-of the call as both engines batch it. No attention, norms, sampling or Python is counted, so no engine
-can beat the bound; the bound over an engine's tokens/s is the most any engine could gain over it here.
+``linear`` as the trainer routes it, :mod:`gspo_core.cpu_gemm`; vLLM's prepacked oneDNN matmul where vLLM
+is installed), decode batched over every sequence of the call as both engines batch it. No attention,
+norms, sampling or Python is counted, so no engine can beat the bound; the bound over an engine's
+tokens/s is the most any engine could gain over it here.
 """
 
 from __future__ import annotations
@@ -36,19 +37,22 @@ def _products(w: torch.Tensor) -> list:
     """Every ``x -> x @ w.T`` this process offers: torch's ``linear``, oneDNN's fp32 ``linear``, vLLM's."""
     impls = [lambda x: torch.nn.functional.linear(x, w)]
     if cpu_gemm.available() and w.device.type == "cpu":
-        impls.append(lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+        impls.append(lambda x: cpu_gemm.mm(x, w.t()))
     vllm_mm = _vllm_onednn(w)
     return impls + ([vllm_mm] if vllm_mm else [])
 
 
 def _seconds(product, x: torch.Tensor, reps: int) -> float:
     """Median seconds of ``product(x)`` over ``reps`` calls, after one warm-up call."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []
     with torch.inference_mode():
         product(x)
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             product(x)
+            sync()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
