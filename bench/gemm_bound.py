@@ -19,6 +19,7 @@ import time
 import torch
 
 from gspo_core import cpu_gemm
+from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
 
 
 def _vllm_onednn(w: torch.Tensor):
@@ -64,7 +65,7 @@ def _fastest(weights: list[torch.Tensor], m: int, reps: int) -> float:
 
 
 def gemm_bound(model: torch.nn.Module, prompt_lengths: list[int], group: int, tokens: int,
-               dtype: torch.dtype = torch.float32, reps: int = 5, kv_block: int = 32) -> dict:
+               dtype: torch.dtype = torch.float32, reps: int = 5, kv_block: int = CPU_KV_BLOCK) -> dict:
     """The GEMM-only completion tokens/s of sampling ``group`` x ``tokens`` tokens from each prompt.
 
     ``prompt_lengths``: one length per prompt. Returns ``{"gemm_bound_tokens_per_s", "gemm_decode_step_s"

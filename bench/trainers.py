@@ -67,9 +67,8 @@ def _timed(obj, name: str, sink: list[float]) -> None:
 def trl_args(w: Workload, out_dir: Path, engine: str, bf16: bool = False):
     """TRL GRPOConfig in GSPO mode, on the same work as ours: the precision ours picks (fp32 on CPU,
     bf16 autocast on GPU; TRL's bf16 default is emulated and slow on a CPU without bf16 units), or bf16
-    autocast where ``bf16`` (the peer of ``precision=bf16``), no
-    gradient checkpointing (TRL's default is on, ours off), constant LR, the same AdamW betas,
-    clipping and grad-norm cap."""
+    autocast where ``bf16`` (the peer of ``precision=bf16``); no gradient checkpointing (TRL's default
+    is on, ours off), constant LR, the same AdamW betas, clipping and grad-norm cap."""
     import torch
     from trl import GRPOConfig
 

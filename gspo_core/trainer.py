@@ -108,9 +108,9 @@ class Trainer:
                                        else (cfg.max_prompt_tokens + cfg.max_new_tokens, None))
         return make_engine(
             kind, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
-            seed=self.cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
-            plain_sampling=self.cfg.temperature == 1.0 and self.cfg.top_p == 1.0)
+            seed=cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
+            plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0)
 
     def sampling_bounds(self) -> tuple[int, int]:
         """``(max_model_len, max_num_seqs)`` of this job's sampling: its longest prompt (as sampled:
