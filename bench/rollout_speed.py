@@ -64,8 +64,9 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     "weight_push_s": float, "vllm_over_transformers": float, "vllm_over_transformers_with_logprobs": float,
     "vllm_over_transformers_per_pair"(_with_logprobs): [float], "gemm_bound_tokens_per_s": float,
     "gemm_bound_block_shared_tokens_per_s": float, "<engine>_share_of_gemm_bound"(_with_logprobs): float,
-    "gemm_bound(_block_shared)_over_transformers"(_with_logprobs): float, "loadavg_1m_before"/"_after": float,
-    ...}`` (keys present for the engines measured; the bounds: :mod:`bench.gemm_bound`). Tokens/s are
+    "gemm_bound(_block_shared)_over_transformers"(_with_logprobs): float, "vllm_kv_block": int,
+    "loadavg_1m_before"/"_after": float, ...}`` (keys present for the engines measured; the bounds:
+    :mod:`bench.gemm_bound`; vLLM's KV block, which the block-shared bound counts by). Tokens/s are
     medians over ``reps`` calls; the engines alternate call by call, and each ratio is the median of the
     per-pair ratios.
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
@@ -85,7 +86,7 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
                  "loadavg_1m_before": os.getloadavg()[0]}
     built = {kind: make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
                                dtype=dtype, max_model_len=max(len(p) for p in prompt_ids) + tokens + 16,
-                               max_num_seqs=prompts * group)
+                               max_num_seqs=prompts * group, max_new_tokens=tokens)
              for kind in engines if kind != "vllm" or vllm_available()}
     if keep_freed_memory:  # as the Trainer does: once the model and engines are loaded
         keep()
@@ -108,18 +109,20 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     finally:
         for eng in built.values():
             eng.close()
-    out.update(_against_gemm_bound(out, policy, prompt_ids, group, tokens, dtype))
+    # vLLM's KV block: the engine's own on CPU, vLLM's default (16) on a GPU.
+    on_cpu = next(policy.parameters()).device.type == "cpu"
+    out["vllm_kv_block"] = (getattr(built.get("vllm"), "kv_block", None) or CPU_KV_BLOCK) if on_cpu else 16
+    out.update(_against_gemm_bound(out, policy, prompt_ids, group, tokens, dtype, out["vllm_kv_block"]))
     out["loadavg_1m_after"] = os.getloadavg()[0]
     return out
 
 
 def _against_gemm_bound(out: dict, policy, prompt_ids: list[list[int]], group: int, tokens: int,
-                        dtype: str) -> dict:
+                        dtype: str, block: int) -> dict:
     """:func:`bench.gemm_bound.gemm_bound` of this rollout, each engine's tokens/s as a share of it, and
     the bounds over the transformers engine's tokens/s: the most any engine could gain over that one here,
-    and the most one could that shares prompts between samples only by whole KV blocks, as vLLM does."""
-    # vLLM's KV block: ours on CPU, its own default on a GPU.
-    block = CPU_KV_BLOCK if next(policy.parameters()).device.type == "cpu" else 16
+    and the most one could that shares prompts between samples only by whole ``block``-token KV blocks, as
+    vLLM does."""
     bound = gemm_bound(policy, [len(p) for p in prompt_ids], group, tokens, getattr(torch, dtype),
                        kv_block=block)
     top = bound["gemm_bound_tokens_per_s"]

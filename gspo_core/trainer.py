@@ -110,7 +110,7 @@ class Trainer:
             kind, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
             seed=cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
-            plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0)
+            plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0, max_new_tokens=cfg.max_new_tokens)
 
     def sampling_bounds(self) -> tuple[int, int]:
         """``(max_model_len, max_num_seqs)`` of this job's sampling: its longest prompt (as sampled:

@@ -14,11 +14,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, max_num_seqs, **_):
+def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, max_num_seqs,
+               max_new_tokens, **_):
     from gspo_core.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, seed=seed, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                      dtype=dtype, plain_sampling=plain_sampling, max_num_seqs=max_num_seqs)
+                      dtype=dtype, plain_sampling=plain_sampling, max_num_seqs=max_num_seqs,
+                      max_new_tokens=max_new_tokens)
 
 
 def _make_hf(*, policy, tokenizer, seed, dtype, **_):
@@ -44,7 +46,8 @@ def engine_kind(kind: str) -> str:
 
 def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_model_len: int,
                 gpu_memory_utilization: float = 0.3, dtype: str = "float32",
-                plain_sampling: bool = False, max_num_seqs: int | None = None) -> RolloutEngine:
+                plain_sampling: bool = False, max_num_seqs: int | None = None,
+                max_new_tokens: int | None = None) -> RolloutEngine:
     """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers).
 
     ``dtype`` ("float32" or "bfloat16"): the precision the sampler computes in -- vLLM's weights, or the
@@ -52,7 +55,9 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
     ``plain_sampling``: every call samples with temperature 1 and top-p 1 (lets vLLM skip work).
     ``max_num_seqs``: the most sequences (prompts x samples) one call asks for, with ``max_model_len``
     the most tokens of each: vLLM on CPU sizes its KV cache to exactly that.
+    ``max_new_tokens``: the most tokens a call usually samples (None: unknown). vLLM on CPU picks its KV
+    block by it (`vllm_engine.cpu_kv_block`); a call may sample more, only not at the speed it chose for.
     """
     return ENGINES[engine_kind(kind)](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
                          max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                         plain_sampling=plain_sampling, max_num_seqs=max_num_seqs)
+                         plain_sampling=plain_sampling, max_num_seqs=max_num_seqs, max_new_tokens=max_new_tokens)

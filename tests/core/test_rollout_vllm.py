@@ -20,14 +20,16 @@ def policy(tiny_model_dir):
     return load_policy(str(tiny_model_dir), GSPOConfig(), DEVICE)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, policy):
-    """One engine for the whole module (a start costs 5-10 s); tests that push weights put the
-    original ones back."""
+@pytest.fixture(scope="module", params=[None, 16], ids=["long-completions", "short-completions"])
+def engine(request, tiny_model_dir, policy):
+    """One engine per KV block (a start costs 5-10 s), each for the whole module: built for completions
+    of unknown length (32-token blocks on CPU) and for ones of at most 16 tokens (16-token blocks on an
+    x86 CPU); tests that push weights put the original ones back."""
     if not vllm_available():
         pytest.skip("vllm not installed")
     model, tok = policy
-    eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=512)
+    eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=512,
+                      max_new_tokens=request.param)
     yield eng
     eng.close()
     assert eng.llm is None
@@ -165,25 +167,29 @@ def test_the_cache_reset_is_what_keeps_long_prompts_fresh(engine, policy, tiny_m
         engine.load_weights(export_weights(model))
 
 
-def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine, policy):
-    """On CPU the KV block is 32 tokens (vLLM's CPU default, 128, shares nothing of a prompt under
-    128 tokens): the G samples of a 69-token prompt, one call on an empty prefix cache, reuse its
-    first 64 tokens' keys and values."""
+@pytest.mark.parametrize("length", [69, 53])
+def test_the_samples_of_a_prompt_share_its_full_kv_blocks(request, engine, policy, length):
+    """On CPU the KV block is 32 tokens, or 16 for short completions on x86 (vLLM's CPU default, 128,
+    shares nothing of a prompt under 128 tokens): the G samples of a prompt, one call on an empty prefix
+    cache, reuse the keys and values of its full blocks but the last token's."""
+    import platform
+
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
-
     if not current_platform.is_cpu():
         pytest.skip("the block size is vLLM's own off CPU")
     _, tok = policy
-    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == CPU_KV_BLOCK == 32
-    ids = tok("say a: and then b; " * 10)["input_ids"][:69]
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    short = request.node.callspec.params["engine"] is not None
+    assert block == engine.kv_block == (16 if short and x86 else 32)
+    ids = tok("say a: and then b; " * 10)["input_ids"][:length]
     engine.llm.reset_prefix_cache()
     out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(n=4, max_tokens=4, seed=0),
                               use_tqdm=False)[0]
-    assert len(out.outputs) == 4 and out.num_cached_tokens == 64
+    assert len(out.outputs) == 4 and out.num_cached_tokens == (length - 1) // block * block
 
 
 def test_sleep_and_wake_keep_the_engine_usable(engine, prompts):

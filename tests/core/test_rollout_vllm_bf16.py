@@ -19,13 +19,18 @@ def policy(tiny_model_dir):
     return load_policy(str(tiny_model_dir), GSPOConfig(), torch.device("cpu"))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, policy):
+@pytest.fixture(scope="module", params=[None, 8], ids=["long-completions", "short-completions"])
+def engine(request, tiny_model_dir, policy):
+    """Built for completions of unknown length and of at most 8 tokens (16-token KV blocks where bf16
+    runs "vec" at 32: `vllm_engine.cpu_kv_block`)."""
     if not vllm_available():
         pytest.skip("vllm not installed")
+    from gspo_core.rollout.vllm_engine import cpu_kv_block
+
     model, tok = policy
     eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=128,
-                      dtype="bfloat16")
+                      dtype="bfloat16", max_new_tokens=request.param)
+    assert eng.kv_block == cpu_kv_block(request.param, "bfloat16")
     yield eng
     eng.close()
 

@@ -59,14 +59,19 @@ def kv_bytes(worker) -> int:
     return sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
 
 
-def test_the_cache_holds_max_num_seqs_sequences_of_max_model_len(tiny_model_dir):
-    with built(tiny_model_dir, max_num_seqs=8) as eng:
-        sched = scheduler(eng)
-        # 8 sequences x 2 blocks of 32 tokens, and the null block vLLM holds back
-        assert sched.kv_cache_manager.block_pool.num_gpu_blocks == 8 * 2 + 1
+@pytest.mark.parametrize("max_new_tokens", [None, 59])
+def test_the_cache_holds_max_num_seqs_sequences_of_max_model_len(tiny_model_dir, max_new_tokens):
+    with built(tiny_model_dir, max_num_seqs=8, max_new_tokens=max_new_tokens) as eng:
+        sched, block = scheduler(eng), eng.kv_block
+        assert block == V.cpu_kv_block(max_new_tokens, "float32")
+        # 8 sequences x 64 tokens in blocks, and the null block vLLM holds back
+        assert sched.kv_cache_manager.block_pool.num_gpu_blocks == 8 * (64 // block) + 1
         assert sched.max_num_running_reqs == 8
         per_token = V.kv_bytes_per_token(str(tiny_model_dir), "float32")
-        assert eng.llm.collective_rpc(kv_bytes) == [17 * V.CPU_KV_BLOCK * per_token]
+        assert eng.llm.collective_rpc(kv_bytes) == [(8 * 64 + block) * per_token]
+        with counting_preemptions(eng) as preempted:
+            groups = eng.generate(PROMPTS, SPEC)
+        assert preempted == [0] and all(len(c.completion_ids) == 59 for g in groups for c in g)
 
 
 def test_more_sequences_than_fit_wait_their_turn_and_sample_the_same(tiny_model_dir):
@@ -77,6 +82,20 @@ def test_more_sequences_than_fit_wait_their_turn_and_sample_the_same(tiny_model_
     assert preempted == [0]
     assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
     assert all(len(c.completion_ids) == 59 for g in got for c in g)
+    for g, w in zip(got, want):
+        for c, r in zip(g, w):
+            assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
+
+
+def test_16_and_32_token_blocks_sample_the_same(tiny_model_dir):
+    """The two kernels ("vec16", "vec") attend alike: same seeded tokens, logprobs within 1e-5, over
+    contexts that cross three 16-token block boundaries."""
+    with built(tiny_model_dir, max_num_seqs=16) as at32:
+        want = at32.generate(PROMPTS, SPEC)
+    with built(tiny_model_dir, max_num_seqs=16, max_new_tokens=SPEC.max_tokens) as at16:
+        got = at16.generate(PROMPTS, SPEC)
+    assert (at32.kv_block, at16.kv_block) == (32, V.cpu_kv_block(SPEC.max_tokens, "float32"))
+    assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
     for g, w in zip(got, want):
         for c, r in zip(g, w):
             assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
@@ -94,6 +113,21 @@ def test_a_cache_smaller_than_its_sequences_need_preempts(tiny_model_dir, monkey
     with built(tiny_model_dir, max_num_seqs=8) as eng, counting_preemptions(eng) as preempted:
         eng.generate(PROMPTS, SPEC)
     assert preempted[0] > 0
+
+
+def test_short_completions_get_16_token_blocks_where_the_32_token_kernel_has_that_sibling():
+    """16 up to `SHORT_COMPLETION_TOKENS` sampled tokens, 32 past it or when unknown; on x86 fp32 always
+    runs "vec" at 32 and "vec16" at 16; bf16 gives 16 up where 32 would run on AMX."""
+    import platform
+
+    from gspo_core.rollout.cpu_attention import runs_16_token_blocks
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the kernels named are x86's")
+    assert runs_16_token_blocks("float32")
+    assert runs_16_token_blocks("bfloat16") == (not torch.cpu._is_amx_tile_supported())
+    assert [V.cpu_kv_block(n, "float32") for n in (None, 1, V.SHORT_COMPLETION_TOKENS,
+                                                   V.SHORT_COMPLETION_TOKENS + 1)] == [32, 16, 16, 32]
 
 
 def test_kv_bytes_and_the_sequence_cap(tmp_path):
@@ -119,7 +153,8 @@ def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_m
         longest = len(tr.tokenizer("say b, then c, then b again, then stop:", add_special_tokens=False)["input_ids"])
         assert longest > 10
         assert tr.sampling_bounds() == (longest + 30, 8)
-        blocks = 8 * -(-(longest + 30) // V.CPU_KV_BLOCK) + 1
+        assert tr.engine.kv_block == V.cpu_kv_block(30, "float32")  # 30-token completions
+        blocks = 8 * -(-(longest + 30) // tr.engine.kv_block) + 1
         assert scheduler(tr.engine).kv_cache_manager.block_pool.num_gpu_blocks == blocks
         assert tr.engine.max_model_len == longest + 30
     finally:
