@@ -71,7 +71,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     per-pair ratios.
     ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
     ``prompt_tokens``: every prompt opens with this many tokens of instructions (the short prompts
-    alone are 17-18 tokens, under one KV block, so the samples of a prompt share none of its KV).
+    alone are 17-18 tokens: with 32-token KV blocks the samples of a prompt share none of its KV, with the
+    16-token blocks vLLM gets for completions of at most 64 tokens on CPU, its first 16 tokens).
     ``dtype``: both engines' precision, as a trainer of that precision builds them (``bfloat16``: vLLM's
     weights, the transformers engine's autocast over the fp32 policy).
     """
