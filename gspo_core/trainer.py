@@ -19,7 +19,7 @@ from gspo_core.data import load_rows, render_prompt
 from gspo_core.memory import keep_freed_memory
 from gspo_core.policy import autocast_dtype, load_policy, pick_device, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rewards import build_reward
+from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import engine_kind, make_engine
 
 
@@ -76,7 +76,8 @@ def batch_indices(n_rows: int, step: int, per_step: int, seed: int, shuffle: boo
 class Trainer:
     """Owns the run's objects; each phase is in :mod:`gspo_core.step`."""
 
-    def __init__(self, spec: JobSpec, callbacks: Callbacks | None, engine=None) -> None:
+    def __init__(self, spec: JobSpec, callbacks: Callbacks | None, engine=None,
+                 grader_policy: GraderPolicy = DEFAULT_POLICY) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
         self.cb = callbacks or Callbacks()
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)  # unknown names fail before any loading
@@ -85,7 +86,7 @@ class Trainer:
         self.amp = autocast_dtype(self.cfg, self.device)
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
-        self.reward_fn = build_reward(spec.reward)
+        self.reward_fn = build_reward(spec.reward, grader_policy)
         try:
             self.model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.pad_id = self.tokenizer.pad_token_id
@@ -229,9 +230,10 @@ def _loop(tr: Trainer) -> TrainResult:
 
 
 def train(spec: JobSpec, callbacks: Callbacks | None = None, *, resume_from: str | None = None,
-          engine=None) -> TrainResult:
-    """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``."""
-    tr = Trainer(spec, callbacks, engine)
+          engine=None, grader_policy: GraderPolicy = DEFAULT_POLICY) -> TrainResult:
+    """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``; the job's
+    graders obey the operator's ``grader_policy``."""
+    tr = Trainer(spec, callbacks, engine, grader_policy)
     try:
         if resume_from:
             tr.resume(resume_from)

@@ -44,6 +44,16 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_REQUEST_BYTES"))
     max_active_jobs_per_tenant: int = Field(16, validation_alias=_env("MAX_ACTIVE_JOBS_PER_TENANT"))
 
+    # Graders (see gspo_core.rewards.policy.GraderPolicy): what tenants' graders may do on this host.
+    grader_python: str | None = Field(None, validation_alias=_env("GRADER_PYTHON"),
+                                      description="Interpreter of the grader environment; default the service's")
+    allow_weak_sandbox: bool = Field(False, validation_alias=_env("ALLOW_WEAK_SANDBOX"),
+                                     description="Accept python graders where the sandbox cannot isolate them")
+    grader_max_timeout_s: float = Field(60.0, validation_alias=_env("GRADER_MAX_TIMEOUT_S"))
+    grader_max_memory_mb: int = Field(16384, validation_alias=_env("GRADER_MAX_MEMORY_MB"))
+    egress_allow: str = Field("", validation_alias=_env("EGRESS_ALLOW"),
+                              description="Comma-separated hosts or CIDRs graders' URLs may reach although private")
+
     # Worker leases and retries.
     lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))
     heartbeat_seconds: float = Field(5.0, validation_alias=_env("HEARTBEAT_SECONDS"))
@@ -62,6 +72,12 @@ class Settings(BaseSettings):
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'gspo.db').resolve()}"
+
+    def grader_policy(self) -> dict:
+        """The operator's grader rules as plain values (``GraderPolicy.from_mapping`` in api/ and worker/)."""
+        return {"python": self.grader_python, "allow_weak_isolation": self.allow_weak_sandbox,
+                "max_timeout_s": self.grader_max_timeout_s, "max_memory_mb": self.grader_max_memory_mb,
+                "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip())}
 
     def broker_is_embedded(self) -> bool:
         return not self.redis_url

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
-from gspo_core.rewards import map_reward_models
+from gspo_core.rewards import GraderPolicy, map_reward_models
 from gspo_core.trainer import train
 from store import jobs
 from store.model_refs import resolve_model
@@ -133,7 +133,8 @@ def run_job(job_id: str) -> str:
             if status == "cancelling":
                 cb.stop_reason = "cancel"
             else:
-                train(spec, cb, resume_from=resume)
+                train(spec, cb, resume_from=resume,
+                      grader_policy=GraderPolicy.from_mapping(settings.grader_policy()))
             return _settle(db, job_id, worker_id, cb, settings)
     except jobs.LeaseLost as exc:
         log.warning("%s: stopped without writing further", exc)

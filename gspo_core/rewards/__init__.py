@@ -14,8 +14,10 @@ from gspo_core.rewards import reward_model as _reward_model  # noqa: F401
 from gspo_core.rewards.base import (GRADERS, GradeResult, Grader, GraderError, RewardSpecError, as_score, build_grader,
                                    redact_secrets)
 from gspo_core.rewards.multi import MultiGrader
+from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
-__all__ = ["GRADERS", "GradeResult", "GraderError", "RewardFunction", "RewardSpecError", "build_reward", "map_reward_models", "redact_secrets"]
+__all__ = ["GRADERS", "DEFAULT_POLICY", "GradeResult", "GraderError", "GraderPolicy", "RewardFunction", "RewardSpecError",
+           "build_reward", "map_reward_models", "redact_secrets"]
 
 #: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.
 MAX_THREADS = 32
@@ -25,9 +27,9 @@ class RewardFunction:
     """A built reward spec. A ``multi`` spec scores its sub-graders and combines them; any other
     spec is a single grader whose score is the reward. Grader errors score 0 and are recorded."""
 
-    def __init__(self, spec: dict) -> None:
-        self.spec = spec
-        self.root: Grader = build_grader(spec, "")
+    def __init__(self, spec: dict, policy: GraderPolicy = DEFAULT_POLICY) -> None:
+        self.spec, self.policy = spec, policy
+        self.root: Grader = build_grader(spec, "", policy)
         self.parts: dict[str, Grader] = (
             self.root.subs if isinstance(self.root, MultiGrader) else {self.root.name: self.root}
         )
@@ -124,11 +126,12 @@ def _checked(value, n: int) -> list[float | GraderError]:
     return out
 
 
-def build_reward(spec: dict) -> RewardFunction:
-    """Validate and build a reward spec; raises :class:`RewardSpecError` naming the bad field."""
+def build_reward(spec: dict, policy: GraderPolicy = DEFAULT_POLICY) -> RewardFunction:
+    """Validate and build a reward spec under the operator's ``policy``; raises :class:`RewardSpecError`
+    naming the bad field."""
     if not isinstance(spec, dict):
         raise RewardSpecError("reward", "must be a JSON object")
-    return RewardFunction(spec)
+    return RewardFunction(spec, policy)
 
 
 def map_reward_models(spec: dict, fn) -> dict:

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+
 TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
 #: What a sample carries (OpenAI's grader sample, plus the token count and finish reason).
 SAMPLE_FIELDS = frozenset({"output_text", "output_tokens", "finish_reason"})
@@ -107,8 +109,8 @@ class Grader:
     type_name = ""
     batched = False
 
-    def __init__(self, spec: dict, path: str) -> None:
-        self.spec, self.path = spec, path
+    def __init__(self, spec: dict, path: str, policy: GraderPolicy = DEFAULT_POLICY) -> None:
+        self.spec, self.path, self.policy = spec, path, policy
         self.templates: list[str] = []
         self.name = self.opt("name", str, None) or (path.split(".")[-1] if path else "") or self.type_name
 
@@ -205,15 +207,15 @@ def register(type_name: str) -> Callable[[type[Grader]], type[Grader]]:
     return deco
 
 
-def build_grader(spec: Any, path: str) -> Grader:
-    """Build one grader from its spec (dispatch through the registry)."""
+def build_grader(spec: Any, path: str, policy: GraderPolicy = DEFAULT_POLICY) -> Grader:
+    """Build one grader from its spec (dispatch through the registry), under the operator's ``policy``."""
     if not isinstance(spec, dict):
         raise RewardSpecError(path or "reward", "a grader spec must be a JSON object")
     kind = spec.get("type")
     if not isinstance(kind, str) or kind not in GRADERS:
         known = ", ".join(sorted(GRADERS))
         raise RewardSpecError(f"{path}.type" if path else "type", f"unknown grader type {kind!r}; known: {known}")
-    return GRADERS[kind](spec, path)
+    return GRADERS[kind](spec, path, policy)
 
 
 #: Spec keys whose value is a credential (``score_model.api_key``), and keys whose every value may be

@@ -6,6 +6,7 @@ import json
 import re
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register, render
+from gspo_core.rewards.policy import DEFAULT_POLICY
 from gspo_core.rewards.similarity import METRICS
 
 OUTPUT = "{{sample.output_text}}"
@@ -22,8 +23,8 @@ class StringCheck(Grader):
         "ilike": lambda a, b: b.lower() in a.lower(),
     }
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"input", "reference", "operation"})
         self.input = self.tmpl("input", OUTPUT)
         self.reference = self.tmpl("reference", required=True)
@@ -53,8 +54,8 @@ class RegexGrader(Grader):
 
     FLAGS = {"i": re.I, "m": re.M, "s": re.S, "x": re.X}
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"input", "pattern", "mode", "flags", "score_match", "score_no_match", "timeout_s"})
         self.input = self.tmpl("input", OUTPUT)
         self.pattern_t = self.tmpl("pattern", required=True)
@@ -142,8 +143,8 @@ class MathAnswer(Grader):
 
     MAX_CHARS = 2000  # sympy on an adversarial expression can take unbounded time
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"input", "reference", "tolerance"})
         self.input = self.tmpl("input", OUTPUT)
         self.reference = self.tmpl("reference", required=True)
@@ -175,8 +176,8 @@ class JsonSchemaGrader(Grader):
 
     _FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```$", re.S)
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"input", "schema", "partial_credit"})
         import jsonschema
 
@@ -205,8 +206,8 @@ class LengthGrader(Grader):
     1 - |n - target| / tolerance; with ``min``/``max``, 1 inside the range and a linear decay to 0
     over ``tolerance`` outside it."""
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"input", "unit", "min", "max", "target", "tolerance"})
         self.input = self.tmpl("input", OUTPUT)
         self.unit = self.opt("unit", str, "chars")
@@ -245,8 +246,8 @@ class TextSimilarity(Grader):
     """Similarity of input and reference; ``evaluation_metric`` as OpenAI names them (fuzzy_match,
     bleu, gleu, rouge_1..rouge_5, rouge_l) plus exact; ``pass_threshold`` turns it into 0/1."""
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"input", "reference", "evaluation_metric", "pass_threshold"})
         self.input = self.tmpl("input", OUTPUT)
         self.reference = self.tmpl("reference", required=True)

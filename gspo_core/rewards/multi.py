@@ -7,6 +7,7 @@ import math
 import operator
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, build_grader, register
+from gspo_core.rewards.policy import DEFAULT_POLICY
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow}
@@ -58,8 +59,8 @@ class MultiGrader(Grader):
     At the top level the reward function scores the sub-graders itself (concurrently) and calls
     :meth:`combine`; ``grade`` is only used for a multi nested inside a multi."""
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"graders", "calculate_output"})
         subs = self.req("graders", dict)
         if not subs:
@@ -68,7 +69,7 @@ class MultiGrader(Grader):
         for name, sub in subs.items():
             if not name.isidentifier():
                 raise RewardSpecError(self.field(f"graders.{name}"), "sub-grader names must be identifiers")
-            grader = build_grader(sub, self.field(f"graders.{name}"))
+            grader = build_grader(sub, self.field(f"graders.{name}"), policy)
             grader.name = name
             self.subs[name] = grader
         mean = "(" + " + ".join(self.subs) + f") / {len(self.subs)}"

@@ -7,6 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register
+from gspo_core.rewards.policy import DEFAULT_POLICY
 from gspo_core.rewards.sandbox import SLOTS, SandboxLimits, run_sandboxed
 
 MAX_SOURCE_CHARS = 100_000
@@ -29,8 +30,8 @@ class PythonGrader(Grader):
 
     batched = True
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"source", "timeout_s", "memory_mb", "max_concurrency", "image_tag"})
         self.source = self.req("source", str)
         if len(self.source) > MAX_SOURCE_CHARS:
@@ -43,8 +44,8 @@ class PythonGrader(Grader):
             raise RewardSpecError(self.field("source"), str(exc)) from None
         if not any(getattr(node, "name", None) == "grade" for node in tree.body):
             raise RewardSpecError(self.field("source"), "must define grade(sample, item) at top level")
-        timeout = self.num("timeout_s", 2.0, 0.01, 60)
-        memory = self.num("memory_mb", 512, 64, 16384)
+        timeout = self.num("timeout_s", 2.0, 0.01, policy.max_timeout_s)
+        memory = self.num("memory_mb", 512, 64, policy.max_memory_mb)
         if not isinstance(memory, int):
             raise RewardSpecError(self.field("memory_mb"), "must be an integer")
         self.concurrency = self.num("max_concurrency", default_concurrency(), 1, SLOTS)

@@ -7,6 +7,7 @@ import threading
 import time
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
+from gspo_core.rewards.policy import DEFAULT_POLICY
 
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 _SSL = None
@@ -100,8 +101,8 @@ class HttpGrader(Grader):
     """POSTs ``{"sample": ..., "item": ...}`` as JSON to ``url``; the answer is a number or
     ``{"reward": number}``."""
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"url", "headers", "timeout_s", "retries", "backoff_s"})
         self.url = _url(self, "url")
         self.http = _caller(self, self.opt("headers", dict, {}), 10.0)
@@ -127,8 +128,8 @@ class ScoreModelGrader(Grader):
 
     SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "stop"}
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"base_url", "model", "input", "api_key", "range", "timeout_s", "retries", "backoff_s",
                          "sampling_params"})
         self.base_url = _url(self, "base_url").rstrip("/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register, render
+from gspo_core.rewards.policy import DEFAULT_POLICY
 
 
 def default_text(sample: dict, item: dict) -> str:
@@ -26,8 +27,8 @@ class RewardModelGrader(Grader):
 
     batched = True
 
-    def __init__(self, spec, path):
-        super().__init__(spec, path)
+    def __init__(self, spec, path, policy=DEFAULT_POLICY):
+        super().__init__(spec, path, policy)
         self.check_keys({"model", "input", "activation", "batch_size", "max_length", "label", "device"})
         self.model_path = self.req("model", str)
         if not self.model_path.strip():

@@ -1,0 +1,38 @@
+"""The operator's rules for graders (isolation, egress, resource caps): one value built from Settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class GraderPolicy:
+    """What the operator allows a tenant's graders. The service builds it from its ``Settings``
+    (``Settings.grader_policy()``) in the API and in the worker; ``gspo train`` uses the defaults.
+    Graders check their spec against it when built (a 422 at submit) and obey it when they run."""
+
+    #: Interpreter of the grader environment that `python` graders run in (None: this interpreter).
+    python: str | None = None
+    #: Run `python` graders even where the sandbox cannot isolate them (no bubblewrap/user namespaces).
+    allow_weak_isolation: bool = False
+    #: Largest per-sample ``timeout_s`` and per-process ``memory_mb`` a `python` grader may ask for.
+    max_timeout_s: float = 60.0
+    max_memory_mb: int = 16384
+    #: Hosts or CIDRs that graders' URLs may reach although they are loopback/private (tests, in-cluster judges).
+    egress_allow: tuple[str, ...] = ()
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "GraderPolicy":
+        """From plain values (``Settings.grader_policy()``); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise TypeError(f"unknown grader policy field(s): {', '.join(sorted(unknown))}")
+        out = dict(values)
+        if "egress_allow" in out:
+            out["egress_allow"] = tuple(out["egress_allow"])
+        return cls(**out)
+
+
+DEFAULT_POLICY = GraderPolicy()
