@@ -80,9 +80,11 @@ class Settings(BaseSettings):
 
     def grader_policy(self) -> dict:
         """The operator's grader rules as plain values (``GraderPolicy.from_mapping`` in api/ and worker/)."""
-        return {"python": self.grader_python, "bwrap": self.sandbox_bwrap, "allow_weak_isolation": self.allow_weak_sandbox,
+        return {"python": self.grader_python, "bwrap": self.sandbox_bwrap,
+                "allow_weak_isolation": self.allow_weak_sandbox,
                 "max_timeout_s": self.grader_max_timeout_s, "max_memory_mb": self.grader_max_memory_mb,
-                "max_concurrency": self.grader_max_concurrency, "sandbox_memory_budget_mb": self.sandbox_memory_budget_mb,
+                "max_concurrency": self.grader_max_concurrency,
+                "sandbox_memory_budget_mb": self.sandbox_memory_budget_mb,
                 "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip())}
 
     def broker_is_embedded(self) -> bool:

@@ -205,7 +205,8 @@ def _probe(python: str, bwrap_name: str, allow_weak: bool) -> Isolation:
 
 def _interpreter_dirs(python: str) -> tuple[list[str] | None, str]:
     """The prefixes of ``python`` (venv and base), asked of the interpreter itself."""
-    code = "import sys, json; print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})))"
+    code = ("import sys, json; "
+            "print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})))")
     try:
         out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=60,
                              env={"PATH": "/usr/bin:/bin"})
@@ -230,7 +231,8 @@ def _binds(prefixes: list[str]) -> tuple[str, ...]:
 
 PROBE = r"""
 import ast, dataclasses, datetime, glob, json, os, socket, sys
-print(json.dumps({"uid": os.getuid(), "root": sorted(os.listdir("/")), "pids": [p for p in os.listdir("/proc") if p.isdigit()],
+print(json.dumps({"uid": os.getuid(), "root": sorted(os.listdir("/")),
+                  "pids": [p for p in os.listdir("/proc") if p.isdigit()],
                   "ifaces": [n for _, n in socket.if_nameindex()]}))
 """
 
@@ -257,8 +259,9 @@ def _probe_bwrap(python: str, bwrap_name: str) -> tuple[Isolation | None, str]:
             kill_uid(uid)
             uid_slots().give(uid)
     if out.returncode != 0:
-        return None, (f"bubblewrap cannot isolate here: {(out.stderr.strip() or out.stdout.strip())[-300:]} (it needs "
-                      "user namespaces, and the sandbox's unprivileged uid must be able to read the grader environment)")
+        said = (out.stderr.strip() or out.stdout.strip())[-300:]
+        return None, (f"bubblewrap cannot isolate here: {said} (it needs user namespaces, and the sandbox's "
+                      "unprivileged uid must be able to read the grader environment)")
     try:
         seen = json.loads(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -23,11 +23,11 @@ import time
 from contextlib import contextmanager
 
 from gspo_core.rewards.base import GraderError
-from gspo_core.rewards.isolation import (BUBBLEWRAP, IS_ROOT, REFUSED, SLOTS, Isolation, SandboxLimits, command,
-                                         isolation_for, kill_uid, preexec, uid_slots)
+from gspo_core.rewards.isolation import (BUBBLEWRAP, IS_ROOT, REFUSED, Isolation, SandboxLimits, command, isolation_for,
+                                         kill_uid, preexec, uid_slots)
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
-__all__ = ["SLOTS", "SandboxLimits", "run_sandboxed", "memory_in_use_mb"]
+__all__ = ["SandboxLimits", "run_sandboxed", "memory_in_use_mb"]
 
 START_GRACE_S = 10.0  # interpreter start on a loaded machine, beyond the module code's own limit
 GRACE_S = 2.0  # beyond the per-call alarm, before the parent kills a child that ignores it
@@ -261,7 +261,7 @@ def run_sandboxed(source: str, calls: list[list], limits: SandboxLimits, policy:
     unreported call and the rest run again in a fresh child."""
     iso = isolation_for(policy)
     if iso.mode == REFUSED:
-        err = GraderError("killed", f"no sandbox on this host: {iso.reason}")
+        err = GraderError("killed", f"no sandbox on this host: {iso.summary}")
         return [err] * len(calls)
     pending = list(enumerate(calls))
     results: dict[int, object] = {}

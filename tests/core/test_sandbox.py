@@ -4,15 +4,13 @@ escaping the process group, big files, network, leftovers; what a grader may use
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from gspo_core.rewards import RewardSpecError, build_reward
+from gspo_core.rewards import build_reward
 from gspo_core.rewards.isolation import BUBBLEWRAP, IS_ROOT, SANDBOX_ENV, SLOTS, UID_BASE, isolation_for, uid_pids
 from gspo_core.rewards.sandbox import SandboxLimits, run_sandboxed
 from tests.conftest import grader_policy

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
 from gspo_core.rewards import RewardSpecError, build_reward
-from gspo_core.rewards.isolation import BUBBLEWRAP, REFUSED, WEAK, SandboxLimits, isolation_for
+from gspo_core.rewards.isolation import BUBBLEWRAP, IS_ROOT, REFUSED, WEAK, SandboxLimits, isolation_for
 from gspo_core.rewards.sandbox import run_sandboxed
 from tests.conftest import grader_policy
 from tests.core.test_sandbox import OK, run
@@ -150,3 +151,12 @@ def test_concurrent_graders_wait_for_the_memory_budget():
     assert all(r.reward == 1.0 for out in outs for r in out), outs
     assert peak[0] == 2, f"{peak[0]} sandboxes alive at once in a budget for 2"
     assert elapsed > 3 * 0.6, f"6 children of 0.6 s, 2 at a time, took only {elapsed:.2f} s"
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the throw-away uid needs root")
+def test_weak_mode_unreachable_workdir_is_a_clear_error(monkeypatch, tmp_path):
+    """Weak mode keeps the old uid switch: a working directory the throw-away uid cannot enter is a
+    clear set-up error, not a crash."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # under pytest's root-only base
+    res = run(OK, ["x"], policy=grader_policy(bwrap="/nonexistent/bwrap", allow_weak_isolation=True))
+    assert res[0].reward == 0.0 and res[0].errors["py"].startswith("killed: sandbox set-up failed")
