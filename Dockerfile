@@ -2,8 +2,14 @@
 # The worker needs the `gpu` extra (CUDA vLLM) and an NVIDIA runtime; the API runs fine without a GPU.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
-        ca-certificates curl && rm -rf /var/lib/apt/lists/*
+# bubblewrap: the sandbox of tenants' `python` graders (see scripts/system-deps.sh for a host install).
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev python3-gdbm \
+        build-essential bubblewrap ca-certificates curl && rm -rf /var/lib/apt/lists/*
+# The grader environment (requirements-graders.txt), bound read-only into every sandbox; the OS's python3
+# and /opt are readable by the sandbox's unprivileged uid.
+COPY requirements-graders.txt /tmp/requirements-graders.txt
+RUN python3 -m venv /opt/graders && /opt/graders/bin/pip install -r /tmp/requirements-graders.txt
+ENV GSPO_GRADER_PYTHON=/opt/graders/bin/python
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
@@ -16,8 +22,8 @@ COPY gspo_client gspo_client
 COPY gspo_cli gspo_cli
 COPY migrations migrations
 RUN pip install -e '.[gpu]'
-# The sandboxed `python` grader drops to this unprivileged user for user code.
-RUN useradd --system --uid 10001 gspo && mkdir -p /data && chown gspo /data
+# Runs as root so that each sandbox gets a throw-away uid of its own; the data stays root's only (0700).
+RUN mkdir -p -m 0700 /data
 ENV GSPO_DATA_DIR=/data GSPO_MODELS_DIR=/models
 EXPOSE 8000
 CMD ["gspo", "api", "--host", "0.0.0.0", "--port", "8000"]

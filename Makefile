@@ -2,6 +2,11 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# The grader environment (requirements-graders.txt) that `python` graders run in, inside the sandbox: built
+# from an interpreter the sandbox's unprivileged uid can read (not one under a home directory).
+GRADER_PY ?= /usr/bin/python3
+GRADER_VENV ?= .venv-graders
+export GSPO_GRADER_PYTHON ?= $(abspath $(GRADER_VENV))/bin/python
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_HOST_IP ?= 127.0.0.1
 export VLLM_NO_USAGE_STATS ?= 1
@@ -10,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test services bench clean
+.PHONY: install system-deps demo test services bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +24,16 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-install: $(BIN)/.installed
+$(GRADER_VENV)/.installed: requirements-graders.txt | system-deps
+	test -x $(GRADER_VENV)/bin/python || $(GRADER_PY) -m venv $(GRADER_VENV)
+	$(GRADER_VENV)/bin/pip install -q -r requirements-graders.txt
+	touch $@
+
+# Debian packages (bubblewrap, python3-venv), only those missing.
+system-deps:
+	bash scripts/system-deps.sh
+
+install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed
 
 demo: install
 	$(BIN)/gspo demo
@@ -34,4 +48,4 @@ bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .data runs test-artifacts
+	rm -rf $(VENV) $(GRADER_VENV) .data runs test-artifacts

@@ -18,8 +18,10 @@ def _settings():
 def migrate(_args=None) -> int:
     from store.db import run_migrations
 
+    from store.private import private_dir
+
     s = _settings()
-    s.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(s.data_dir)
     run_migrations(s.resolved_database_url())
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Starts what the test suite talks to, when it is down: PostgreSQL, Redis, Debian's Chromium.
+# Starts what the test suite talks to, when it is down: PostgreSQL, Redis; installs Debian's Chromium.
 set -u
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
@@ -7,10 +7,8 @@ fi
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no || true
 fi
-if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 || \
-    echo "warning: could not install chromium; browser tests will be skipped" >&2
-fi
+# Debian packages (bubblewrap, the grader environment's python3, Chromium for the browser tests).
+bash "$(dirname "$0")/system-deps.sh" --with-browser
 for i in $(seq 1 30); do
   pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && exit 0
   sleep 1

@@ -10,15 +10,19 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from store.private import private_dir, private_file
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
 def make_engine(url: str) -> Engine:
-    """An engine; SQLite gets WAL + a busy timeout so the API and the worker can share it."""
+    """An engine; SQLite gets WAL + a busy timeout so the API and the worker can share it, and a file
+    only this user reads (SQLite gives its -wal and -shm files the database file's permissions)."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if path and path != ":memory:" and not path.startswith("file:"):
+            private_dir(Path(path).parent)
+            private_file(path)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
+from store.private import open_private, private_dir
 from store.settings import Settings
 
 CHUNK = 1024 * 1024
@@ -24,11 +25,11 @@ def check_key(key: str) -> str:
 
 
 class LocalObjectStore:
-    """Objects as files under ``root``; keys are validated so nothing escapes it."""
+    """Objects as files under ``root``; keys are validated so nothing escapes it. Directories are 0700
+    and files 0600: other users of the host (a sandboxed grader's uid among them) read nothing."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(Path(root).resolve())
 
     def _path(self, key: str) -> Path:
         path = (self.root / check_key(key)).resolve()
@@ -38,16 +39,18 @@ class LocalObjectStore:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         tmp = path.with_name(path.name + ".part")
-        tmp.write_bytes(data)
+        with open_private(tmp) as f:
+            f.write(data)
         tmp.replace(path)
 
     def put_file(self, key: str, src: str | Path) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         tmp = path.with_name(path.name + ".part")
-        shutil.copyfile(src, tmp)
+        with open(src, "rb") as f, open_private(tmp) as out:
+            shutil.copyfileobj(f, out, CHUNK)
         tmp.replace(path)
 
     def get_bytes(self, key: str) -> bytes:
@@ -136,7 +139,8 @@ class S3ObjectStore:
 
 
 def get_object_store(settings: Settings):
-    """S3 when ``S3_BUCKET`` is set, else ``<data_dir>/objects``."""
+    """S3 when ``S3_BUCKET`` is set, else ``<data_dir>/objects``. Makes the data directory private (0700)."""
+    private_dir(settings.data_dir)
     if settings.s3_bucket:
         return S3ObjectStore(settings)
     return LocalObjectStore(settings.data_dir / "objects")
@@ -158,8 +162,8 @@ def get_dir(store, prefix: str, dest: Path) -> Path:
     for key, _ in store.list(prefix):
         rel = key[len(prefix.rstrip("/")) + 1:]
         target = (dest / check_key(rel)).resolve()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as f:
+        private_dir(target.parent)
+        with open_private(target) as f:
             for chunk in store.open_stream(key):
                 f.write(chunk)
     return dest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from store.private import private_dir
 from store.settings import Settings
 
 RUN_JOB_TASK = "worker.tasks.run_job"
@@ -20,7 +21,7 @@ def broker_options(settings: Settings) -> dict:
         return {"visibility_timeout": 12 * 3600}
     folder = (settings.data_dir / "broker").resolve()
     for sub in ("queue", "control", "processed"):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
+        private_dir(folder / sub)
     return {"data_folder_in": str(folder / "queue"), "data_folder_out": str(folder / "queue"),
             "control_folder": str(folder / "control"), "processed_folder": str(folder / "processed"),
             "store_processed": False, "polling_interval": 0.2}

@@ -49,8 +49,13 @@ class Settings(BaseSettings):
                                       description="Interpreter of the grader environment; default the service's")
     allow_weak_sandbox: bool = Field(False, validation_alias=_env("ALLOW_WEAK_SANDBOX"),
                                      description="Accept python graders where the sandbox cannot isolate them")
+    sandbox_bwrap: str = Field("bwrap", validation_alias=_env("SANDBOX_BWRAP"),
+                               description="The bubblewrap binary python graders run under (name in PATH or path)")
     grader_max_timeout_s: float = Field(60.0, validation_alias=_env("GRADER_MAX_TIMEOUT_S"))
-    grader_max_memory_mb: int = Field(16384, validation_alias=_env("GRADER_MAX_MEMORY_MB"))
+    grader_max_memory_mb: int = Field(1024, validation_alias=_env("GRADER_MAX_MEMORY_MB"))
+    grader_max_concurrency: int = Field(8, ge=1, le=64, validation_alias=_env("GRADER_MAX_CONCURRENCY"))
+    sandbox_memory_budget_mb: int = Field(4096, ge=128, validation_alias=_env("SANDBOX_MEMORY_BUDGET_MB"),
+                                          description="Memory all sandboxes of one process may reserve at once")
     egress_allow: str = Field("", validation_alias=_env("EGRESS_ALLOW"),
                               description="Comma-separated hosts or CIDRs graders' URLs may reach although private")
 
@@ -75,8 +80,11 @@ class Settings(BaseSettings):
 
     def grader_policy(self) -> dict:
         """The operator's grader rules as plain values (``GraderPolicy.from_mapping`` in api/ and worker/)."""
-        return {"python": self.grader_python, "allow_weak_isolation": self.allow_weak_sandbox,
+        return {"python": self.grader_python, "bwrap": self.sandbox_bwrap,
+                "allow_weak_isolation": self.allow_weak_sandbox,
                 "max_timeout_s": self.grader_max_timeout_s, "max_memory_mb": self.grader_max_memory_mb,
+                "max_concurrency": self.grader_max_concurrency,
+                "sandbox_memory_budget_mb": self.sandbox_memory_budget_mb,
                 "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip())}
 
     def broker_is_embedded(self) -> bool:

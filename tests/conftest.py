@@ -21,6 +21,19 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
+# `python` graders run in the grader environment that `make install` builds (the Makefile exports
+# GSPO_GRADER_PYTHON for `make test`); a bare `pytest` in a checkout finds it too.
+_GRADER_PYTHON = Path(__file__).resolve().parents[1] / ".venv-graders" / "bin" / "python"
+if not os.environ.get("GSPO_GRADER_PYTHON") and _GRADER_PYTHON.exists():
+    os.environ["GSPO_GRADER_PYTHON"] = str(_GRADER_PYTHON)
+
+
+def grader_policy(**overrides):
+    """A grader policy whose `python` graders run in the grader environment (GSPO_GRADER_PYTHON)."""
+    from gspo_core.rewards import GraderPolicy
+
+    return GraderPolicy(**{"python": os.environ.get("GSPO_GRADER_PYTHON"), **overrides})
+
 POSTGRES_URL = os.environ.get("GSPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("GSPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_PG = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")

@@ -19,6 +19,7 @@ from store import jobs
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
 from store.objects import get_dir
+from store.private import private_dir
 from store.queue import enqueue_run_job
 from store.settings import get_settings
 from worker.context import SHUTDOWN, get_db, get_store
@@ -116,7 +117,7 @@ def run_job(job_id: str) -> str:
         hp, seed, reward, status, attempt = dict(job.hyperparameters), job.seed, job.reward, job.status, job.attempts
     work = settings.data_dir / "work" / job_id
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    private_dir(work)
     try:
         with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds) as hb:
             with db.session() as s:

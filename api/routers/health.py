@@ -1,4 +1,4 @@
-"""Liveness, readiness (database + broker reachable) and Prometheus metrics."""
+"""Liveness, readiness (database + broker reachable, which sandbox isolates python graders) and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from api.deps import SettingsDep
+from gspo_core.rewards import GraderPolicy
+from gspo_core.rewards.isolation import isolation_for
 from store.queue import broker_reachable
 
 router = APIRouter(tags=["health"])
@@ -31,9 +33,12 @@ def _db_ok(db) -> bool:
 
 @router.get("/readyz")
 async def readyz(request: Request, settings: SettingsDep):
-    db_ok, broker_ok = await asyncio.gather(asyncio.to_thread(_db_ok, request.app.state.db),
-                                            asyncio.to_thread(broker_reachable, settings))
-    body = {"database": "ok" if db_ok else "unreachable", "broker": "ok" if broker_ok else "unreachable"}
+    db_ok, broker_ok, iso = await asyncio.gather(
+        asyncio.to_thread(_db_ok, request.app.state.db), asyncio.to_thread(broker_reachable, settings),
+        asyncio.to_thread(isolation_for, GraderPolicy.from_mapping(settings.grader_policy())))
+    # Python graders: "bubblewrap" (isolated), "weak" (the operator allowed rlimits only) or "refused".
+    body = {"database": "ok" if db_ok else "unreachable", "broker": "ok" if broker_ok else "unreachable",
+            "sandbox": iso.mode, **({"sandbox_reason": iso.summary} if iso.reason else {})}
     return JSONResponse(body, status_code=200 if db_ok and broker_ok else 503)
 
 

@@ -13,12 +13,19 @@ class GraderPolicy:
     Graders check their spec against it when built (a 422 at submit) and obey it when they run."""
 
     #: Interpreter of the grader environment that `python` graders run in (None: this interpreter).
+    #: It and its prefixes are bound read-only into the sandbox, so an unprivileged uid must be able to read them.
     python: str | None = None
+    #: The bubblewrap binary the sandbox runs user code under (a name looked up in PATH, or a path).
+    bwrap: str = "bwrap"
     #: Run `python` graders even where the sandbox cannot isolate them (no bubblewrap/user namespaces).
     allow_weak_isolation: bool = False
-    #: Largest per-sample ``timeout_s`` and per-process ``memory_mb`` a `python` grader may ask for.
+    #: Largest per-sample ``timeout_s``, per-process ``memory_mb`` and ``max_concurrency`` a `python` grader may ask for.
     max_timeout_s: float = 60.0
-    max_memory_mb: int = 16384
+    max_memory_mb: int = 1024
+    max_concurrency: int = 8
+    #: Megabytes all sandbox children of one process may hold at once (each reserves its memory cap plus
+    #: its tmpfs); a child waits for room before it starts.
+    sandbox_memory_budget_mb: int = 4096
     #: Hosts or CIDRs that graders' URLs may reach although they are loopback/private (tests, in-cluster judges).
     egress_allow: tuple[str, ...] = ()
 

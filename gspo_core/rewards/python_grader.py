@@ -7,8 +7,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register
+from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
 from gspo_core.rewards.policy import DEFAULT_POLICY
-from gspo_core.rewards.sandbox import SLOTS, SandboxLimits, run_sandboxed
+from gspo_core.rewards.sandbox import START_GRACE_S, run_sandboxed
 
 MAX_SOURCE_CHARS = 100_000
 
@@ -25,8 +26,11 @@ def default_concurrency() -> int:
 @register("python")
 class PythonGrader(Grader):
     """``source`` defines ``grade(sample, item) -> float``; samples are split into chunks graded in
-    parallel sandbox children (at most ``max_concurrency``), with per-sample ``timeout_s`` and a
-    ``memory_mb`` address-space cap per child. ``image_tag`` (OpenAI's field) is accepted and ignored."""
+    parallel sandbox children (at most ``max_concurrency``, and only as many as the operator's memory
+    budget holds), with per-sample ``timeout_s`` and a ``memory_mb`` address-space cap per child, all
+    within the operator's maxima. Refused (a spec error on ``type``) where the host cannot isolate
+    user code and the operator did not allow weak isolation. ``image_tag`` (OpenAI's field) is accepted
+    and ignored."""
 
     batched = True
 
@@ -45,32 +49,50 @@ class PythonGrader(Grader):
         if not any(getattr(node, "name", None) == "grade" for node in tree.body):
             raise RewardSpecError(self.field("source"), "must define grade(sample, item) at top level")
         timeout = self.num("timeout_s", 2.0, 0.01, policy.max_timeout_s)
-        memory = self.num("memory_mb", 512, 64, policy.max_memory_mb)
+        room = policy.sandbox_memory_budget_mb - SandboxLimits(memory_mb=0).reserve_mb  # the budget less the tmpfs
+        memory = self.num("memory_mb", max(64, min(512, policy.max_memory_mb, room)), 64, policy.max_memory_mb)
         if not isinstance(memory, int):
             raise RewardSpecError(self.field("memory_mb"), "must be an integer")
-        self.concurrency = self.num("max_concurrency", default_concurrency(), 1, SLOTS)
-        if not isinstance(self.concurrency, int):
-            raise RewardSpecError(self.field("max_concurrency"), "must be an integer")
         self.limits = SandboxLimits(timeout_s=float(timeout), memory_mb=memory)
+        if self.limits.reserve_mb > policy.sandbox_memory_budget_mb:
+            raise RewardSpecError(self.field("memory_mb"), f"with the sandbox's {self.limits.reserve_mb - memory} MB "
+                                  f"of tmpfs it exceeds the operator's sandbox memory budget of "
+                                  f"{policy.sandbox_memory_budget_mb} MB")
+        concurrency = self.num("max_concurrency", min(default_concurrency(), policy.max_concurrency), 1,
+                               policy.max_concurrency)
+        if not isinstance(concurrency, int):
+            raise RewardSpecError(self.field("max_concurrency"), "must be an integer")
+        # Children of one grader never wait for each other's memory: only as many as the budget holds.
+        self.concurrency = max(1, min(concurrency, policy.sandbox_memory_budget_mb // self.limits.reserve_mb))
+        iso = isolation_for(policy)
+        if iso.mode == REFUSED:
+            raise RewardSpecError(self.field("type"), f"python graders are not available on this server: it "
+                                  f"cannot isolate user code ({iso.summary}); the operator may allow weak "
+                                  "isolation (GSPO_ALLOW_WEAK_SANDBOX)")
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"sandbox-{self.name}")
 
     def grade_batch(self, samples, items):
-        tasks = [{"sample": s, "item": i} for s, i in zip(samples, items)]
-        size = max(1, min(16, math.ceil(len(tasks) / self.concurrency)))
-        chunks = [tasks[k:k + size] for k in range(0, len(tasks), size)]
-        raw = [r for part in self._pool.map(lambda c: run_sandboxed(self.source, c, self.limits), chunks)
-               for r in part]
-        return [r if isinstance(r, GraderError) else _finite(r) for r in raw]
+        calls = [[s, i] for s, i in zip(samples, items)]
+        size = max(1, min(16, math.ceil(len(calls) / self.concurrency)))
+        chunks = [calls[k:k + size] for k in range(0, len(calls), size)]
+        raw = [r for part in self._pool.map(lambda c: run_sandboxed(self.source, c, self.limits, self.policy),
+                                            chunks) for r in part]
+        return [r if isinstance(r, GraderError) else _score(r) for r in raw]
 
     def budget_s(self, n):
         per_thread = math.ceil(n / self.concurrency)  # samples one thread grades one after another
-        return per_thread * (self.limits.timeout_s + 6) + 30
+        children = math.ceil(per_thread / 16)  # each pays its start and module code once
+        setup = max(self.limits.setup_s, self.limits.timeout_s) + START_GRACE_S
+        return children * setup + per_thread * (self.limits.timeout_s + 6) + 30
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _finite(value: float) -> float | GraderError:
+def _score(value) -> float | GraderError:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return GraderError("invalid_output", f"returned {type(value).__name__}, not a number")
+    value = float(value)
     if not math.isfinite(value):
         return GraderError("invalid_output", f"grader returned {value}")
     return value

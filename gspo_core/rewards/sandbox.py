@@ -1,50 +1,52 @@
-"""Runs user grader code (`def grade(sample, item) -> float`) in a locked-down child process.
+"""Runs untrusted Python (a function of user source called on JSON arguments) in isolated child processes.
 
-Per chunk of samples a fresh ``python -I`` child: its own session (killed as a group),
-RLIMIT_CPU / RLIMIT_AS / RLIMIT_NPROC / RLIMIT_FSIZE / RLIMIT_NOFILE / no core dumps, an
-environment reduced to PATH/LANG/HOME, a fresh temporary working directory removed afterwards, and a
-per-call wall-clock timeout. When the worker runs as root the child also gets a new, empty network
-namespace (no interface but a downed loopback) and runs as a throw-away uid of its own (so
-RLIMIT_NPROC counts only its processes, other processes' /proc entries and root-only files are out
-of reach, and everything it forked is killed by uid afterwards, even what escaped the process group).
-See docs/rewards.md for what is and is not isolated.
+``run_sandboxed(source, calls, limits, policy, entry="grade")`` calls ``entry(*args)`` for each
+``args`` of ``calls`` and returns one JSON value or :class:`GraderError` per call. Calls go in chunks,
+each chunk to a fresh child (see ``isolation``: bubblewrap namespaces, an unprivileged uid, a private
+size-capped /tmp, no network), with rlimits (CPU, address space, processes, file size, open files),
+a scrubbed environment, a per-call wall-clock timeout and a wall-clock limit on the module code. A
+child that dies is blamed on the call it was on. Children of one process start only while their memory
+fits the operator's budget. The `python` grader is one user; sandboxed tools can be another.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import queue
-import resource
 import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
 
 from gspo_core.rewards.base import GraderError
+from gspo_core.rewards.isolation import (BUBBLEWRAP, IS_ROOT, REFUSED, Isolation, SandboxLimits, command, isolation_for,
+                                         kill_uid, preexec, uid_slots)
+from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
-CLONE_NEWNET = 0x40000000
-IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-UID_BASE = 200_000  # far above system and login uids; 16 slots per worker pid, unique among live pids
-SLOTS = 16
-START_GRACE_S = 10.0  # interpreter start and imports on a loaded machine
-GRACE_S = 2.0  # beyond the per-sample alarm, before the parent kills a child that ignores it
+__all__ = ["SandboxLimits", "run_sandboxed", "memory_in_use_mb"]
+
+START_GRACE_S = 10.0  # interpreter start on a loaded machine, beyond the module code's own limit
+GRACE_S = 2.0  # beyond the per-call alarm, before the parent kills a child that ignores it
+MAX_RESULT_CHARS = 1_000_000
 
 RUNNER = r'''
 import json, os, signal, sys
 proto = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # user prints go to stderr, never into the protocol stream
 job = json.loads(sys.stdin.read())
-# Import the stdlib a grader commonly needs BEFORE dropping privileges: the interpreter may live
-# in a directory the throw-away uid cannot read.
-import collections, decimal, difflib, fractions, functools, hashlib, itertools, math, random, re, socket, statistics, string, time, typing, unicodedata
-import encodings.idna, encodings.ascii, encodings.latin_1
+def fatal(kind, message):
+    proto.write(json.dumps({"fatal": kind, "message": message}) + "\n")
+    sys.exit(0)
 import resource
+if job["uid"] is not None:
+    # Weak mode as root: import what graders commonly need BEFORE dropping to the throw-away uid,
+    # which may not be able to read the interpreter's directory.
+    import collections, decimal, difflib, fractions, functools, hashlib, itertools, math, random, re, socket, statistics, string, time, typing, unicodedata
+    import encodings.idna, encodings.ascii, encodings.latin_1
 try:
     if job["uid"] is not None:
         os.setgroups([])
@@ -53,35 +55,40 @@ try:
     resource.setrlimit(resource.RLIMIT_NPROC, (job["max_procs"], job["max_procs"]))
     os.chdir(job["workdir"])
 except BaseException as exc:
-    proto.write(json.dumps({"fatal": "killed", "message": f"sandbox set-up failed: {type(exc).__name__}: {exc}"}) + "\n")
-    sys.exit(0)
+    fatal("killed", f"sandbox set-up failed: {type(exc).__name__}: {exc}")
 class _Timeout(BaseException):
     pass
 def _alarm(signum, frame):
     raise _Timeout()
 signal.signal(signal.SIGALRM, _alarm)
-ns = {"__name__": "user_grader"}
-signal.setitimer(signal.ITIMER_REAL, job["timeout"])
+ns = {"__name__": "user_code"}
+signal.setitimer(signal.ITIMER_REAL, job["setup_timeout"])
 try:
-    exec(compile(job["source"], "<grader>", "exec"), ns)
-    grade = ns["grade"]
+    exec(compile(job["source"], "<source>", "exec"), ns)
+    fn = ns[job["entry"]]
     signal.setitimer(signal.ITIMER_REAL, 0)
 except _Timeout:
-    proto.write(json.dumps({"fatal": "timeout", "message": "module code took longer than the time limit"}) + "\n")
-    sys.exit(0)
+    fatal("timeout", f"module code took longer than {job['setup_timeout']:g} s")
 except BaseException as exc:
-    proto.write(json.dumps({"fatal": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")
-    sys.exit(0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    fatal("exception", f"{type(exc).__name__}: {exc}"[:500])
 proto.write('{"ready": true}\n')
-for i, task in job["tasks"]:
+def _result(i, out):
+    if type(out).__module__ == "numpy" and hasattr(out, "item"):
+        out = out.item()
+    try:
+        line = json.dumps({"i": i, "ok": out}, allow_nan=True)
+    except (TypeError, ValueError):
+        return {"i": i, "error": "invalid_output", "message": f"returned {type(out).__name__}, not JSON"}
+    if len(line) > job["max_result"]:
+        return {"i": i, "error": "invalid_output", "message": f"result longer than {job['max_result']} characters"}
+    return line
+for i, args in job["tasks"]:
     signal.setitimer(signal.ITIMER_REAL, job["timeout"])
     try:
-        out = grade(task["sample"], task["item"])
+        out = fn(*args)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        if isinstance(out, bool) or not isinstance(out, (int, float)):
-            msg = {"i": i, "error": "invalid_output", "message": f"returned {type(out).__name__}, not a number"}
-        else:
-            msg = {"i": i, "ok": float(out)}
+        msg = _result(i, out)
     except _Timeout:
         msg = {"i": i, "error": "timeout", "message": f"took longer than {job['timeout']} s"}
     except MemoryError:
@@ -90,121 +97,68 @@ for i, task in job["tasks"]:
     except BaseException as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
         msg = {"i": i, "error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
-    proto.write(json.dumps(msg, allow_nan=True) + "\n")
+    proto.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
 '''
 
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Per-sample wall time, address-space cap, process cap, file-size and open-file caps."""
-
-    timeout_s: float = 2.0
-    memory_mb: int = 512
-    max_procs: int = 16
-    max_file_mb: int = 16
-    max_open_files: int = 64
-
-
-class _UidSlots:
-    """Throw-away uids, one per concurrently running child, unique to this worker process."""
+class _MemoryBudget:
+    """Megabytes held by this process's running sandbox children; a child waits until it fits."""
 
     def __init__(self) -> None:
-        self._free: queue.Queue[int] = queue.Queue()
-        for k in range(SLOTS):
-            self._free.put(UID_BASE + os.getpid() * SLOTS + k)
+        self._cv = threading.Condition()
+        self.used = 0
 
-    def take(self) -> int:
-        return self._free.get()
-
-    def give(self, uid: int) -> None:
-        self._free.put(uid)
-
-
-_SLOTS: _UidSlots | None = None
-_SLOTS_PID = 0
-
-
-def _uid_slots() -> _UidSlots:
-    global _SLOTS, _SLOTS_PID
-    if _SLOTS is None or _SLOTS_PID != os.getpid():  # a forked worker gets its own range
-        _SLOTS, _SLOTS_PID = _UidSlots(), os.getpid()
-    return _SLOTS
+    @contextmanager
+    def hold(self, mb: int, capacity: int):
+        with self._cv:  # one child larger than the whole budget runs alone rather than never
+            self._cv.wait_for(lambda: self.used + mb <= capacity or self.used == 0)
+            self.used += mb
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.used -= mb
+                self._cv.notify_all()
 
 
-def _preexec(limits: SandboxLimits, n_tasks: int):
-    def setup() -> None:
-        os.setsid()
-        if IS_ROOT:
-            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)  # no network (best effort)
-        cpu = int(limits.timeout_s * n_tasks) + 2
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        mem = limits.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        fsize = limits.max_file_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return setup
+_BUDGET: _MemoryBudget | None = None
+_BUDGET_PID = 0
 
 
-def _has_uid(pid: int | str, uid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process with real uid ``uid`` (from /proc)."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            status = dict(line.split(":", 1) for line in fh if ":" in line)
-    except (OSError, ValueError):
-        return False
-    return (status.get("Uid", "").split()[:1] == [str(uid)]
-            and not status.get("State", "").strip().startswith(("Z", "X")))
+def _budget() -> _MemoryBudget:
+    global _BUDGET, _BUDGET_PID
+    if _BUDGET is None or _BUDGET_PID != os.getpid():  # a forked process starts with nothing held
+        _BUDGET, _BUDGET_PID = _MemoryBudget(), os.getpid()
+    return _BUDGET
 
 
-def _uid_pids(uid: int) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _has_uid(p, uid)]
-
-
-def _uid_alive(uid: int) -> bool:
-    """Whether any live process runs with real uid ``uid``."""
-    return bool(_uid_pids(uid))
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of the throw-away ``uid``, also children that left the process group
-    with setsid. Through a pidfd, re-checked after opening, so a recycled pid is never hit."""
-    for _ in range(200):
-        pids = _uid_pids(uid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                continue
-            try:
-                if _has_uid(pid, uid):
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        time.sleep(0.005)
+def memory_in_use_mb() -> int:
+    """Megabytes this process's sandbox children hold now."""
+    return _budget().used
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    try:  # bwrap's --die-with-parent then takes its PID namespace (all the user code forked) down
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
 
 
-def _spawn(source, tasks, limits, workdir, uid):
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "PYTHONDONTWRITEBYTECODE": "1"}
-    payload = json.dumps({"source": source, "timeout": limits.timeout_s, "uid": uid, "memory_mb": limits.memory_mb,
-                          "max_procs": limits.max_procs, "workdir": workdir, "tasks": [[i, t] for i, t in tasks]})
-    proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd="/",
-                            preexec_fn=_preexec(limits, len(tasks)))
+def _spawn(iso: Isolation, source, tasks, limits: SandboxLimits, entry: str, uid, workdir):
+    """The child: bwrap around the interpreter, or in weak mode the interpreter itself."""
+    weak_uid = uid if iso.mode != BUBBLEWRAP else None
+    payload = json.dumps({"source": source, "entry": entry, "timeout": limits.timeout_s, "uid": weak_uid,
+                          "setup_timeout": max(limits.setup_s, limits.timeout_s), "memory_mb": limits.memory_mb,
+                          "max_procs": limits.max_procs, "workdir": workdir, "max_result": MAX_RESULT_CHARS,
+                          "tasks": [[i, args] for i, args in tasks]})
+    argv = [iso.python, "-I", "-B", "-c", RUNNER]
+    if iso.mode == BUBBLEWRAP:
+        argv, env = command(iso, limits.tmp_mb, argv), {}
+    else:
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=env, cwd="/", preexec_fn=preexec(iso, limits, len(tasks), uid))
     try:
         proc.stdin.write(payload.encode())  # the child reads all of it before it writes anything
         proc.stdin.close()
@@ -214,12 +168,12 @@ def _spawn(source, tasks, limits, workdir, uid):
 
 
 def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple[dict[int, object], bool]:
-    """Protocol lines until every task is reported, the child exits, or it makes no progress for
-    ``timeout_s`` + grace. Does not wait for EOF: a grandchild may hold the pipe open."""
+    """Protocol lines until every call is reported, the child exits, or it makes no progress in time.
+    Does not wait for EOF: a grandchild may hold the pipe open."""
     wanted = {i for i, _ in tasks}
     results: dict[int, object] = {}
     buf, fd = b"", proc.stdout.fileno()
-    deadline = time.monotonic() + limits.timeout_s + START_GRACE_S
+    deadline = time.monotonic() + max(limits.setup_s, limits.timeout_s) + START_GRACE_S
     while len(results) < len(wanted):
         now = time.monotonic()
         if now > deadline:
@@ -234,6 +188,8 @@ def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple
             break
         buf += chunk
         *lines, buf = buf.split(b"\n")
+        if len(buf) > 2 * MAX_RESULT_CHARS:
+            break  # no line of the protocol is that long
         for line in lines:
             msg = _message(line)
             if msg is None:
@@ -244,7 +200,8 @@ def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple
             if msg.get("ready"):
                 deadline = time.monotonic() + limits.timeout_s + GRACE_S
             elif msg.get("i") in wanted and msg["i"] not in results:
-                results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(str(msg["error"]), str(msg["message"]))
+                results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(str(msg.get("error")),
+                                                                               str(msg.get("message")))
                 deadline = time.monotonic() + limits.timeout_s + GRACE_S
     return results, False
 
@@ -257,15 +214,16 @@ def _message(line: bytes) -> dict | None:
     return msg if isinstance(msg, dict) else None
 
 
-def _run_chunk(source: str, tasks: list[tuple[int, dict]], limits: SandboxLimits) -> dict[int, object]:
-    """One child process for ``tasks``; returns index -> float or GraderError for those it finished
-    (and, if it died or hung, an error for the task it was on)."""
-    workdir = tempfile.mkdtemp(prefix="gspo-grader-")
-    uid = _uid_slots().take() if IS_ROOT else None
+def _run_chunk(iso: Isolation, source: str, tasks: list[tuple[int, list]], limits: SandboxLimits,
+               entry: str) -> dict[int, object]:
+    """One child for ``tasks``; index -> value or GraderError for those it finished (and, if it died
+    or hung, an error for the call it was on)."""
+    workdir = "/tmp" if iso.mode == BUBBLEWRAP else tempfile.mkdtemp(prefix="gspo-sandbox-")
+    uid = uid_slots().take() if IS_ROOT else None
     try:
-        if uid is not None:
+        if uid is not None and iso.mode != BUBBLEWRAP:
             os.chown(workdir, uid, uid)
-        proc = _spawn(source, tasks, limits, workdir, uid)
+        proc = _spawn(iso, source, tasks, limits, entry, uid, workdir)
         try:
             results, timed_out = _read_results(proc, tasks, limits)
         finally:
@@ -275,10 +233,11 @@ def _run_chunk(source: str, tasks: list[tuple[int, dict]], limits: SandboxLimits
         return {i: GraderError("killed", f"could not start the sandbox: {exc}") for i, _ in tasks}
     finally:
         if uid is not None:
-            _kill_uid(uid)  # also reaps what the user code forked outside the group
-            _uid_slots().give(uid)
-        shutil.rmtree(workdir, ignore_errors=True)
-    if len(results) < len(tasks):  # the child died or hung on the first task it did not report
+            kill_uid(uid)  # whatever is left of the child, under its throw-away uid
+            uid_slots().give(uid)
+        if iso.mode != BUBBLEWRAP:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if len(results) < len(tasks):  # the child died or hung on the first call it did not report
         first = next(i for i, _ in tasks if i not in results)
         results[first] = _death_error(proc.returncode, timed_out, limits)
     return results
@@ -289,36 +248,25 @@ def _death_error(returncode: int, timed_out: bool, limits: SandboxLimits) -> Gra
     if timed_out or sig == signal.SIGXCPU:
         return GraderError("timeout", f"killed after exceeding its {limits.timeout_s:g} s time limit")
     if sig == signal.SIGKILL:
-        return GraderError("killed", "grader process was killed (SIGKILL; out of memory?)")
+        return GraderError("killed", "sandboxed process was killed (SIGKILL; out of memory?)")
     if sig is not None:
-        return GraderError("killed", f"grader process died of signal {signal.Signals(sig).name}")
-    return GraderError("killed", f"grader process exited ({returncode}) without a result")
+        return GraderError("killed", f"sandboxed process died of signal {signal.Signals(sig).name}")
+    return GraderError("killed", f"sandboxed process exited ({returncode}) without a result")
 
 
-def run_sandboxed(source: str, tasks: list[dict], limits: SandboxLimits, chunk: int = 16) -> list[object]:
-    """Grade ``tasks`` (each ``{"sample", "item"}``) in one child after another; each result is a
-    float or a GraderError. A child that dies is blamed on its first unreported task and the rest
-    are run again in a fresh child."""
-    pending = list(enumerate(tasks))
+def run_sandboxed(source: str, calls: list[list], limits: SandboxLimits, policy: GraderPolicy = DEFAULT_POLICY,
+                  entry: str = "grade", chunk: int = 16) -> list[object]:
+    """``entry(*args)`` of ``source`` for each ``args`` in ``calls`` (JSON values), one child after
+    another; each result is a JSON value or a GraderError. A child that dies is blamed on its first
+    unreported call and the rest run again in a fresh child."""
+    iso = isolation_for(policy)
+    if iso.mode == REFUSED:
+        err = GraderError("killed", f"no sandbox on this host: {iso.summary}")
+        return [err] * len(calls)
+    pending = list(enumerate(calls))
     results: dict[int, object] = {}
     while pending:
-        results.update(_run_chunk(source, pending[:chunk], limits))
-        pending = [(i, t) for i, t in pending if i not in results]
-    return [results[i] for i in range(len(tasks))]
-
-
-_PROBE = """
-import os, socket
-def grade(sample, item):
-    ifaces = [name for _, name in socket.if_nameindex()]
-    return float(os.getuid() != 0) + 2.0 * float(ifaces in ([], ["lo"]))
-"""
-
-
-def isolation_report() -> dict[str, bool]:
-    """What the sandbox really gets on this machine, probed with a real child: ``uid_switched``
-    (a throw-away uid) and ``network_isolated`` (a new network namespace: the default Docker
-    seccomp profile refuses ``unshare`` without CAP_SYS_ADMIN). The worker logs it at start."""
-    out = run_sandboxed(_PROBE, [{"sample": {}, "item": {}}], SandboxLimits(timeout_s=10))[0]
-    code = int(out) if isinstance(out, float) else 0
-    return {"root": IS_ROOT, "uid_switched": bool(code & 1), "network_isolated": bool(code & 2)}
+        with _budget().hold(limits.reserve_mb, policy.sandbox_memory_budget_mb):
+            results.update(_run_chunk(iso, source, pending[:chunk], limits, entry))
+        pending = [(i, c) for i, c in pending if i not in results]
+    return [results[i] for i in range(len(calls))]

@@ -115,7 +115,7 @@ def test_rewards_run(client, auth):
 def test_health_ready_prometheus(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
-    assert ready.status_code == 200 and ready.json() == {"database": "ok", "broker": "ok"}
+    assert ready.status_code == 200 and ready.json() == {"database": "ok", "broker": "ok", "sandbox": "bubblewrap"}
     text = client.get("/metrics").text
     assert "gspo_http_requests_total" in text and 'gspo_jobs{status="queued"}' in text
 
