@@ -10,7 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gspo_core.rewards import build_reward
+from gspo_core.rewards import GraderPolicy, build_reward
+
+#: The local test servers listen on loopback, which graders reach only when the operator allows it.
+LOCAL = GraderPolicy(egress_allow=("127.0.0.1",))
 
 
 def sample(text: str) -> dict:
@@ -18,7 +21,7 @@ def sample(text: str) -> dict:
 
 
 def score(spec, text, item=None):
-    fn = build_reward(spec)
+    fn = build_reward(spec, LOCAL)
     try:
         return fn.score_batch([item or {}], [sample(text)])[0]
     finally:
@@ -122,7 +125,7 @@ def judge_spec(server, **extra):
 
 
 def test_score_model_judge(server):
-    fn = build_reward(judge_spec(server, sampling_params={"temperature": 0, "max_tokens": 8}))
+    fn = build_reward(judge_spec(server, sampling_params={"temperature": 0, "max_tokens": 8}), LOCAL)
     res = fn.score_batch([{"question": "Q?"}] * 3, [sample("a good answer"), sample("meh"), sample("refuse")])
     fn.close()
     assert res[0].reward == pytest.approx(0.8) and res[1].reward == pytest.approx(0.2)
@@ -143,7 +146,7 @@ def test_score_model_range_clips_and_retries(server):
 def test_batch_of_slow_graders_takes_one_graders_time(server):
     spec = {"type": "multi", "graders": {f"g{i}": {"type": "http", "url": server + "/score", "retries": 0}
                                          for i in range(4)}}
-    fn = build_reward(spec)
+    fn = build_reward(spec, LOCAL)
     fn.score_batch([{}], [sample("warm-up")])  # imports httpx, opens the clients
     _Handler.delay = 0.5
     t0 = time.perf_counter()
