@@ -119,7 +119,7 @@ def test_templates_nested_fields_lists_and_json():
 def test_item_fields_include_defaults_and_every_sub_grader():
     spec = {"type": "multi", "graders": {
         "a": {"type": "string_check", "reference": "{{ item.answer }}", "operation": "eq"},
-        "b": {"type": "score_model", "base_url": "http://127.0.0.1:1/v1", "model": "m",
+        "b": {"type": "score_model", "base_url": "http://judge.invalid/v1", "model": "m",
               "input": [{"role": "user", "content": "{{item.rubric.text}} {{sample.output_text}}"}]},
         "c": {"type": "regex", "pattern": "x", "input": "{{item.other}}"}}}
     fn = build_reward(spec)
@@ -194,7 +194,7 @@ def test_nested_multi():
     ({"type": "python", "source": "def grade(s, i): return 1", "memory_mb": 1.5}, "memory_mb"),
     ({"type": "http", "url": "ftp://x"}, "url"),
     ({"type": "http", "url": "http://x", "retries": 99}, "retries"),
-    ({"type": "http", "url": "http://x", "headers": {"a": 1}}, "headers"),
+    ({"type": "http", "url": "http://x", "headers": {"a": 1}}, "headers.a"),
     ({"type": "score_model", "base_url": "http://x", "model": "m", "input": [{"role": 1}]}, "input[0]"),
     ({"type": "score_model", "base_url": "http://x", "model": "m", "input": []}, "input"),
     ({"type": "score_model", "base_url": "http://x", "input": [{"role": "user", "content": "x"}]}, "model"),

@@ -1,0 +1,114 @@
+"""A grader pool process (see pool.py): builds local graders from their specs, grades one sample per request.
+
+Protocol, JSON lines: the parent writes ``{"define": key, "spec", "path"}`` and ``{"key", "sample", "item",
+"timeout"}``; this process answers ``{"ready": true}`` once after its imports, then per request
+``{"ok": score}``, ``{"error": kind, "message"}`` or ``{"need": key}`` (a spec it does not hold).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+from collections import OrderedDict
+
+PR_SET_PDEATHSIG = 1
+MAX_GRADERS = 128
+
+
+class _Overrun(BaseException):
+    """Raised by the alarm in the grader's own code (BaseException: no library swallows it)."""
+
+
+def _alarm(signum, frame):
+    raise _Overrun()
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the parent's spawning thread ends, even mid-computation in C."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _warm() -> None:
+    """Import what the pooled graders use once per process, not per call."""
+    import gspo_core.rewards  # noqa: F401  (registers every grader)
+    import jsonschema  # noqa: F401
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" notices
+    verify(parse("$1/2$", parsing_timeout=None), parse("$0.5$", parsing_timeout=None), timeout_seconds=None)
+
+
+def _limit_memory(headroom_mb: int) -> None:
+    """Address space: what the imports took plus ``headroom_mb``."""
+    with open("/proc/self/statm") as fh:
+        used = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = used + headroom_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _grade(grader, msg: dict) -> dict:
+    from gspo_core.rewards.base import GraderError
+
+    signal.setitimer(signal.ITIMER_REAL, float(msg["timeout"]))
+    try:
+        out = grader.grade_one(msg["sample"], msg["item"])
+    except _Overrun:
+        out = GraderError("timeout", f"took longer than {msg['timeout']:g} s")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    if isinstance(out, GraderError):
+        kind = "memory" if out.kind == "exception" and str(out).startswith("MemoryError") else out.kind
+        return {"error": kind, "message": str(out)[:500]}
+    return {"ok": out}
+
+
+def main() -> None:
+    parent, headroom_mb = int(sys.argv[1]), int(sys.argv[2])
+    _die_with_parent(parent)
+    from gspo_core.rewards import pool
+
+    pool.IN_POOL_PROCESS = True
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to stderr, never into the protocol stream
+    _warm()
+    _limit_memory(headroom_mb)
+    signal.signal(signal.SIGALRM, _alarm)
+    from gspo_core.rewards.base import build_grader
+
+    graders: OrderedDict = OrderedDict()
+    proto.write('{"ready": true}\n')
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "define" in msg:
+            try:
+                graders[msg["define"]] = build_grader(msg["spec"], msg["path"])
+            except Exception as exc:  # validated by the parent already; kept as the answer to its samples
+                graders[msg["define"]] = {"error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
+            while len(graders) > MAX_GRADERS:
+                graders.popitem(last=False)
+            continue
+        grader = graders.get(msg["key"])
+        if grader is None:
+            proto.write(json.dumps({"need": msg["key"]}) + "\n")
+            continue
+        graders.move_to_end(msg["key"])
+        try:
+            answer = grader if isinstance(grader, dict) else _grade(grader, msg)
+        except _Overrun:  # the alarm rang between the grader's return and its disarming
+            answer = {"error": "timeout", "message": f"took longer than {msg['timeout']:g} s"}
+        proto.write(json.dumps(answer) + "\n")
+
+
+if __name__ == "__main__":
+    main()
