@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     grader_pool_size: int = Field(0, ge=0, validation_alias=_env("GRADER_POOL_SIZE"),
                                   description="Grader pool processes per API/worker process; 0: the CPUs, 2..4")
     grader_pool_memory_mb: int = Field(1024, ge=64, validation_alias=_env("GRADER_POOL_MEMORY_MB"),
-                                       description="Address space of a grader pool process beyond its imports")
+                                       description="Address space of a grader pool process beyond its start")
 
     # Worker leases and retries.
     lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))

@@ -25,7 +25,7 @@ class GraderPolicy:
     #: before the sample scores a `timeout` (its process is killed if it does not stop), and per batch.
     local_timeout_s: float = 5.0
     local_budget_s: float = 60.0
-    #: Grader pool processes per service process (0: the CPUs, 2..4) and each one's memory beyond its imports.
+    #: Grader pool processes per service process (0: the CPUs, 2..4) and each one's memory beyond its start.
     pool_size: int = 0
     pool_memory_mb: int = 1024
 

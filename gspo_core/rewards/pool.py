@@ -6,9 +6,11 @@ stalls the API or the training step. Such graders (:class:`Killable`) grade in s
 (``python -m gspo_core.rewards.pool_child``: started with fork+exec from one long-lived thread,
 never a bare fork of a process with torch/vLLM threads), one sample per request, each under a
 per-sample alarm (``GraderPolicy.local_timeout_s``) inside the process and a parent-side deadline
-(+ ``GRACE_S``) that SIGKILLs a process stuck in C code and starts a new one. The processes import
-math-verify once, have an address-space cap (``pool_memory_mb`` above their imports), die with
-their parent (``PR_SET_PDEATHSIG``), and are shared by every reward function of the process.
+(+ ``GRACE_S``) that SIGKILLs a process stuck in C code and starts a new one. A spec is given to
+each process when the grader is built (``prime``), so its imports (math-verify: seconds) happen
+once per process and before the first batch. The processes have an address-space cap
+(``pool_memory_mb`` above their start), die with their parent (``PR_SET_PDEATHSIG``), and are
+shared by every reward function of the process.
 """
 
 from __future__ import annotations
@@ -93,8 +95,11 @@ class GraderPool:
         self._lock = threading.Lock()
         self._live, self._procs = 0, set()
         self._failed, self._failed_at = "", 0.0
+        self._primes: queue.Queue[Killable] = queue.Queue()
+        self._primed: set[str] = set()
         # Every process is forked by this one thread: PR_SET_PDEATHSIG fires when the forking thread ends.
         threading.Thread(target=self._spawner, daemon=True, name="grader-pool-spawner").start()
+        threading.Thread(target=self._primer, daemon=True, name="grader-pool-primer").start()
 
     def start(self) -> None:
         """Top the pool up to ``size`` processes (in the background)."""
@@ -158,12 +163,11 @@ class GraderPool:
         proc = self._acquire(deadline)
         if isinstance(proc, GraderError):
             return proc
-        hard = min(deadline, time.monotonic() + timeout + GRACE_S)
         msg = None
         for _ in range(2):  # a second time when the process no longer held the spec
-            if grader.pool_key not in proc.defined:
-                proc.send({"define": grader.pool_key, "spec": grader.spec, "path": grader.path})
-                proc.defined.add(grader.pool_key)
+            if not self._define(proc, grader, deadline):
+                return self._overrun(proc, grader, timeout)
+            hard = min(deadline, time.monotonic() + timeout + GRACE_S)
             msg = proc.read(hard) if proc.send(request) else None
             if msg is None or "need" not in msg:
                 break
@@ -174,6 +178,42 @@ class GraderPool:
         if "ok" in msg:
             return float(msg["ok"])
         return GraderError(str(msg["error"]), str(msg.get("message", "")))
+
+    @staticmethod
+    def _define(proc: _Proc, grader: "Killable", deadline: float) -> bool:
+        """Give ``proc`` the grader's spec unless it holds it (its imports, e.g. math-verify, happen
+        then: outside the per-sample deadline). False when the process did not answer in time."""
+        if grader.pool_key in proc.defined:
+            return True
+        sent = proc.send({"define": grader.pool_key, "spec": grader.spec, "path": grader.path})
+        msg = proc.read(min(deadline, time.monotonic() + START_S)) if sent else None
+        if msg is None or msg.get("defined") != grader.pool_key:
+            return False
+        proc.defined.add(grader.pool_key)
+        return True
+
+    def prime(self, grader: "Killable") -> None:
+        """Give every process the grader's spec in the background (at build, before the first batch)."""
+        with self._lock:
+            if grader.pool_key in self._primed:
+                return
+            self._primed.add(grader.pool_key)
+            if len(self._primed) > 1024:
+                self._primed.clear()
+        self._primes.put(grader)
+
+    def _primer(self) -> None:
+        while True:
+            grader = self._primes.get()
+            for _ in range(self.size):  # the idle queue is FIFO: each process comes round once
+                try:
+                    proc = self._idle.get(timeout=START_S)
+                except queue.Empty:
+                    break
+                if self._define(proc, grader, time.monotonic() + START_S):
+                    self._idle.put(proc)
+                else:
+                    self._lost(proc)
 
     def _overrun(self, proc: _Proc, grader: Grader, timeout: float) -> GraderError:
         alive = proc.popen.poll() is None
@@ -211,10 +251,10 @@ class GraderPool:
             t.join()
         return results  # type: ignore[return-value]
 
-    def pids(self) -> list[int]:
-        """The live processes' ids (tests, monitoring)."""
+    def pids(self, holding: str | None = None) -> list[int]:
+        """The live processes' ids; with ``holding``, those that hold that spec key (tests, monitoring)."""
         with self._lock:
-            return sorted(p.popen.pid for p in self._procs)
+            return sorted(p.popen.pid for p in self._procs if holding is None or holding in p.defined)
 
     def close(self) -> None:
         with self._lock:
@@ -267,7 +307,9 @@ class Killable:
         blob = json.dumps([self.type_name, self.path, self.spec], sort_keys=True, default=str)
         self.pool_key = hashlib.sha256(blob.encode()).hexdigest()[:32]
         if not IN_POOL_PROCESS:
-            pool_for(self.policy).start()
+            pool = pool_for(self.policy)
+            pool.start()
+            pool.prime(self)
 
     def grade_batch(self, samples, items):
         return pool_for(self.policy).grade(self, samples, items)

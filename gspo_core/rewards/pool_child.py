@@ -1,8 +1,9 @@
 """A grader pool process (see pool.py): builds local graders from their specs, grades one sample per request.
 
-Protocol, JSON lines: the parent writes ``{"define": key, "spec", "path"}`` and ``{"key", "sample", "item",
-"timeout"}``; this process answers ``{"ready": true}`` once after its imports, then per request
-``{"ok": score}``, ``{"error": kind, "message"}`` or ``{"need": key}`` (a spec it does not hold).
+Protocol, JSON lines: the parent writes ``{"define": key, "spec", "path"}`` (answered ``{"defined": key}``
+once the grader is built and what it needs imported) and ``{"key", "sample", "item", "timeout"}``
+(answered ``{"ok": score}``, ``{"error": kind, "message"}`` or ``{"need": key}`` for a spec it no
+longer holds); ``{"ready": true}`` comes once, at start.
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _warm() -> None:
-    """Import what the pooled graders use once per process, not per call."""
-    import gspo_core.rewards  # noqa: F401  (registers every grader)
-    import jsonschema  # noqa: F401
+def _warm_math() -> None:
+    """math-verify's import and first parses are slow: done once per process, when a spec needs it."""
     from math_verify import parse, verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" notices
-    verify(parse("$1/2$", parsing_timeout=None), parse("$0.5$", parsing_timeout=None), timeout_seconds=None)
+    for a, b in (("$1/2$", "$0.5$"), ("$\\frac{1}{\\sqrt{4}}$", "$(x+1)^2 - x^2 - 2x$"), ("$3\\pi$", "$\\{1, 2\\}$")):
+        verify(parse(a, parsing_timeout=None), parse(b, parsing_timeout=None), timeout_seconds=None)
+
+
+WARMERS = {"math_answer": _warm_math}
 
 
 def _limit_memory(headroom_mb: int) -> None:
@@ -55,6 +58,20 @@ def _limit_memory(headroom_mb: int) -> None:
     limit = used + headroom_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _define(msg: dict):
+    """The grader of a spec (validated by the parent already), its imports done; or the error that
+    answers its samples."""
+    from gspo_core.rewards.base import build_grader
+
+    try:
+        warm = WARMERS.get(msg["spec"].get("type"))
+        if warm is not None:
+            warm()
+        return build_grader(msg["spec"], msg["path"])
+    except Exception as exc:
+        return {"error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def _grade(grader, msg: dict) -> dict:
@@ -81,22 +98,19 @@ def main() -> None:
     pool.IN_POOL_PROCESS = True
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol stream
-    _warm()
+    import gspo_core.rewards  # noqa: F401  (registers every grader)
+
     _limit_memory(headroom_mb)
     signal.signal(signal.SIGALRM, _alarm)
-    from gspo_core.rewards.base import build_grader
-
     graders: OrderedDict = OrderedDict()
     proto.write('{"ready": true}\n')
     for line in sys.stdin:
         msg = json.loads(line)
         if "define" in msg:
-            try:
-                graders[msg["define"]] = build_grader(msg["spec"], msg["path"])
-            except Exception as exc:  # validated by the parent already; kept as the answer to its samples
-                graders[msg["define"]] = {"error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
+            graders[msg["define"]] = _define(msg)
             while len(graders) > MAX_GRADERS:
                 graders.popitem(last=False)
+            proto.write(json.dumps({"defined": msg["define"]}) + "\n")
             continue
         grader = graders.get(msg["key"])
         if grader is None:

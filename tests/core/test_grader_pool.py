@@ -31,11 +31,12 @@ SPEC = {"type": "multi", "graders": {
     "fuzzy": {"type": "text_similarity", "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"}}}
 
 
-def _ready(policy: GraderPolicy, timeout: float = 120.0) -> list[int]:
+def _ready(policy: GraderPolicy, holding: str | None = None, timeout: float = 120.0) -> list[int]:
+    """The pool's process ids once all are started (and hold the spec ``holding``)."""
     pool = pool_for(policy)
     pool.start()
     deadline = time.monotonic() + timeout
-    while len(pool.pids()) < pool.size:
+    while len(pool.pids(holding)) < pool.size:
         assert time.monotonic() < deadline, "grader pool did not start"
         time.sleep(0.05)
     return pool.pids()
@@ -44,7 +45,8 @@ def _ready(policy: GraderPolicy, timeout: float = 120.0) -> list[int]:
 def test_samples_that_never_yield_score_a_timeout_and_the_next_batch_works():
     fn = build_reward(SPEC, FAST)
     try:
-        _ready(FAST)
+        for part in fn.parts.values():
+            _ready(FAST, holding=part.pool_key)
         t0 = time.monotonic()
         res = fn.score_batch([{"answer": "1"}, {"answer": "0.5"}, {"answer": "x"}],
                              [sample(SLOW_MATH), sample("\\boxed{\\frac{1}{2}}"), sample(BACKTRACK)])
@@ -64,7 +66,7 @@ def test_a_batch_returns_within_its_budget_however_many_samples_hang():
     policy = GraderPolicy(local_timeout_s=1.0, local_budget_s=3.0)
     fn = build_reward({"type": "math_answer", "name": "m", "reference": "1"}, policy)
     try:
-        _ready(policy)
+        _ready(policy, holding=fn.root.pool_key)
         t0 = time.monotonic()
         res = fn.score_batch([{}] * 12, [sample(SLOW_MATH)] * 12)
         elapsed = time.monotonic() - t0
@@ -80,7 +82,7 @@ def test_a_process_that_stops_answering_is_killed_and_replaced():
     policy = GraderPolicy(local_timeout_s=1.0, pool_size=2, pool_memory_mb=768)  # a pool of its own
     fn = build_reward({"type": "json_schema", "name": "j", "schema": {"type": "object"}}, policy)
     try:
-        before = _ready(policy)
+        before = _ready(policy, holding=fn.root.pool_key)  # the spec was given to every process at build
         for pid in before:
             os.kill(pid, signal.SIGSTOP)  # a process stuck where no alarm reaches it
         t0 = time.monotonic()
