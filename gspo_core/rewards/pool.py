@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import math
 import os
 import queue
 import select
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from gspo_core.rewards.base import Grader, GraderError
@@ -33,7 +35,8 @@ from gspo_core.rewards.policy import GraderPolicy
 GRACE_S = 1.0  # beyond the in-process alarm, before the parent kills a process stuck in C code
 START_S = 120.0  # a new process's imports (math-verify, sympy) on a loaded machine
 RESPAWN_PAUSE_S = 5.0  # after a process failed to start, before trying again
-MAX_REQUEST_BYTES = 4 << 20  # one sample and its item, as JSON
+MAX_REQUEST_BYTES = 4 << 20  # one sample and its item, as JSON (and a chunk of them)
+MAX_CHUNK = 16  # samples sent to a process at once
 ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding gspo_core
 #: True inside a pool process, whose graders grade directly (and start no pool of their own).
 IN_POOL_PROCESS = False
@@ -154,30 +157,35 @@ class GraderPool:
                 return GraderError("killed", f"could not start a grader process ({self._failed})")
             return GraderError("timeout", "no grader process was free within the batch's budget")
 
-    def call(self, grader: "Killable", sample: dict, item: dict, deadline: float) -> float | GraderError:
-        """Grade one sample in a pool process; kill the process if it overruns."""
+    def _run_chunk(self, grader: "Killable", tasks: list[tuple[int, str]], deadline: float) -> dict[int, object]:
+        """Grade ``tasks`` (index, JSON of ``[index, sample, item]``) in one pool process, which answers
+        sample by sample; each answer must come within the per-sample limit. Returns the answers it
+        got, in order: a process that overruns is killed and the sample it was on gets the error;
+        the chunk's later samples are not in the result (the caller queues them again)."""
         timeout = grader.policy.local_timeout_s
-        request = json.dumps({"key": grader.pool_key, "sample": sample, "item": item, "timeout": timeout})
-        if len(request) > MAX_REQUEST_BYTES:
-            return GraderError("invalid_output", f"sample and item are larger than {MAX_REQUEST_BYTES >> 20} MB")
         proc = self._acquire(deadline)
         if isinstance(proc, GraderError):
-            return proc
-        msg = None
+            return {i: proc for i, _ in tasks}
+        request = (f'{{"key": "{grader.pool_key}", "timeout": {timeout!r}, "tasks": ['
+                   + ", ".join(t for _, t in tasks) + "]}")
+        got: dict[int, object] = {}
         for _ in range(2):  # a second time when the process no longer held the spec
-            if not self._define(proc, grader, deadline):
-                return self._overrun(proc, grader, timeout)
-            hard = min(deadline, time.monotonic() + timeout + GRACE_S)
-            msg = proc.read(hard) if proc.send(request) else None
-            if msg is None or "need" not in msg:
+            if not self._define(proc, grader, deadline) or not proc.send(request):
+                return {tasks[0][0]: self._overrun(proc, grader, timeout)}
+            while len(got) < len(tasks):
+                i = tasks[len(got)][0]
+                msg = proc.read(min(deadline, time.monotonic() + timeout + GRACE_S))
+                if msg is not None and "need" in msg and not got:
+                    proc.defined.discard(grader.pool_key)
+                    break
+                if msg is None or msg.get("i") != i or not ("ok" in msg or "error" in msg):
+                    got[i] = self._overrun(proc, grader, timeout)
+                    return got
+                got[i] = float(msg["ok"]) if "ok" in msg else GraderError(str(msg["error"]), str(msg.get("message", "")))
+            else:
                 break
-            proc.defined.discard(grader.pool_key)
-        if msg is None or not ("ok" in msg or "error" in msg):
-            return self._overrun(proc, grader, timeout)
         self._idle.put(proc)
-        if "ok" in msg:
-            return float(msg["ok"])
-        return GraderError(str(msg["error"]), str(msg.get("message", "")))
+        return got
 
     @staticmethod
     def _define(proc: _Proc, grader: "Killable", deadline: float) -> bool:
@@ -225,25 +233,41 @@ class GraderPool:
         return GraderError("killed", f"{grader.type_name} grader process died ({'signal ' + str(-code) if code < 0 else code})")
 
     def grade(self, grader: "Killable", samples: list[dict], items: list[dict]) -> list[float | GraderError]:
-        """Every sample once, at most ``size`` at a time; samples left when the batch's budget
+        """Every sample once, in chunks over at most ``size`` processes at a time (few round trips,
+        each answer still under its own deadline); samples left when the batch's budget
         (``local_budget_s``) runs out score a timeout."""
         deadline = time.monotonic() + grader.policy.local_budget_s
-        results: list[float | GraderError | None] = [None] * len(samples)
-        order = iter(range(len(samples)))
+        results: list[object] = [None] * len(samples)
+        todo: deque[tuple[int, str]] = deque()
+        for i, (s, it) in enumerate(zip(samples, items)):
+            task = json.dumps([i, s, it])
+            if len(task) > MAX_REQUEST_BYTES:
+                results[i] = GraderError("invalid_output", f"sample and item are larger than {MAX_REQUEST_BYTES >> 20} MB")
+            else:
+                todo.append((i, task))
+        per_chunk = max(1, min(MAX_CHUNK, math.ceil(len(todo) / (4 * self.size))))
         lock = threading.Lock()
 
         def lane() -> None:
             while True:
                 with lock:
-                    i = next(order, None)
-                if i is None:
+                    chunk, size = [], 0
+                    while todo and len(chunk) < per_chunk and (not chunk or size + len(todo[0][1]) <= MAX_REQUEST_BYTES):
+                        chunk.append(todo.popleft())
+                        size += len(chunk[-1][1])
+                if not chunk:
                     return
                 if time.monotonic() >= deadline:
-                    results[i] = GraderError("timeout", "the batch's grading budget ran out before this sample")
-                else:
-                    results[i] = self.call(grader, samples[i], items[i], deadline)
+                    for i, _ in chunk:
+                        results[i] = GraderError("timeout", "the batch's grading budget ran out before this sample")
+                    continue
+                got = self._run_chunk(grader, chunk, deadline)
+                for i, value in got.items():
+                    results[i] = value
+                with lock:
+                    todo.extendleft(reversed([t for t in chunk if t[0] not in got]))
 
-        lanes = [threading.Thread(target=lane, daemon=True) for _ in range(min(self.size, len(samples)) - 1)]
+        lanes = [threading.Thread(target=lane, daemon=True) for _ in range(min(self.size, len(todo)) - 1)]
         for t in lanes:
             t.start()
         lane()

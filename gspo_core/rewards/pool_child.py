@@ -1,9 +1,9 @@
-"""A grader pool process (see pool.py): builds local graders from their specs, grades one sample per request.
+"""A grader pool process (see pool.py): builds local graders from their specs, grades the samples it is sent.
 
 Protocol, JSON lines: the parent writes ``{"define": key, "spec", "path"}`` (answered ``{"defined": key}``
-once the grader is built and what it needs imported) and ``{"key", "sample", "item", "timeout"}``
-(answered ``{"ok": score}``, ``{"error": kind, "message"}`` or ``{"need": key}`` for a spec it no
-longer holds); ``{"ready": true}`` comes once, at start.
+once the grader is built and what it needs imported) and ``{"key", "timeout", "tasks": [[i, sample,
+item], ...]}`` (answered task by task, ``{"i", "ok": score}`` or ``{"i", "error": kind, "message"}``,
+or once ``{"need": key}`` for a spec it no longer holds); ``{"ready": true}`` comes once, at start.
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ def _define(msg: dict):
         return {"error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def _grade(grader, msg: dict) -> dict:
+def _grade(grader, sample: dict, item: dict, timeout: float) -> dict:
     from gspo_core.rewards.base import GraderError
 
-    signal.setitimer(signal.ITIMER_REAL, float(msg["timeout"]))
+    signal.setitimer(signal.ITIMER_REAL, float(timeout))
     try:
-        out = grader.grade_one(msg["sample"], msg["item"])
+        out = grader.grade_one(sample, item)
     except _Overrun:
-        out = GraderError("timeout", f"took longer than {msg['timeout']:g} s")
+        out = GraderError("timeout", f"took longer than {timeout:g} s")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     if isinstance(out, GraderError):
@@ -117,11 +117,12 @@ def main() -> None:
             proto.write(json.dumps({"need": msg["key"]}) + "\n")
             continue
         graders.move_to_end(msg["key"])
-        try:
-            answer = grader if isinstance(grader, dict) else _grade(grader, msg)
-        except _Overrun:  # the alarm rang between the grader's return and its disarming
-            answer = {"error": "timeout", "message": f"took longer than {msg['timeout']:g} s"}
-        proto.write(json.dumps(answer) + "\n")
+        for i, sample, item in msg["tasks"]:
+            try:
+                answer = grader if isinstance(grader, dict) else _grade(grader, sample, item, msg["timeout"])
+            except _Overrun:  # the alarm rang between the grader's return and its disarming
+                answer = {"error": "timeout", "message": f"took longer than {msg['timeout']:g} s"}
+            proto.write(json.dumps({"i": i, **answer}) + "\n")
 
 
 if __name__ == "__main__":
