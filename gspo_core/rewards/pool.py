@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 from gspo_core.rewards.base import Grader, GraderError
@@ -37,6 +37,7 @@ START_S = 120.0  # a new process's imports (math-verify, sympy) on a loaded mach
 RESPAWN_PAUSE_S = 5.0  # after a process failed to start, before trying again
 MAX_REQUEST_BYTES = 4 << 20  # one sample and its item, as JSON (and a chunk of them)
 MAX_CHUNK = 16  # samples sent to a process at once
+MAX_RECENT = 8  # specs handed to a new process before it takes work
 ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding gspo_core
 #: True inside a pool process, whose graders grade directly (and start no pool of their own).
 IN_POOL_PROCESS = False
@@ -99,7 +100,7 @@ class GraderPool:
         self._live, self._procs = 0, set()
         self._failed, self._failed_at = "", 0.0
         self._primes: queue.Queue[Killable] = queue.Queue()
-        self._primed: set[str] = set()
+        self._recent: OrderedDict[str, Killable] = OrderedDict()  # specs a new process is handed before work
         # Every process is forked by this one thread: PR_SET_PDEATHSIG fires when the forking thread ends.
         threading.Thread(target=self._spawner, daemon=True, name="grader-pool-spawner").start()
         threading.Thread(target=self._primer, daemon=True, name="grader-pool-primer").start()
@@ -132,6 +133,13 @@ class GraderPool:
             proc.kill()
             self._lost(None, f"exit status {proc.popen.returncode}")
             return
+        with self._lock:
+            recent = list(self._recent.values())
+        for grader in reversed(recent):  # a replacement warms up here, not in the next batch
+            if not self._define(proc, grader, time.monotonic() + START_S):
+                proc.kill()
+                self._lost(None, f"exit status {proc.popen.returncode} while taking a spec")
+                return
         with self._lock:
             self._procs.add(proc)
             self._failed = ""
@@ -171,7 +179,7 @@ class GraderPool:
         got: dict[int, object] = {}
         for _ in range(2):  # a second time when the process no longer held the spec
             if not self._define(proc, grader, deadline) or not proc.send(request):
-                return {tasks[0][0]: self._overrun(proc, grader, timeout)}
+                return {tasks[0][0]: self._overrun(proc, grader, timeout, deadline)}
             while len(got) < len(tasks):
                 i = tasks[len(got)][0]
                 msg = proc.read(min(deadline, time.monotonic() + timeout + GRACE_S))
@@ -179,7 +187,7 @@ class GraderPool:
                     proc.defined.discard(grader.pool_key)
                     break
                 if msg is None or msg.get("i") != i or not ("ok" in msg or "error" in msg):
-                    got[i] = self._overrun(proc, grader, timeout)
+                    got[i] = self._overrun(proc, grader, timeout, deadline)
                     return got
                 got[i] = float(msg["ok"]) if "ok" in msg else GraderError(str(msg["error"]), str(msg.get("message", "")))
             else:
@@ -201,14 +209,16 @@ class GraderPool:
         return True
 
     def prime(self, grader: "Killable") -> None:
-        """Give every process the grader's spec in the background (at build, before the first batch)."""
+        """Give every process the grader's spec in the background (at build, before the first batch);
+        the ``MAX_RECENT`` most recent specs are also handed to each new process before it takes work."""
         with self._lock:
-            if grader.pool_key in self._primed:
-                return
-            self._primed.add(grader.pool_key)
-            if len(self._primed) > 1024:
-                self._primed.clear()
-        self._primes.put(grader)
+            known = grader.pool_key in self._recent
+            self._recent[grader.pool_key] = grader
+            self._recent.move_to_end(grader.pool_key)
+            while len(self._recent) > MAX_RECENT:
+                self._recent.popitem(last=False)
+        if not known:
+            self._primes.put(grader)
 
     def _primer(self) -> None:
         while True:
@@ -223,20 +233,25 @@ class GraderPool:
                 else:
                     self._lost(proc)
 
-    def _overrun(self, proc: _Proc, grader: Grader, timeout: float) -> GraderError:
+    def _overrun(self, proc: _Proc, grader: Grader, timeout: float, deadline: float) -> GraderError:
+        """Kill a process that did not answer in time (or died) and say what happened to its sample."""
         alive = proc.popen.poll() is None
         self._lost(proc)
-        if alive:
-            return GraderError("timeout", f"{grader.type_name} grader took longer than {timeout:g} s; its process "
-                                          "was stopped")
-        code = proc.popen.returncode
-        return GraderError("killed", f"{grader.type_name} grader process died ({'signal ' + str(-code) if code < 0 else code})")
+        if not alive:
+            code = proc.popen.returncode
+            return GraderError("killed", f"{grader.type_name} grader process died "
+                                         f"({'signal ' + str(-code) if code < 0 else code})")
+        if time.monotonic() >= deadline:
+            return GraderError("timeout", "the batch's grading budget ran out during this sample")
+        return GraderError("timeout", f"{grader.type_name} grader took longer than {timeout:g} s; its process was "
+                                      "stopped")
 
     def grade(self, grader: "Killable", samples: list[dict], items: list[dict]) -> list[float | GraderError]:
         """Every sample once, in chunks over at most ``size`` processes at a time (few round trips,
         each answer still under its own deadline); samples left when the batch's budget
         (``local_budget_s``) runs out score a timeout."""
         deadline = time.monotonic() + grader.policy.local_budget_s
+        self.prime(grader)  # most recent first for replacements
         results: list[object] = [None] * len(samples)
         todo: deque[tuple[int, str]] = deque()
         for i, (s, it) in enumerate(zip(samples, items)):

@@ -73,6 +73,7 @@ def test_a_batch_returns_within_its_budget_however_many_samples_hang():
         assert elapsed < policy.local_budget_s + 2 * GRACE_S + 3, elapsed  # 12 s if every sample ran its second
         assert all(r.reward == 0.0 and r.errors["m"].startswith("timeout") for r in res)
         assert any("budget ran out" in r.errors["m"] for r in res)
+        _ready(policy, holding=fn.root.pool_key)  # processes stopped at the deadline were replaced, warm
         assert fn.score_batch([{}], [sample("\\boxed{1}")])[0].reward == 1.0
     finally:
         fn.close()
@@ -86,9 +87,13 @@ def test_a_process_that_stops_answering_is_killed_and_replaced():
         for pid in before:
             os.kill(pid, signal.SIGSTOP)  # a process stuck where no alarm reaches it
         t0 = time.monotonic()
-        res = fn.score_batch([{}] * 2, [sample("{}")] * 2)
-        assert time.monotonic() - t0 < 2 * (policy.local_timeout_s + GRACE_S) + 3
-        assert all(r.errors["j"].startswith("timeout") and "stopped" in r.errors["j"] for r in res), res
+        texts = ["{}", "[]"] * 8  # chunks of 2: each stopped process gets one, its second sample goes elsewhere
+        res = fn.score_batch([{}] * 16, [sample(t) for t in texts])
+        assert time.monotonic() - t0 < 2 * (policy.local_timeout_s + GRACE_S) + 10
+        stuck = [k for k, r in enumerate(res) if r.errors]
+        assert len(stuck) == 2 and all("timeout" in res[k].errors["j"] and "stopped" in res[k].errors["j"]
+                                       for k in stuck), [r.errors for r in res]
+        assert all(r.reward == (1.0 if texts[k] == "{}" else 0.0) for k, r in enumerate(res) if k not in stuck)
         after = _ready(policy)
         assert not set(before) & set(after)
         for pid in before:  # killed and reaped, not left stopped
