@@ -78,6 +78,11 @@ class ModelCache:
             if self._entries[key].users <= 0:
                 del self._entries[key]
 
+    def __len__(self) -> int:
+        """Models loaded now."""
+        with self._lock:
+            return len(self._entries)
+
     def clear(self) -> None:
         """Drop every model no grader holds."""
         with self._lock:

@@ -194,3 +194,37 @@ def test_reward_model_missing_directory_scores_zero(tmp_path):
     res = fn.score_batch([{"prompt": "p"}] * 2, [sample("a"), sample("b")])
     fn.close()
     assert all(r.reward == 0.0 and r.errors["rm"].startswith("exception") for r in res)
+
+
+def test_reward_models_are_loaded_once_per_process_and_the_cache_is_bounded(reward_model_dir, tmp_path):
+    import shutil
+
+    from gspo_core.rewards.reward_model import MODEL_CACHE, ModelCache
+
+    dirs = [reward_model_dir] + [shutil.copytree(reward_model_dir, tmp_path / f"rm{i}") for i in range(2)]
+    MODEL_CACHE.clear()
+    loads = MODEL_CACHE.loads
+    first = build_reward({"type": "reward_model", "model": str(dirs[0])})
+    second = build_reward({"type": "reward_model", "model": str(dirs[0]), "activation": "none"})
+    a = first.score_batch([{"prompt": "Q: "}], [sample("x")])[0]
+    b = second.score_batch([{"prompt": "Q: "}], [sample("x")])[0]
+    assert MODEL_CACHE.loads == loads + 1 and 0 < a.reward < 1 and not b.errors  # two graders, one load
+    first.close()
+    second.close()
+    for d in dirs:  # three models, one after another: at most two stay loaded unused
+        fn = build_reward({"type": "reward_model", "model": str(d)})
+        assert not fn.score_batch([{"prompt": "Q: "}], [sample("x")])[0].errors
+        fn.close()
+    assert MODEL_CACHE.loads == loads + 3  # dirs[0] was still cached
+    assert len(MODEL_CACHE) == 2
+
+    small = ModelCache(max_models=4, max_bytes=1)  # no model fits: each leaves as soon as it is unused
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    load = lambda: (AutoTokenizer.from_pretrained(dirs[1]),  # noqa: E731
+                    AutoModelForSequenceClassification.from_pretrained(dirs[1]))
+    entry = small.acquire((str(dirs[1]), "cpu"), load)
+    assert small.acquire((str(dirs[1]), "cpu"), load) is entry and small.loads == 1  # held: kept and shared
+    small.release((str(dirs[1]), "cpu"))
+    small.release((str(dirs[1]), "cpu"))
+    assert len(small) == 0
