@@ -174,6 +174,9 @@ class GraderPool:
         proc = self._acquire(deadline)
         if isinstance(proc, GraderError):
             return {i: proc for i, _ in tasks}
+        if time.monotonic() >= deadline:  # nothing sent yet: the process stays usable
+            self._idle.put(proc)
+            return {i: GraderError("timeout", "the batch's grading budget ran out before this sample") for i, _ in tasks}
         request = (f'{{"key": "{grader.pool_key}", "timeout": {timeout!r}, "tasks": ['
                    + ", ".join(t for _, t in tasks) + "]}")
         got: dict[int, object] = {}

@@ -12,7 +12,7 @@ import pytest
 from gspo_core.rewards.reward_model import MODEL_CACHE
 from gspo_core.toy import build_tiny_reward_model
 from tests.api.conftest import job_body
-from tests.core.test_egress import Listener, Server, _loopback_name
+from tests.core.net_support import Listener, Server, loopback_name
 
 
 def _run(client, auth, spec, samples=("abcd",), item=None):
@@ -42,7 +42,7 @@ def test_internal_grader_urls_are_refused_naming_the_field(client, auth, uploade
 
 
 def test_names_resolving_inside_are_refused_at_run_time_unless_allowed(client, app, auth):
-    name, addr = _loopback_name()
+    name, addr = loopback_name()
     srv = Server(addr, {"/score": (200, {}, b'{"reward": 0.75}')})
     try:
         spec = {"type": "http", "name": "h", "url": f"http://{name}:{srv.port}/score", "retries": 0}

@@ -5,17 +5,15 @@ re-checked, credentials stay with their origin, and error texts carry no remote 
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import json
 import socket
 import ssl
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from gspo_core.egress import EgressClient, EgressError, EgressPolicy, EgressRefused
 from gspo_core.rewards import GraderPolicy, RewardSpecError, build_reward
+from tests.core.net_support import Listener, Server, loopback_name
 
 
 def sample(text: str) -> dict:
@@ -30,73 +28,11 @@ def score(spec, policy=GraderPolicy(), text="abcd"):
         fn.close()
 
 
-class Listener:
-    """A bare TCP listener that counts the connections it accepts (and closes them at once)."""
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind((host, 0))
-        self.sock.listen(16)
-        self.port, self.accepted = self.sock.getsockname()[1], 0
-        threading.Thread(target=self._loop, daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture()
 def listener():
     lst = Listener()
     yield lst
     lst.close()
-
-
-class Server:
-    """A real HTTP(S) server on ``host``; ``routes`` maps a path to (status, headers, body); it records
-    every request (path, headers, body) and, for HTTPS, the SNI name the client sent."""
-
-    def __init__(self, host: str, routes: dict, tls: ssl.SSLContext | None = None) -> None:
-        self.requests, self.sni = [], []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _any(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                outer.requests.append((self.path, dict(self.headers), self.rfile.read(n)))
-                status, headers, body = routes.get(self.path, (200, {}, b'{"reward": 0.5}'))
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v.replace("{port}", str(outer.port)))
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_POST = do_GET = _any  # noqa: N815 (http.server's names)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer((host, 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        if tls is not None:
-            tls.sni_callback = lambda sock, name, ctx: self.sni.append(name)
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _policy(*allow: str) -> GraderPolicy:
@@ -132,17 +68,8 @@ def test_internal_literal_urls_are_spec_errors_and_never_connected(listener, hos
     assert listener.accepted == 0
 
 
-def _loopback_name() -> tuple[str, str]:
-    """A name (not a literal, not 'localhost') that resolves to an address of this machine:
-    its host name (/etc/hosts)."""
-    name = socket.gethostname()
-    addr = socket.getaddrinfo(name, 80, type=socket.SOCK_STREAM)[0][4][0]
-    assert not ipaddress.ip_address(addr).is_global, f"{name} resolves to public {addr}"
-    return name, addr
-
-
 def test_a_name_that_resolves_inside_is_refused_at_run_time_without_connecting():
-    name, addr = _loopback_name()
+    name, addr = loopback_name()
     lst = Listener(addr)
     try:
         spec = {"type": "http", "name": "h", "url": f"http://{name}:{lst.port}/score", "retries": 2}
@@ -177,7 +104,7 @@ def test_allow_list_opens_only_what_it_names(listener):
 
 
 def test_redirect_to_a_refused_host_is_refused_without_connecting(listener):
-    name, addr = _loopback_name()
+    name, addr = loopback_name()
     routes = {"/lit": (307, {"Location": f"http://127.0.0.1:{listener.port}/x"}, b""),
               "/name": (302, {"Location": f"http://{name}:{listener.port}/x"}, b""),
               "/meta": (301, {"Location": "http://169.254.169.254/latest/meta-data/"}, b""),
