@@ -108,6 +108,7 @@ def literal_address(host: str) -> IPAddress | None:
 
 
 def normal_host(host: str) -> str:
+    """A host as compared: no brackets, no trailing dot, lower case."""
     return host.strip("[]").rstrip(".").lower()
 
 

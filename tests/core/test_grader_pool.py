@@ -55,6 +55,8 @@ def test_samples_that_never_yield_score_a_timeout_and_the_next_batch_works():
         assert res[2].errors["schema"].startswith("timeout") and res[2].scores["schema"] == 0.0
         assert res[1].scores["math"] == 1.0 and not res[1].errors
         assert elapsed < 2 * (FAST.local_timeout_s + GRACE_S) + 5, elapsed  # not the minutes they would take
+        tower = fn.score_batch([{"answer": "1"}], [sample("\\boxed{9^{9^{9}}}")])[0]  # refused before sympy
+        assert tower.errors["math"].startswith("invalid_output") and "too large" in tower.errors["math"]
         again = fn.score_batch([{"answer": "4"}] * 2, [sample("\\boxed{4}"), sample('"aaaa"')])
         assert again[0].scores == {"math": 1.0, "schema": 0.0, "fuzzy": pytest.approx(2 / 10)} and not again[0].errors
         assert again[1].scores["schema"] == 1.0 and not again[1].errors
