@@ -58,6 +58,14 @@ class Settings(BaseSettings):
                                           description="Memory all sandboxes of one process may reserve at once")
     egress_allow: str = Field("", validation_alias=_env("EGRESS_ALLOW"),
                               description="Comma-separated hosts or CIDRs graders' URLs may reach although private")
+    grader_local_timeout_s: float = Field(5.0, gt=0, validation_alias=_env("GRADER_LOCAL_TIMEOUT_S"),
+                                          description="Per sample, for graders run in the grader pool")
+    grader_local_budget_s: float = Field(60.0, gt=0, validation_alias=_env("GRADER_LOCAL_BUDGET_S"),
+                                         description="Per batch, for graders run in the grader pool")
+    grader_pool_size: int = Field(0, ge=0, validation_alias=_env("GRADER_POOL_SIZE"),
+                                  description="Grader pool processes per API/worker process; 0: the CPUs, 2..4")
+    grader_pool_memory_mb: int = Field(1024, ge=64, validation_alias=_env("GRADER_POOL_MEMORY_MB"),
+                                       description="Address space of a grader pool process beyond its start")
 
     # Worker leases and retries.
     lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))
@@ -85,7 +93,9 @@ class Settings(BaseSettings):
                 "max_timeout_s": self.grader_max_timeout_s, "max_memory_mb": self.grader_max_memory_mb,
                 "max_concurrency": self.grader_max_concurrency,
                 "sandbox_memory_budget_mb": self.sandbox_memory_budget_mb,
-                "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip())}
+                "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip()),
+                "local_timeout_s": self.grader_local_timeout_s, "local_budget_s": self.grader_local_budget_s,
+                "pool_size": self.grader_pool_size, "pool_memory_mb": self.grader_pool_memory_mb}
 
     def broker_is_embedded(self) -> bool:
         return not self.redis_url

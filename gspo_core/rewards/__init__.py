@@ -12,8 +12,8 @@ from gspo_core.rewards import python_grader as _python  # noqa: F401
 from gspo_core.rewards import remote as _remote  # noqa: F401
 from gspo_core.rewards import reward_model as _reward_model  # noqa: F401
 from gspo_core.rewards.base import (GRADERS, GradeResult, Grader, GraderError, RewardSpecError, as_score, build_grader,
-                                   redact_secrets)
-from gspo_core.rewards.multi import MultiGrader
+                                   check_spec_values, redact_secrets)
+from gspo_core.rewards.multi import MAX_MULTI_DEPTH, MultiGrader
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
 __all__ = ["GRADERS", "DEFAULT_POLICY", "GradeResult", "GraderError", "GraderPolicy", "RewardFunction", "RewardSpecError",
@@ -131,16 +131,18 @@ def build_reward(spec: dict, policy: GraderPolicy = DEFAULT_POLICY) -> RewardFun
     naming the bad field."""
     if not isinstance(spec, dict):
         raise RewardSpecError("reward", "must be a JSON object")
+    check_spec_values(spec)
     return RewardFunction(spec, policy)
 
 
-def map_reward_models(spec: dict, fn) -> dict:
+def map_reward_models(spec: dict, fn, _depth: int = 0) -> dict:
     """A copy of ``spec`` with each ``reward_model`` grader's ``model`` replaced by ``fn(model)``
-    (the worker turns names under its models directory into paths this way)."""
-    if not isinstance(spec, dict):
+    (the worker turns names under its models directory into paths this way). Below the deepest
+    nesting a spec may have it leaves the spec as it is (building it then names the field)."""
+    if not isinstance(spec, dict) or _depth > MAX_MULTI_DEPTH:
         return spec
     if spec.get("type") == "reward_model" and isinstance(spec.get("model"), str):
         return {**spec, "model": fn(spec["model"])}
     if spec.get("type") == "multi" and isinstance(spec.get("graders"), dict):
-        return {**spec, "graders": {k: map_reward_models(v, fn) for k, v in spec["graders"].items()}}
+        return {**spec, "graders": {k: map_reward_models(v, fn, _depth + 1) for k, v in spec["graders"].items()}}
     return spec

@@ -15,6 +15,9 @@ TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
 SAMPLE_FIELDS = frozenset({"output_text", "output_tokens", "finish_reason"})
 #: Wall-clock budget of one in-process grader call before the batch stops waiting for it.
 LOCAL_BUDGET_S = 30.0
+#: Bounds on a reward spec's JSON (nesting depth, values in all), checked before anything recurses into it.
+MAX_SPEC_DEPTH = 64
+MAX_SPEC_VALUES = 100_000
 
 
 class RewardSpecError(ValueError):
@@ -205,6 +208,39 @@ def register(type_name: str) -> Callable[[type[Grader]], type[Grader]]:
         return cls
 
     return deco
+
+
+def check_spec_values(spec: Any) -> None:
+    """Refuse, naming the field, a spec nested deeper than ``MAX_SPEC_DEPTH``, larger than
+    ``MAX_SPEC_VALUES`` values, or holding a non-finite number (JSON's NaN/Infinity extensions).
+    Iterative, so no spec can exhaust the stack here."""
+    stack: list[tuple[Any, str, int]] = [(spec, "", 0)]
+    seen = 0
+    while stack:
+        value, path, depth = stack.pop()
+        seen += 1
+        if seen > MAX_SPEC_VALUES:
+            raise RewardSpecError("reward", f"more than {MAX_SPEC_VALUES} values")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RewardSpecError(path or "reward", "must be a finite number")
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_SPEC_DEPTH:
+                raise RewardSpecError(path or "reward", f"nested deeper than {MAX_SPEC_DEPTH} levels")
+            pairs = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, sub in pairs:
+                sub_path = f"{path}[{key}]" if isinstance(value, list) else (f"{path}.{key}" if path else str(key))
+                stack.append((sub, sub_path, depth + 1))
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of dicts/lists (a scalar is 0), computed without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d + 1)
+            stack.extend((sub, d + 1) for sub in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def build_grader(spec: Any, path: str, policy: GraderPolicy = DEFAULT_POLICY) -> Grader:

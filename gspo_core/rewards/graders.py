@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import re
 
-from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register, render
+from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, json_depth, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY
+from gspo_core.rewards.pool import Killable
 from gspo_core.rewards.similarity import METRICS
 
 OUTPUT = "{{sample.output_text}}"
@@ -125,6 +126,15 @@ def extract_answer(text: str) -> str | None:
     return nums[-1].replace(",", "") if nums else None
 
 
+#: Cheap shapes sympy would evaluate into astronomically large numbers: an exponent holding another
+#: exponent (9^{9^{9}}, 9^9^9), an exponent of 6+ digits, a factorial of a 4+ digit number.
+_HUGE = re.compile(r"(\^|\*\*)\s*(\{[^{}]*(\^|\*\*)|[\w.]+\s*(\^|\*\*))|(\^|\*\*)\s*[{(]?\s*\d{6,}|\d{4,}\s*!")
+
+
+def _too_big(expr: str) -> bool:
+    return _HUGE.search(expr) is not None
+
+
 def _to_float(s: str) -> float | None:
     s = s.replace(",", "").replace("$", "").strip()
     try:
@@ -137,7 +147,7 @@ def _to_float(s: str) -> float | None:
 
 
 @register("math_answer")
-class MathAnswer(Grader):
+class MathAnswer(Killable, Grader):
     """Equivalence of the final answer (last ``\\boxed{}`` or last number) and the reference:
     math-verify's parse/verify for LaTeX and symbolic answers, numeric tolerance as the fallback."""
 
@@ -149,6 +159,7 @@ class MathAnswer(Grader):
         self.input = self.tmpl("input", OUTPUT)
         self.reference = self.tmpl("reference", required=True)
         self.tol = float(self.num("tolerance", 1e-6, 0, 1e6))
+        self.start_pool()
 
     def grade(self, sample, item):
         answer = extract_answer(render(self.input, sample, item))
@@ -158,11 +169,15 @@ class MathAnswer(Grader):
         a, b = _to_float(answer), _to_float(ref)
         if a is not None and b is not None:
             return float(abs(a - b) <= self.tol * max(1.0, abs(b)))
-        if len(answer) > self.MAX_CHARS:
-            raise GraderError("invalid_output", f"answer longer than {self.MAX_CHARS} characters")
+        if max(len(answer), len(ref)) > self.MAX_CHARS:
+            raise GraderError("invalid_output", f"answer or reference longer than {self.MAX_CHARS} characters")
+        if _too_big(answer) or _too_big(ref):
+            raise GraderError("invalid_output", "answer too large to verify (a power tower, a huge exponent or "
+                                                "factorial)")
         from math_verify import parse, verify
 
-        # Graders run in threads: math-verify's signal-based timeouts only work in the main thread.
+        # The pool process's alarm (GraderPolicy.local_timeout_s) bounds these; math-verify's own
+        # timeouts are off (they would take over the same SIGALRM).
         gold, pred = parse(f"${ref}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None)
         if gold and pred and verify(gold, pred, timeout_seconds=None):
             return 1.0
@@ -170,11 +185,13 @@ class MathAnswer(Grader):
 
 
 @register("json_schema")
-class JsonSchemaGrader(Grader):
+class JsonSchemaGrader(Killable, Grader):
     """1.0 when the output parses as JSON and validates against ``schema`` (Draft 2020-12);
     ``partial_credit`` for valid JSON that fails the schema (default 0). Code fences are stripped."""
 
     _FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```$", re.S)
+    MAX_SCHEMA_DEPTH = 32
+    MAX_CHARS = 1_000_000
 
     def __init__(self, spec, path, policy=DEFAULT_POLICY):
         super().__init__(spec, path, policy)
@@ -183,15 +200,22 @@ class JsonSchemaGrader(Grader):
 
         self.input = self.tmpl("input", OUTPUT)
         schema = self.req("schema", dict)
+        if json_depth(schema) > self.MAX_SCHEMA_DEPTH:
+            raise RewardSpecError(self.field("schema"), f"nested deeper than {self.MAX_SCHEMA_DEPTH} levels")
         try:
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise RewardSpecError(self.field("schema"), f"invalid JSON schema: {exc.message}") from None
+        except RecursionError:
+            raise RewardSpecError(self.field("schema"), "nested too deeply") from None
         self.validator = jsonschema.Draft202012Validator(schema)
         self.partial = float(self.num("partial_credit", 0.0, 0, 1))
+        self.start_pool()
 
     def grade(self, sample, item):
         text = render(self.input, sample, item).strip()
+        if len(text) > self.MAX_CHARS:
+            raise GraderError("invalid_output", f"input longer than {self.MAX_CHARS} characters")
         fenced = self._FENCE.match(text)
         try:
             value = json.loads(fenced.group(1) if fenced else text)
@@ -242,7 +266,7 @@ class LengthGrader(Grader):
 
 
 @register("text_similarity")
-class TextSimilarity(Grader):
+class TextSimilarity(Killable, Grader):
     """Similarity of input and reference; ``evaluation_metric`` as OpenAI names them (fuzzy_match,
     bleu, gleu, rouge_1..rouge_5, rouge_l) plus exact; ``pass_threshold`` turns it into 0/1."""
 
@@ -255,7 +279,13 @@ class TextSimilarity(Grader):
         if self.metric not in METRICS:
             raise RewardSpecError(self.field("evaluation_metric"), f"must be one of {', '.join(METRICS)}")
         self.threshold = self.num("pass_threshold", None, 0, 1)
+        self.start_pool()
+
+    MAX_CHARS = 200_000  # per side; the metrics are quadratic (the pool's deadline bounds the rest)
 
     def grade(self, sample, item):
-        score = METRICS[self.metric](render(self.input, sample, item), render(self.reference, sample, item))
+        a, b = render(self.input, sample, item), render(self.reference, sample, item)
+        if max(len(a), len(b)) > self.MAX_CHARS:
+            raise GraderError("invalid_output", f"input or reference longer than {self.MAX_CHARS} characters")
+        score = METRICS[self.metric](a, b)
         return float(score >= self.threshold) if self.threshold is not None else float(score)

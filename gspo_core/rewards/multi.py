@@ -12,6 +12,23 @@ from gspo_core.rewards.policy import DEFAULT_POLICY
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow}
 _FUNCS = {"min": min, "max": max, "abs": abs}
+#: Bounds checked before anything recurses: multi graders nested in multi graders, sub-graders per
+#: multi, and the formula's syntax tree (nesting depth, nodes).
+MAX_MULTI_DEPTH = 8
+MAX_SUB_GRADERS = 64
+MAX_FORMULA_DEPTH = 100
+MAX_FORMULA_NODES = 1000
+
+
+def _tree_size(tree: ast.AST) -> tuple[int, int]:
+    """(depth, nodes) of a syntax tree, computed without recursion."""
+    depth = nodes = 0
+    stack = [(tree, 1)]
+    while stack:
+        node, d = stack.pop()
+        nodes, depth = nodes + 1, max(depth, d)
+        stack.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return depth, nodes
 
 
 def _check(node: ast.AST, names: set[str], field: str) -> None:
@@ -65,6 +82,10 @@ class MultiGrader(Grader):
         subs = self.req("graders", dict)
         if not subs:
             raise RewardSpecError(self.field("graders"), "needs at least one sub-grader")
+        if len(subs) > MAX_SUB_GRADERS:
+            raise RewardSpecError(self.field("graders"), f"more than {MAX_SUB_GRADERS} sub-graders")
+        if self.path and len(self.path.split(".")) // 2 >= MAX_MULTI_DEPTH:  # each level adds "graders.<name>"
+            raise RewardSpecError(self.field("graders"), f"multi graders nested deeper than {MAX_MULTI_DEPTH} levels")
         self.subs: dict[str, Grader] = {}
         for name, sub in subs.items():
             if not name.isidentifier():
@@ -80,6 +101,12 @@ class MultiGrader(Grader):
             self.tree = ast.parse(formula, mode="eval")
         except (SyntaxError, ValueError) as exc:
             raise RewardSpecError(self.field("calculate_output"), f"not a formula: {getattr(exc, 'msg', exc)}") from None
+        except (RecursionError, MemoryError):
+            raise RewardSpecError(self.field("calculate_output"), "nested too deeply") from None
+        depth, nodes = _tree_size(self.tree)
+        if depth > MAX_FORMULA_DEPTH or nodes > MAX_FORMULA_NODES:
+            raise RewardSpecError(self.field("calculate_output"), f"more than {MAX_FORMULA_NODES} terms or nested "
+                                  f"deeper than {MAX_FORMULA_DEPTH} levels")
         _check(self.tree, set(self.subs), self.field("calculate_output"))
 
     def local_models(self) -> dict[str, str]:

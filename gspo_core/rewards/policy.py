@@ -28,6 +28,13 @@ class GraderPolicy:
     sandbox_memory_budget_mb: int = 4096
     #: Hosts or CIDRs that graders' URLs may reach although they are loopback/private (tests, in-cluster judges).
     egress_allow: tuple[str, ...] = ()
+    #: Graders run in the grader pool (math_answer, json_schema, text_similarity): seconds per sample
+    #: before the sample scores a `timeout` (its process is killed if it does not stop), and per batch.
+    local_timeout_s: float = 5.0
+    local_budget_s: float = 60.0
+    #: Grader pool processes per service process (0: the CPUs, 2..4) and each one's memory beyond its start.
+    pool_size: int = 0
+    pool_memory_mb: int = 1024
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "GraderPolicy":

@@ -46,6 +46,8 @@ class PythonGrader(Grader):
             raise RewardSpecError(self.field("source"), f"syntax error line {exc.lineno}: {exc.msg}") from None
         except ValueError as exc:  # e.g. a NUL byte
             raise RewardSpecError(self.field("source"), str(exc)) from None
+        except (RecursionError, MemoryError):  # the parser's own stack: expressions nested too deeply
+            raise RewardSpecError(self.field("source"), "nested too deeply to compile") from None
         if not any(getattr(node, "name", None) == "grade" for node in tree.body):
             raise RewardSpecError(self.field("source"), "must define grade(sample, item) at top level")
         timeout = self.num("timeout_s", 2.0, 0.01, policy.max_timeout_s)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
-from gspo_core.rewards.policy import DEFAULT_POLICY
+from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 _SSL = None
@@ -26,46 +27,48 @@ def _ssl_context():
 
 
 class _HttpCaller:
-    """One pooled httpx client per grader (thread-safe), created on first use; POST JSON with a
-    timeout and retries with exponential backoff on connection errors, timeouts, 429 and 5xx."""
+    """One egress client per grader (thread-safe; see gspo_core.egress), created on first use: POST
+    JSON with a timeout, retries with exponential backoff on connection errors, timeouts, 429 and 5xx.
+    Error texts never carry the remote body."""
 
-    def __init__(self, timeout: float, retries: int, backoff: float, headers: dict) -> None:
+    def __init__(self, timeout: float, retries: int, backoff: float, headers: dict, policy: GraderPolicy) -> None:
         self.timeout, self.retries, self.backoff, self.headers = timeout, retries, backoff, headers
+        self.allow = policy.egress_allow
         self._client = None
         self._lock = threading.Lock()
 
     def client(self):
         with self._lock:
             if self._client is None:
-                import httpx
+                from gspo_core.egress import EgressClient, EgressPolicy
 
-                self._client = httpx.Client(timeout=self.timeout, headers=self.headers, follow_redirects=False,
-                                            verify=_ssl_context(),
-                                            limits=httpx.Limits(max_connections=64))
+                self._client = EgressClient(EgressPolicy(self.allow), self.timeout, headers=self.headers,
+                                            verify=_ssl_context())
             return self._client
 
     def post(self, url: str, body: dict) -> object:
-        import httpx
+        from gspo_core.egress import EgressError, EgressRefused
 
         last = GraderError("http_error", "no attempt made")
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(5.0, self.backoff * 2 ** (attempt - 1)))
             try:
-                resp = self.client().post(url, json=body)
-            except httpx.TimeoutException:
-                last = GraderError("timeout", f"no answer from {url} within {self.timeout:g} s")
+                status, data = self.client().request("POST", url, json=body)
+            except EgressRefused as exc:
+                raise GraderError("egress_refused", f"{url}: {exc}") from None
+            except EgressError as exc:
+                last = GraderError(exc.kind, str(exc))
+                if exc.kind == "invalid_output":
+                    raise last from None
                 continue
-            except httpx.HTTPError as exc:
-                last = GraderError("http_error", f"{type(exc).__name__}: {exc}")
+            if status in RETRYABLE:
+                last = GraderError("http_error", f"HTTP {status} from {url}")
                 continue
-            if resp.status_code in RETRYABLE:
-                last = GraderError("http_error", f"HTTP {resp.status_code} from {url}")
-                continue
-            if resp.status_code >= 300:
-                raise GraderError("http_error", f"HTTP {resp.status_code} from {url}: {resp.text[:200]}")
+            if status >= 300:
+                raise GraderError("http_error", f"HTTP {status} from {url}")
             try:
-                return resp.json()
+                return json.loads(data)
             except ValueError:
                 raise GraderError("invalid_output", f"{url} did not answer JSON") from None
         raise last
@@ -82,18 +85,31 @@ class _HttpCaller:
 
 
 def _url(grader: Grader, key: str) -> str:
+    """An http(s) URL; one whose host is a refused address literal (any spelling) or a loopback name
+    is a spec error naming the field (other names are checked when resolved, per request)."""
     url = grader.req(key, str)
     if not re.match(r"^https?://[^/\s]+", url):
         raise RewardSpecError(grader.field(key), "must be an http(s) URL")
+    from gspo_core.egress import EgressPolicy
+
+    try:
+        why = EgressPolicy(grader.policy.egress_allow).literal_refusal(url)
+    except ValueError:  # httpx.InvalidURL
+        raise RewardSpecError(grader.field(key), "must be an http(s) URL") from None
+    if why:
+        raise RewardSpecError(grader.field(key), f"not reachable from this service: {why}")
     return url
 
 
 def _caller(grader: Grader, headers: dict, default_timeout: float) -> _HttpCaller:
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-        raise RewardSpecError(grader.field("headers"), "must map header names to strings")
+    from gspo_core.egress import header_refusal
+
+    for name, value in headers.items():
+        if why := header_refusal(name, value):
+            raise RewardSpecError(grader.field(f"headers.{name}"), why)
     return _HttpCaller(timeout=float(grader.num("timeout_s", default_timeout, 0.01, 600)),
                        retries=int(grader.num("retries", 2, 0, 10)),
-                       backoff=float(grader.num("backoff_s", 0.2, 0, 10)), headers=headers)
+                       backoff=float(grader.num("backoff_s", 0.2, 0, 10)), headers=headers, policy=grader.policy)
 
 
 @register("http")
@@ -117,6 +133,16 @@ class HttpGrader(Grader):
         self.http.close()
 
 
+def _sampling_ok(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if key in ("temperature", "top_p"):
+        return isinstance(value, (int, float))
+    if key == "stop":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    return isinstance(value, int)
+
+
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -126,7 +152,9 @@ class ScoreModelGrader(Grader):
     list of chat messages whose contents are templates; the first number in the reply, clipped to
     ``range`` [lo, hi], is mapped onto [0, 1]. ``sampling_params`` go into the request as they are."""
 
-    SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "stop"}
+    SAMPLING_KEYS = {"temperature": "must be a number", "top_p": "must be a number",
+                     "max_tokens": "must be an integer", "max_completion_tokens": "must be an integer",
+                     "seed": "must be an integer", "stop": "must be a string or a list of strings"}
 
     def __init__(self, spec, path, policy=DEFAULT_POLICY):
         super().__init__(spec, path, policy)
@@ -147,11 +175,17 @@ class ScoreModelGrader(Grader):
             raise RewardSpecError(self.field("range"), "must be [low, high] with low < high")
         self.lo, self.hi = float(rng[0]), float(rng[1])
         self.sampling = self.opt("sampling_params", dict, {"temperature": 0.0})
-        for key in self.sampling:
+        for key, value in self.sampling.items():
             if key not in self.SAMPLING_KEYS:
                 raise RewardSpecError(self.field(f"sampling_params.{key}"),
                                       f"unknown; allowed: {', '.join(sorted(self.SAMPLING_KEYS))}")
+            if not _sampling_ok(key, value):
+                raise RewardSpecError(self.field(f"sampling_params.{key}"), self.SAMPLING_KEYS[key])
+        from gspo_core.egress import header_refusal
+
         api_key = self.opt("api_key", str, None)
+        if api_key is not None and header_refusal("Authorization", api_key):
+            raise RewardSpecError(self.field("api_key"), "may not contain line breaks or NUL")
         self.http = _caller(self, {"Authorization": f"Bearer {api_key}"} if api_key else {}, 60.0)
 
     def grade(self, sample, item):
@@ -164,7 +198,7 @@ class ScoreModelGrader(Grader):
             raise GraderError("invalid_output", "judge reply has no choices[0].message.content") from None
         m = _NUM.search(text if isinstance(text, str) else "")
         if not m:
-            raise GraderError("invalid_output", f"judge reply has no number: {str(text)[:100]!r}")
+            raise GraderError("invalid_output", "judge reply has no number")
         value = min(max(float(m.group()), self.lo), self.hi)
         return (value - self.lo) / (self.hi - self.lo)
 

@@ -119,7 +119,7 @@ def test_templates_nested_fields_lists_and_json():
 def test_item_fields_include_defaults_and_every_sub_grader():
     spec = {"type": "multi", "graders": {
         "a": {"type": "string_check", "reference": "{{ item.answer }}", "operation": "eq"},
-        "b": {"type": "score_model", "base_url": "http://127.0.0.1:1/v1", "model": "m",
+        "b": {"type": "score_model", "base_url": "http://judge.invalid/v1", "model": "m",
               "input": [{"role": "user", "content": "{{item.rubric.text}} {{sample.output_text}}"}]},
         "c": {"type": "regex", "pattern": "x", "input": "{{item.other}}"}}}
     fn = build_reward(spec)
@@ -194,7 +194,7 @@ def test_nested_multi():
     ({"type": "python", "source": "def grade(s, i): return 1", "memory_mb": 1.5}, "memory_mb"),
     ({"type": "http", "url": "ftp://x"}, "url"),
     ({"type": "http", "url": "http://x", "retries": 99}, "retries"),
-    ({"type": "http", "url": "http://x", "headers": {"a": 1}}, "headers"),
+    ({"type": "http", "url": "http://x", "headers": {"a": 1}}, "headers.a"),
     ({"type": "score_model", "base_url": "http://x", "model": "m", "input": [{"role": 1}]}, "input[0]"),
     ({"type": "score_model", "base_url": "http://x", "model": "m", "input": []}, "input"),
     ({"type": "score_model", "base_url": "http://x", "input": [{"role": "user", "content": "x"}]}, "model"),
@@ -260,3 +260,68 @@ def test_junk_specs_only_ever_raise_reward_spec_errors():
             assert isinstance(exc.field, str) and exc.field
 
     check()
+
+
+def _nested_multi(depth: int) -> dict:
+    spec: dict = {"type": "length", "target": 1}
+    for _ in range(depth):
+        spec = {"type": "multi", "graders": {"g": spec}}
+    return spec
+
+
+def _deep(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("spec,field", [
+    (_nested_multi(9), "graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders"),
+    (_nested_multi(500), None),  # refused by the spec's depth bound before any recursion
+    ({"type": "multi", "graders": {f"g{i}": {"type": "length", "target": 1} for i in range(65)}}, "graders"),
+    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}}, "calculate_output": "+".join(["a"] * 600)},
+     "calculate_output"),
+    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}}, "calculate_output": "-" * 1900 + "a"},
+     "calculate_output"),
+    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}},
+      "calculate_output": "abs(" * 120 + "a" + ")" * 120}, "calculate_output"),
+    ({"type": "json_schema", "schema": _deep(20)}, "schema"),
+    ({"type": "python", "source": "def grade(s, i):\n    return " + "-" * 50000 + "1\n"}, "source"),
+    ({"type": "python", "source": "x = " + "+".join(["a"] * 30000) + "\ndef grade(s, i):\n    return 1\n"}, "source"),
+    ({"type": "length", "target": float("nan")}, "target"),
+    ({"type": "multi", "graders": {"a": {"type": "math_answer", "reference": "1", "tolerance": float("inf")}}},
+     "graders.a.tolerance"),
+    ({"type": "json_schema", "schema": {"type": "number", "maximum": float("-inf")}}, "schema.maximum"),
+    ({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "range": [0, float("nan")],
+      "input": [{"role": "user", "content": "x"}]}, "range[1]"),
+    ({"type": "length", "target": True}, "target"),
+    ({"type": "regex", "pattern": "a", "score_match": False}, "score_match"),
+    ({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "range": [False, 1],
+      "input": [{"role": "user", "content": "x"}]}, "range"),
+    ({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "sampling_params": {"max_tokens": True},
+      "input": [{"role": "user", "content": "x"}]}, "sampling_params.max_tokens"),
+    ({"type": "python", "source": "def grade(s, i):\n    return 1\n", "memory_mb": True}, "memory_mb"),
+])
+def test_oversized_deep_and_non_finite_specs_name_the_field(spec, field):
+    with pytest.raises(RewardSpecError) as exc:
+        build_reward(spec)
+    if field is None:
+        assert exc.value.field.startswith("graders.g.") and "nested deeper" in exc.value.message
+    else:
+        assert exc.value.field == field, exc.value
+
+
+def test_spec_bounds_leave_room_for_real_specs():
+    ok = {"type": "multi", "graders": {f"g{i}": {"type": "length", "target": 1} for i in range(64)},
+          "calculate_output": " + ".join(f"g{i}" for i in range(64))}
+    build_reward(ok).close()
+    build_reward(_nested_multi(8)).close()
+    build_reward({"type": "json_schema", "schema": _deep(12)}).close()
+
+
+def test_map_reward_models_stops_at_the_deepest_nesting_a_spec_may_have():
+    from gspo_core.rewards import map_reward_models
+
+    deep = _nested_multi(5000)  # far deeper than the interpreter's recursion limit
+    assert map_reward_models(deep, str.upper) is not None

@@ -10,7 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gspo_core.rewards import build_reward
+from gspo_core.rewards import GraderPolicy, build_reward
+
+#: The local test servers listen on loopback, which graders reach only when the operator allows it.
+LOCAL = GraderPolicy(egress_allow=("127.0.0.1",))
 
 
 def sample(text: str) -> dict:
@@ -18,7 +21,7 @@ def sample(text: str) -> dict:
 
 
 def score(spec, text, item=None):
-    fn = build_reward(spec)
+    fn = build_reward(spec, LOCAL)
     try:
         return fn.score_batch([item or {}], [sample(text)])[0]
     finally:
@@ -122,7 +125,7 @@ def judge_spec(server, **extra):
 
 
 def test_score_model_judge(server):
-    fn = build_reward(judge_spec(server, sampling_params={"temperature": 0, "max_tokens": 8}))
+    fn = build_reward(judge_spec(server, sampling_params={"temperature": 0, "max_tokens": 8}), LOCAL)
     res = fn.score_batch([{"question": "Q?"}] * 3, [sample("a good answer"), sample("meh"), sample("refuse")])
     fn.close()
     assert res[0].reward == pytest.approx(0.8) and res[1].reward == pytest.approx(0.2)
@@ -143,7 +146,7 @@ def test_score_model_range_clips_and_retries(server):
 def test_batch_of_slow_graders_takes_one_graders_time(server):
     spec = {"type": "multi", "graders": {f"g{i}": {"type": "http", "url": server + "/score", "retries": 0}
                                          for i in range(4)}}
-    fn = build_reward(spec)
+    fn = build_reward(spec, LOCAL)
     fn.score_batch([{}], [sample("warm-up")])  # imports httpx, opens the clients
     _Handler.delay = 0.5
     t0 = time.perf_counter()
@@ -191,3 +194,37 @@ def test_reward_model_missing_directory_scores_zero(tmp_path):
     res = fn.score_batch([{"prompt": "p"}] * 2, [sample("a"), sample("b")])
     fn.close()
     assert all(r.reward == 0.0 and r.errors["rm"].startswith("exception") for r in res)
+
+
+def test_reward_models_are_loaded_once_per_process_and_the_cache_is_bounded(reward_model_dir, tmp_path):
+    import shutil
+
+    from gspo_core.rewards.reward_model import MODEL_CACHE, ModelCache
+
+    dirs = [reward_model_dir] + [shutil.copytree(reward_model_dir, tmp_path / f"rm{i}") for i in range(2)]
+    MODEL_CACHE.clear()
+    loads = MODEL_CACHE.loads
+    first = build_reward({"type": "reward_model", "model": str(dirs[0])})
+    second = build_reward({"type": "reward_model", "model": str(dirs[0]), "activation": "none"})
+    a = first.score_batch([{"prompt": "Q: "}], [sample("x")])[0]
+    b = second.score_batch([{"prompt": "Q: "}], [sample("x")])[0]
+    assert MODEL_CACHE.loads == loads + 1 and 0 < a.reward < 1 and not b.errors  # two graders, one load
+    first.close()
+    second.close()
+    for d in dirs:  # three models, one after another: at most two stay loaded unused
+        fn = build_reward({"type": "reward_model", "model": str(d)})
+        assert not fn.score_batch([{"prompt": "Q: "}], [sample("x")])[0].errors
+        fn.close()
+    assert MODEL_CACHE.loads == loads + 3  # dirs[0] was still cached
+    assert len(MODEL_CACHE) == 2
+
+    small = ModelCache(max_models=4, max_bytes=1)  # no model fits: each leaves as soon as it is unused
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    load = lambda: (AutoTokenizer.from_pretrained(dirs[1]),  # noqa: E731
+                    AutoModelForSequenceClassification.from_pretrained(dirs[1]))
+    entry = small.acquire((str(dirs[1]), "cpu"), load)
+    assert small.acquire((str(dirs[1]), "cpu"), load) is entry and small.loads == 1  # held: kept and shared
+    small.release((str(dirs[1]), "cpu"))
+    small.release((str(dirs[1]), "cpu"))
+    assert len(small) == 0

@@ -1,0 +1,353 @@
+"""Outbound HTTP to user-given URLs: refuses internal targets, pins each connection to the checked address.
+
+Anything that fetches a URL a tenant chose (graders now; webhooks, agent tools later) goes through
+:class:`EgressClient`. A host is resolved once per connection, every address is checked (loopback,
+private, link-local, multicast, reserved, unspecified, IPv4 embedded in IPv6, cloud metadata), and the
+connection is made to the checked address itself (httpcore network backend), so a DNS answer that
+changes between check and connect cannot reach the inside. TLS still verifies the URL's hostname
+(SNI and certificate). Redirects are followed here, one checked hop at a time; credentials and the
+caller's own headers are dropped when a hop leaves the original origin. The operator's allow-list
+(hosts or CIDRs) opens specific internal targets.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import ssl
+from typing import Callable, Iterable, Iterator, Sequence
+
+import httpcore
+import httpx
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: ``resolver(host, port) -> [address, ...]`` (the default asks the system's resolver).
+Resolver = Callable[[str, int], Sequence[str]]
+
+#: Cloud metadata and host-agent endpoints (AWS IMDS v4/v6 and ECS, GCP, Azure wireserver, Alibaba).
+METADATA = frozenset(ipaddress.ip_address(a) for a in (
+    "169.254.169.254", "169.254.170.2", "169.254.169.123", "fd00:ec2::254", "168.63.129.16", "100.100.100.200"))
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+SIIT = ipaddress.ip_network("::ffff:0:0:0/96")
+#: Names that mean this host without asking DNS (RFC 6761).
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+#: Request headers a tenant may not set: they steer routing or framing, not the endpoint's logic.
+FORBIDDEN_HEADERS = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer",
+    "proxy-authorization", "proxy-connection", "proxy-authenticate", "expect", "forwarded", "x-forwarded-for",
+    "x-forwarded-host", "x-forwarded-proto", "x-real-ip"})
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_IPV4_SPELLING = re.compile(r"^[0-9a-fA-FxX.]+$")
+
+
+class EgressRefused(Exception):
+    """The URL's host (or a redirect's) is one this service may not connect to; nothing was sent."""
+
+
+class EgressError(Exception):
+    """The request failed; the message is safe to show the tenant (no remote body, no port state)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
+def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (mapped, SIIT, 6to4, Teredo, NAT64, compatible)."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in SIIT or ip in NAT64 or (int(ip) >> 32 == 0 and int(ip) > 1):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    return None
+
+
+def address_refusal(ip: IPAddress) -> str | None:
+    """Why ``ip`` may not be reached without the operator's allow-list (None: it is public)."""
+    if ip in METADATA:
+        return "a cloud metadata address"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.scope_id:
+            return "a scoped (link-local) address"
+        inner = _embedded_v4(ip)
+        if inner is not None and (why := address_refusal(inner)):
+            return why
+        if ip in NAT64:  # DNS64 names a public IPv4 host this way: its verdict is the IPv4 address's
+            return None
+        if ip in NAT64_LOCAL:
+            return "a local NAT64 address"
+    for prop, words in (("is_unspecified", "an unspecified"), ("is_loopback", "a loopback"),
+                        ("is_link_local", "a link-local"), ("is_multicast", "a multicast"),
+                        ("is_private", "a private"), ("is_reserved", "a reserved"), ("is_site_local", "a site-local")):
+        if getattr(ip, prop, False):
+            return f"{words} address"
+    if not ip.is_global:
+        return "a non-public address"
+    return None
+
+
+def literal_address(host: str) -> IPAddress | None:
+    """The address a URL host spells literally, in any form a resolver accepts (``127.1``,
+    ``2130706433``, ``0x7f000001``, ``0177.0.0.1``, ``[::ffff:127.0.0.1]``); None for a name."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if _IPV4_SPELLING.match(host) and any(c.isdigit() for c in host):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
+
+
+def normal_host(host: str) -> str:
+    """A host as compared: no brackets, no trailing dot, lower case."""
+    return host.strip("[]").rstrip(".").lower()
+
+
+def _is_loopback_name(host: str) -> bool:
+    host = normal_host(host)
+    return host in LOOPBACK_NAMES or host.endswith(".localhost")
+
+
+class EgressPolicy:
+    """The operator's allow-list (hostnames, addresses or CIDRs) over the built-in refusals."""
+
+    def __init__(self, allow: Iterable[str] = ()) -> None:
+        self.names: set[str] = set()
+        self.nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in allow:
+            entry = entry.strip()
+            if not entry:
+                continue
+            try:
+                self.nets.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+            except ValueError:
+                self.names.add(normal_host(entry))
+
+    def _net_allows(self, ip: IPAddress) -> bool:
+        inner = _embedded_v4(ip) if isinstance(ip, ipaddress.IPv6Address) else None
+        return any(ip in net or (inner is not None and inner in net) for net in self.nets)
+
+    def refusal(self, ip: IPAddress, host: str = "") -> str | None:
+        """Why ``ip`` (reached through ``host``) is refused; None when allowed. Metadata addresses
+        need the address itself on the allow-list (a CIDR or hostname entry does not open them)."""
+        why = address_refusal(ip)
+        if why is None:
+            return None
+        exact = any(net.num_addresses == 1 and ip in net for net in self.nets)
+        if ip in METADATA:
+            return None if exact else why
+        if normal_host(host) in self.names or self._net_allows(ip):
+            return None
+        return why
+
+    def literal_refusal(self, url: str) -> str | None:
+        """Checked when a spec is built: why the URL's host, when it is an address literal or a
+        loopback name, is refused (None for allowed literals and for names, which are checked when
+        resolved)."""
+        host = normal_host(httpx.URL(url).host)
+        ip = literal_address(host)
+        if ip is not None:
+            why = self.refusal(ip, host)
+            return f"{host} is {why}" if why else None
+        if _is_loopback_name(host):
+            loop = ipaddress.ip_address("127.0.0.1")
+            return None if self.refusal(loop, host) is None else f"{host} is a loopback address"
+        return None
+
+    def checked_addresses(self, host: str, port: int, resolver: Resolver | None = None) -> list[str]:
+        """``host``'s addresses that may be reached, in resolver order; raises EgressRefused when
+        none may (addresses that are refused are left out, never connected to)."""
+        literal = literal_address(host)
+        if literal is not None:
+            addrs = [str(literal)]
+        elif _is_loopback_name(host):  # RFC 6761: this host, whatever a resolver would say
+            addrs = ["127.0.0.1"]
+        else:
+            try:
+                addrs = list((resolver or system_resolver)(host, port))
+            except OSError:
+                raise httpcore.ConnectError(f"could not resolve {host}") from None
+        ok, reasons = [], []
+        for a in addrs:
+            ip = ipaddress.ip_address(a)
+            why = self.refusal(ip, host)
+            if why is None:
+                ok.append(str(ip))
+            else:
+                reasons.append(why)
+        if not ok:
+            raise EgressRefused(f"{host} resolves to {reasons[0] if reasons else 'no address'}")
+        return ok
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    """The system resolver's addresses for ``host`` (TCP), first-seen order, duplicates dropped."""
+    out: list[str] = []
+    for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        if sockaddr[0] not in out:
+            out.append(sockaddr[0])
+    return out
+
+
+def header_refusal(name: object, value: object) -> str | None:
+    """Why a tenant-given request header is refused (None: it may be sent)."""
+    if not isinstance(name, str) or not isinstance(value, str):
+        return "header names and values must be strings"
+    if not _TOKEN.match(name):
+        return "not a valid header name"
+    if name.lower() in FORBIDDEN_HEADERS:
+        return "this header is set by the service, not by a grader"
+    if any(c in value for c in "\r\n\x00"):
+        return "header values may not contain line breaks or NUL"
+    return None
+
+
+class _PinnedBackend(httpcore.NetworkBackend):
+    """Connects to the checked addresses of the requested host, never to the name itself."""
+
+    def __init__(self, policy: EgressPolicy, resolver: Resolver | None) -> None:
+        self.policy, self.resolver = policy, resolver
+        self._plain = httpcore.SyncBackend()
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        last: Exception | None = None
+        for address in self.policy.checked_addresses(host, port, self.resolver):
+            try:
+                return self._plain.connect_tcp(address, port, timeout, local_address, socket_options)
+            except httpcore.ConnectError as exc:
+                last = exc
+        raise last  # type: ignore[misc]  (checked_addresses never returns an empty list)
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        raise EgressRefused("unix sockets are not reachable")
+
+    def sleep(self, seconds: float) -> None:
+        self._plain.sleep(seconds)
+
+
+#: httpcore's exceptions as httpx raises them (most specific first).
+_EXC = ((httpcore.ConnectTimeout, httpx.ConnectTimeout), (httpcore.ReadTimeout, httpx.ReadTimeout),
+        (httpcore.WriteTimeout, httpx.WriteTimeout), (httpcore.PoolTimeout, httpx.PoolTimeout),
+        (httpcore.ConnectError, httpx.ConnectError), (httpcore.ReadError, httpx.ReadError),
+        (httpcore.WriteError, httpx.WriteError), (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+        (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+        (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol), (httpcore.TimeoutException, httpx.TimeoutException),
+        (httpcore.NetworkError, httpx.NetworkError), (httpcore.ProtocolError, httpx.ProtocolError))
+
+
+def _as_httpx(exc: Exception) -> Exception:
+    for core, ours in _EXC:
+        if isinstance(exc, core):
+            return ours(str(exc))
+    return exc
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._stream
+        except httpcore.TimeoutException as exc:
+            raise _as_httpx(exc) from None
+        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
+            raise _as_httpx(exc) from None
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class PinnedTransport(httpx.BaseTransport):
+    """An httpx transport whose connections go only to checked, pinned addresses (see module doc)."""
+
+    def __init__(self, policy: EgressPolicy, verify: ssl.SSLContext | None = None, max_connections: int = 64,
+                 resolver: Resolver | None = None) -> None:
+        self._pool = httpcore.ConnectionPool(ssl_context=verify or ssl.create_default_context(),
+                                             max_connections=max_connections,
+                                             network_backend=_PinnedBackend(policy, resolver))
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        core = httpcore.Request(method=request.method, headers=request.headers.raw, content=request.stream,
+                                url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
+                                                 target=url.raw_path),
+                                extensions=request.extensions)
+        try:
+            resp = self._pool.handle_request(core)
+        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
+                httpcore.UnsupportedProtocol) as exc:
+            raise _as_httpx(exc) from None
+        return httpx.Response(status_code=resp.status, headers=resp.headers, stream=_Body(resp.stream),
+                              extensions=resp.extensions)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    return url.scheme, normal_host(url.host), url.port
+
+
+class EgressClient:
+    """A thread-safe HTTP client for tenant-given URLs: :class:`PinnedTransport` underneath, at most
+    ``max_redirects`` redirects (each hop checked, to http(s) only), ``Authorization`` and the
+    caller's ``headers`` dropped once a hop leaves the first origin, at most ``max_body`` bytes read.
+    Every failure is an :class:`EgressRefused` or an :class:`EgressError` whose text tells neither
+    the remote body nor whether a port was open."""
+
+    def __init__(self, policy: EgressPolicy, timeout: float, headers: dict[str, str] | None = None,
+                 verify: ssl.SSLContext | None = None, max_redirects: int = 3, max_body: int = 1 << 20,
+                 max_connections: int = 64, resolver: Resolver | None = None) -> None:
+        self.timeout, self.headers = timeout, dict(headers or {})
+        self.max_redirects, self.max_body = max_redirects, max_body
+        self._client = httpx.Client(transport=PinnedTransport(policy, verify, max_connections, resolver),
+                                    timeout=timeout, follow_redirects=False, trust_env=False)
+
+    def request(self, method: str, url: str, json: object = None) -> tuple[int, bytes]:
+        """``(status, body)`` of the final answer after redirects."""
+        req = self._client.build_request(method, url, json=json, headers=self.headers)
+        first = _origin(req.url)
+        for _ in range(self.max_redirects + 1):
+            status, body, nxt = self._send(req)
+            if nxt is None:
+                return status, body
+            if nxt.url.scheme not in ("http", "https"):
+                raise EgressError("http_error", f"{url} redirected to a {nxt.url.scheme or 'relative'} URL")
+            if _origin(nxt.url) != first:
+                for name in ("Authorization", *self.headers):
+                    nxt.headers.pop(name, None)
+            req = nxt
+        raise EgressError("http_error", f"{url} redirected more than {self.max_redirects} times")
+
+    def _send(self, req: httpx.Request) -> tuple[int, bytes, httpx.Request | None]:
+        where = f"{req.url.scheme}://{req.url.netloc.decode('ascii', 'replace')}"
+        try:
+            resp = self._client.send(req, stream=True)
+            try:
+                if resp.is_redirect:
+                    return resp.status_code, b"", resp.next_request
+                body = bytearray()
+                for chunk in resp.iter_bytes():
+                    body += chunk
+                    if len(body) > self.max_body:
+                        raise EgressError("invalid_output", f"answer from {where} larger than {self.max_body} bytes")
+                return resp.status_code, bytes(body), None
+            finally:
+                resp.close()
+        except httpx.TimeoutException:
+            raise EgressError("timeout", f"no answer from {where} within {self.timeout:g} s") from None
+        except httpx.HTTPError:  # connection refused, reset, TLS failure, not HTTP: one text for all
+            raise EgressError("http_error", f"could not get an answer from {where}") from None
+
+    def close(self) -> None:
+        self._client.close()
