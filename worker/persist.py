@@ -81,9 +81,9 @@ class RunUsage:
         return self.limit_s is not None and self.meter.device_seconds() >= self.limit_s
 
     def limit_error(self, step: int) -> str:
-        return (f"wall-clock limit reached: the job used {self.meter.device_seconds():.0f} s of device time over "
-                f"{self.attempt} attempt(s); its limit is {self.limit_s:.0f} s ({self.limit_source}). Stopped after "
-                f"step {step}; its checkpoint and metrics are kept")
+        return (f"wall-clock limit reached: the job used {self.meter.device_seconds():.0f} s of device time (all its "
+                f"runs together); its limit is {self.limit_s:.0f} s ({self.limit_source}). Stopped after step "
+                f"{step}; its checkpoint and metrics are kept")
 
 
 class PersistCallbacks(Callbacks):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from store import jobs
 from store.queue import enqueue_run_job, queue_depth
@@ -13,6 +14,7 @@ from store.usage import QueuePolicy
 from worker.context import get_db
 
 log = logging.getLogger(__name__)
+_RESENT: dict[str, float] = {}  # job id -> when this process last sent it a token (time.monotonic)
 
 
 def reap_once(settings: Settings) -> tuple[list[str], list[str]]:
@@ -36,8 +38,15 @@ def resend_lost(settings: Settings) -> list[str]:
         return []
     with get_db(settings).session() as s:
         lost = jobs_needing_tokens(s, QueuePolicy.of(settings), settings.resend_lost_after_seconds)
+    now = time.monotonic()
+    for job_id, at in list(_RESENT.items()):
+        if now - at > settings.resend_lost_after_seconds:
+            del _RESENT[job_id]
+    # A token just sent leaves the queue before its worker claims the job: do not send another meanwhile.
+    lost = [job_id for job_id in lost if job_id not in _RESENT]
     for job_id in lost:
         enqueue_run_job(settings, job_id)
+        _RESENT[job_id] = now
     return lost
 
 

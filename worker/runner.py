@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
 from gspo_core.rewards import GraderPolicy, map_reward_models
-from gspo_core.trainer import train
 from store import jobs
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
@@ -132,6 +131,9 @@ def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None 
 def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path) -> str:
     """Fetch the claimed job's inputs, train it (resuming from its checkpoint) and settle its status."""
     with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds, usage) as hb:
+        # torch & co. load here, under the lease's heartbeat: a message that finds no job leaves without them.
+        from gspo_core.trainer import train
+
         with db.session() as s:
             job = s.get(Job, job_id)
             hp, seed, reward, status = dict(job.hyperparameters), job.seed, job.reward, job.status

@@ -83,3 +83,18 @@ def test_python_client_errors(service):  # noqa: F811
         assert exc.value.status == 404 and exc.value.field == "training_file"
         assert c.samples(job_id)["step"] == 12
         assert c.run_reward(TOY_REWARD, {"target": "aaaa"}, ["aaaa"])["results"][0]["reward"] == 1.0
+
+
+def test_python_client_usage_matches_the_steps_run(service):  # noqa: F811
+    """The embedded default (SQLite, filesystem broker) accounts usage too: the two jobs' tokens."""
+    from gspo_client import Client
+
+    url, key, job_id, second = service
+    with Client(url, key) as c:
+        usage = c.usage()
+        runs = [c.get_job(j) for j in (job_id, second)]
+        steps = [m["metrics"] for j in (job_id, second) for m in c.metrics(j)]
+    assert usage["total"]["jobs"] == 2 and usage["budget_device_hours"] is None
+    assert usage["total"]["tokens_sampled"] == sum(int(m["tokens/sampled"]) for m in steps) > 0
+    assert usage["total"]["tokens_trained"] == sum(j["usage"]["tokens_trained"] for j in runs)
+    assert usage["total"]["device_seconds"] == pytest.approx(sum(j["usage"]["device_seconds"] for j in runs))
