@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from api import errors
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
-from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui
+from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui, usage
 from api.schemas import ErrorBody
 from store.db import Database
 from store.models import Job
@@ -68,7 +68,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.objects = get_object_store(settings)
     errors.install(app)
     _instrument(app)
-    for router in (files.router, jobs.router, metrics.router, checkpoints.router, rewards.router, health.router):
+    for router in (files.router, jobs.router, metrics.router, checkpoints.router, rewards.router, usage.router,
+                   health.router):
         app.include_router(router)
     app.include_router(ui.router)
     app.mount("/static", ui.static_app, name="static")

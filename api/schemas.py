@@ -73,6 +73,17 @@ class JobCreate(BaseModel):
     name: str | None = Field(None, max_length=200)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    max_wall_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description=(
+        "Device time (seconds, summed over attempts) after which the job stops at its next step, "
+        "checkpoints and fails; at most the operator's limit, which applies when unset."))
+
+
+class JobUsage(BaseModel):
+    """What the job used so far, over all its attempts (re-run steps after a resume count again)."""
+
+    device_seconds: float = Field(description="Wall time the job held a worker's device")
+    tokens_sampled: int = Field(description="Completion tokens sampled")
+    tokens_trained: int = Field(description="Prompt + completion tokens of the rows the updates trained on")
 
 
 class JobOut(BaseModel):
@@ -83,7 +94,9 @@ class JobOut(BaseModel):
     status: JobStatus
     step: int
     total_steps: int
-    queue_position: int | None
+    queue_position: int | None = Field(description="While queued: its place among this tenant's own queued "
+                                                   "jobs (1: the tenant's next)")
+    waiting_reason: str | None = Field(None, description="While queued: why it has not started")
     error: str | None
     created_at: UtcDatetime
     started_at: UtcDatetime | None
@@ -95,7 +108,39 @@ class JobOut(BaseModel):
     metadata: dict[str, Any]
     seed: int
     attempts: int
+    max_wall_seconds: int | None = None
+    usage: JobUsage
     latest_metrics: dict[str, float] | None
+
+
+class UsagePeriod(BaseModel):
+    period_start: UtcDatetime
+    period_end: UtcDatetime
+    device_seconds: float
+    tokens_sampled: int
+    tokens_trained: int
+    jobs: int = Field(description="Jobs that ran in the period")
+
+
+class UsageTotals(BaseModel):
+    device_seconds: float
+    tokens_sampled: int
+    tokens_trained: int
+    jobs: int
+
+
+class UsageOut(BaseModel):
+    """``GET /v1/usage``: the tenant's usage per budget period (newest first) and its budget."""
+
+    object: Literal["usage"] = "usage"
+    period_seconds: int
+    budget_device_hours: float | None = Field(description="Device hours per period; null: no budget")
+    current: UsagePeriod
+    budget_left_device_hours: float | None
+    budget_exhausted_until: UtcDatetime | None = Field(
+        description="While the budget of the current period is used: when queued jobs may start again")
+    periods: list[UsagePeriod]
+    total: UsageTotals
 
 
 class StepMetricsOut(BaseModel):

@@ -64,13 +64,15 @@ class Client:
     # --- jobs ----------------------------------------------------------------------------
     def create_job(self, *, model: str, training_file: str, reward: dict, hyperparameters: dict | None = None,
                    validation_file: str | None = None, name: str | None = None, metadata: dict | None = None,
-                   seed: int = 0, idempotency_key: str | None = None) -> dict:
+                   seed: int = 0, idempotency_key: str | None = None, max_wall_seconds: int | None = None) -> dict:
         body = {"model": model, "training_file": training_file, "reward": reward,
                 "hyperparameters": hyperparameters or {}, "seed": seed, "metadata": metadata or {}}
         if validation_file:
             body["validation_file"] = validation_file
         if name:
             body["name"] = name
+        if max_wall_seconds is not None:
+            body["max_wall_seconds"] = max_wall_seconds
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._check(self.http.post("/v1/jobs", json=body, headers=headers)).json()
 
@@ -82,6 +84,10 @@ class Client:
 
     def cancel_job(self, job_id: str) -> dict:
         return self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")).json()
+
+    def usage(self, periods: int = 30) -> dict:
+        """Your device time and tokens per budget period, totals, and budget (``GET /v1/usage``)."""
+        return self._get("/v1/usage", periods=periods)
 
     def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
         return self._get(f"/v1/jobs/{job_id}/metrics", after_step=after_step)["data"]

@@ -174,6 +174,9 @@ class Trainer:
         tokens = sum(len(c.completion_ids) for c in ro.completions)
         m.update(S.completion_metrics(ro), **t, step=float(step), total_steps=float(cfg.steps))
         m["throughput/tokens_per_s"] = tokens / max(t["time/step"], 1e-9)
+        # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
+        m["tokens/sampled"] = float(tokens)
+        m["tokens/trained"] = float(tokens + sum(len(c.prompt_ids) for c in ro.completions))
         return m, S.sample_rows(ro, cfg)
 
     def _stop_trusting_sampler(self, err: float) -> None:

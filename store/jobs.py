@@ -9,7 +9,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, utcnow
+from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, Tenant, utcnow
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 ACTIVE = {"queued", "running", "cancelling"}
@@ -39,15 +39,42 @@ def add_event(s: Session, job_id: str, kind: str, message: str, data: dict | Non
     return ev
 
 
+class TooManyActiveJobs(RuntimeError):
+    """The tenant already has its maximum of queued and running jobs."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"at most {limit} queued or running jobs per tenant")
+
+
+def lock_tenant(s: Session, tenant_id: str) -> None:
+    """Serialize the tenant's job submissions until this transaction ends: its row locked on PostgreSQL,
+    the database's write lock taken on SQLite (where the UPDATE opens the transaction, so no older
+    snapshot is read under the lock)."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+    else:
+        s.execute(update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name)
+                  .execution_options(synchronize_session=False))
+
+
 def create_job(s: Session, *, tenant_id: str, model: str, training_file_id: str, reward: dict,
                hyperparameters: dict, total_steps: int, validation_file_id: str | None = None, name: str | None = None,
                metadata: dict | None = None, seed: int = 0, idempotency_key: str | None = None,
-               max_attempts: int = 3) -> Job:
-    """Insert a ``queued`` job and its first status event (the caller enqueues it after commit)."""
+               max_attempts: int = 3, max_wall_seconds: int | None = None, max_active: int | None = None) -> Job:
+    """Insert a ``queued`` job and its first status event (the caller enqueues it after commit).
+
+    With ``max_active``, the tenant's active jobs are counted under `lock_tenant` in this transaction,
+    so concurrent submissions cannot pass the cap (`TooManyActiveJobs`): the caller commits soon after.
+    """
+    if max_active is not None:
+        lock_tenant(s, tenant_id)
+        if count_active(s, tenant_id) >= max_active:
+            raise TooManyActiveJobs(max_active)
     job = Job(tenant_id=tenant_id, name=name, model=model, training_file_id=training_file_id,
               validation_file_id=validation_file_id, reward=reward, hyperparameters=hyperparameters,
               job_metadata=metadata or {}, seed=seed, status="queued", total_steps=total_steps,
-              idempotency_key=idempotency_key, max_attempts=max_attempts)
+              idempotency_key=idempotency_key, max_attempts=max_attempts, max_wall_seconds=max_wall_seconds)
     s.add(job)
     s.flush()
     add_event(s, job.id, "status", "queued", {"status": "queued"})
@@ -72,20 +99,20 @@ def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Jo
     return job
 
 
-def claim(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
-    """Take the job's lease if it is queued or its holder's lease expired (atomic UPDATE).
+def _stale(now: datetime):
+    """A running job whose holder's lease expired, still within its retry budget."""
+    return and_(Job.status.in_(("running", "cancelling")), or_(Job.lease_until.is_(None), Job.lease_until < now),
+                Job.attempts < Job.max_attempts)
 
-    Returns the job (now ``running``, attempts + 1) or None when another live worker holds it or
-    it is no longer runnable: a duplicated delivery then exits at once. A stale lease of a job past
-    its retry budget is not taken over: the reaper fails that job.
-    """
+
+def _take(s: Session, job_id: str, worker_id: str, lease_seconds: float, runnable) -> Job | None:
+    """Give ``worker_id`` the job's lease if ``runnable(now)`` holds for its row (one atomic UPDATE, so
+    of concurrent takers exactly one wins): the job becomes ``running``, attempts + 1."""
     now = _now()
-    stale = and_(Job.status.in_(("running", "cancelling")), or_(Job.lease_until.is_(None), Job.lease_until < now),
-                 Job.attempts < Job.max_attempts)
     res = s.execute(
         update(Job)
         .where(Job.id == job_id)
-        .where(or_(Job.status == "queued", stale))
+        .where(runnable(now))
         .values(worker_id=worker_id, lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now,
                 attempts=Job.attempts + 1)
         .execution_options(synchronize_session=False)
@@ -97,6 +124,28 @@ def claim(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job 
         transition(s, job, "running")
     add_event(s, job.id, "log", f"attempt {job.attempts} started on {worker_id}")
     return job
+
+
+def claim(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
+    """Take the job's lease if it is queued or its holder's lease expired (atomic UPDATE).
+
+    Returns the job (now ``running``, attempts + 1) or None when another live worker holds it or
+    it is no longer runnable: a duplicated delivery then exits at once. A stale lease of a job past
+    its retry budget is not taken over: the reaper fails that job.
+    """
+    return _take(s, job_id, worker_id, lease_seconds, lambda now: or_(Job.status == "queued", _stale(now)))
+
+
+def claim_queued(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
+    """Take a queued job (the scheduler's pick, `store.scheduling.claim_next`); None if another worker
+    took it first."""
+    return _take(s, job_id, worker_id, lease_seconds, lambda now: Job.status == "queued")
+
+
+def claim_stale(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
+    """Take over a running job whose holder's lease expired (a redelivered message of a job whose
+    worker died); None when its lease is alive or the job is not running."""
+    return _take(s, job_id, worker_id, lease_seconds, _stale)
 
 
 def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> bool:
@@ -195,20 +244,13 @@ def reap(s: Session) -> tuple[list[str], list[str]]:
 
 def queued_without_message(s: Session, older_than_s: float) -> list[str]:
     """Queued jobs that have waited ``older_than_s`` since they were created or last ran. Called only
-    when the broker queue is empty, these are jobs whose message was lost (a broker restarted without
-    persistence, a publish that failed after the commit): the reaper sends them again."""
+    when the broker queue is empty, these are jobs left without a token: a message lost (a broker
+    restarted without persistence, a publish that failed after the commit) or dropped while the job could
+    not run (its tenant's budget was used). The reaper sends tokens again (`store.scheduling`)."""
     cutoff = _now() - timedelta(seconds=older_than_s)
     q = select(Job.id).where(Job.status == "queued", Job.created_at < cutoff,
                              or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff)).order_by(Job.created_at)
     return list(s.scalars(q))
-
-
-def queue_position(s: Session, job: Job) -> int | None:
-    """1-based position among queued jobs (all tenants, oldest first), None unless queued."""
-    if job.status != "queued":
-        return None
-    ahead = s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued", Job.created_at < job.created_at))
-    return int(ahead or 0) + 1
 
 
 def count_active(s: Session, tenant_id: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -81,6 +81,12 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    # Device time the job asked to be limited to (None: the operator's limit), and its usage so far,
+    # summed over attempts (store.usage; the worker writes absolute values, so a retried write is harmless).
+    max_wall_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    device_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class JobEvent(Base):
@@ -124,3 +130,24 @@ class Checkpoint(Base):
     metrics: Mapped[dict] = mapped_column(JSON, default=dict)
     final: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class UsageRecord(Base):
+    """Device time and tokens of one run of a job (one claim, ``run_id``) within one budget period.
+
+    ``job_id`` is deliberately no foreign key: a tenant's usage outlives the jobs it deletes, so
+    deleting jobs never hands budget back.
+    """
+
+    __tablename__ = "usage_records"
+    __table_args__ = (UniqueConstraint("job_id", "run_id", "period_start", name="uq_usage_records_run_period"),
+                      Index("ix_usage_records_tenant_period", "tenant_id", "period_start"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(String(40), index=True)
+    run_id: Mapped[str] = mapped_column(String(200))
+    attempt: Mapped[int] = mapped_column(Integer)
+    period_start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -76,6 +76,17 @@ class Settings(BaseSettings):
     resend_lost_after_seconds: float = Field(60.0, validation_alias=_env("RESEND_LOST_AFTER_SECONDS"))
     worker_queue: str = Field("gpu", validation_alias=_env("WORKER_QUEUE"))
 
+    # Scheduling and budgets (store.scheduling, store.usage). A job's device time is the wall time its
+    # attempts held a worker, summed over attempts; 0 turns a limit off.
+    max_job_wall_seconds: float = Field(72 * 3600.0, ge=0, validation_alias=_env("MAX_JOB_WALL_SECONDS"),
+                                        description="Device time a job may use; a job may ask for less")
+    tenant_device_hours_per_period: float = Field(0.0, ge=0, validation_alias=_env("TENANT_DEVICE_HOURS_PER_PERIOD"),
+                                                  description="Device hours a tenant's jobs may start within in "
+                                                              "one budget period; 0 = no budget")
+    budget_period_seconds: int = Field(86400, ge=1, validation_alias=_env("BUDGET_PERIOD_SECONDS"),
+                                       description="Length of a budget period, aligned to the Unix epoch "
+                                                   "(86400: the UTC calendar day)")
+
     @model_validator(mode="after")
     def _models_under_data_dir(self) -> "Settings":
         # An unset models_dir follows data_dir, so GSPO_DATA_DIR alone relocates everything.

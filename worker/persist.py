@@ -14,6 +14,7 @@ from gspo_core.callbacks import Callbacks
 from store import jobs
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, put_dir
+from store.usage import RunMeter, record_usage
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,41 @@ def drop_orphan_uploads(s, objects, job_id: str) -> list[str]:
     return orphans
 
 
+class RunUsage:
+    """One run of a job (one claim): its usage meter, where it is written, and the job's wall-clock limit.
+
+    ``limit_s`` counts device time over all the job's attempts (the meter's prior holds the earlier ones).
+    """
+
+    def __init__(self, job_id: str, tenant_id: str, run_id: str, attempt: int, meter: RunMeter,
+                 limit_s: float | None = None, limit_source: str = "") -> None:
+        self.job_id, self.tenant_id, self.run_id, self.attempt = job_id, tenant_id, run_id, attempt
+        self.meter, self.limit_s, self.limit_source = meter, limit_s, limit_source
+
+    def write(self, s) -> None:
+        """Record the run's usage in ``s`` (a transaction that holds the job's lease)."""
+        record_usage(s, self.job_id, self.tenant_id, self.run_id, self.attempt, self.meter)
+
+    def add_step(self, metrics: dict) -> None:
+        self.meter.add_tokens(metrics.get("tokens/sampled", 0), metrics.get("tokens/trained", 0))
+
+    def over_limit(self) -> bool:
+        return self.limit_s is not None and self.meter.device_seconds() >= self.limit_s
+
+    def limit_error(self, step: int) -> str:
+        return (f"wall-clock limit reached: the job used {self.meter.device_seconds():.0f} s of device time (all its "
+                f"runs together); its limit is {self.limit_s:.0f} s ({self.limit_source}). Stopped after step "
+                f"{step}; its checkpoint and metrics are kept")
+
+
 class PersistCallbacks(Callbacks):
-    """Writes through store/ what the trainer reports; stops on cancel, shutdown or lost lease."""
+    """Writes through store/ what the trainer reports; stops on cancel, shutdown, lost lease or the
+    job's wall-clock limit."""
 
     def __init__(self, db, objects, job_id: str, worker_id: str, attempt: int, shutdown: threading.Event,
-                 lease_lost: threading.Event) -> None:
+                 lease_lost: threading.Event, usage: RunUsage | None = None) -> None:
         self.db, self.objects, self.job_id, self.worker_id, self.attempt = db, objects, job_id, worker_id, attempt
-        self.shutdown, self.lease_lost = shutdown, lease_lost
+        self.shutdown, self.lease_lost, self.usage = shutdown, lease_lost, usage
         self.stop_reason: str | None = None
 
     def _tx(self, fn, what: str):
@@ -82,7 +111,15 @@ class PersistCallbacks(Callbacks):
             raise
 
     def on_step(self, step, metrics):
-        self._tx(lambda s: jobs.record_step(s, self.job_id, step, metrics), f"recording step {step}")
+        if self.usage is not None:
+            self.usage.add_step(metrics)  # once per step: the transaction below writes absolute values
+
+        def rec(s):
+            jobs.record_step(s, self.job_id, step, metrics)
+            if self.usage is not None:
+                self.usage.write(s)
+
+        self._tx(rec, f"recording step {step}")
 
     def on_samples(self, step, rows):
         self._tx(lambda s: jobs.record_samples(s, self.job_id, step, rows), f"recording samples of step {step}")
@@ -115,14 +152,19 @@ class PersistCallbacks(Callbacks):
             status = self._tx(lambda s: s.get(Job, self.job_id, populate_existing=True).status, "polling status")
             if status == "cancelling":
                 self.stop_reason = "cancel"
+            elif self.usage is not None and self.usage.over_limit():
+                self.stop_reason = "wall_limit"
         return self.stop_reason is not None
 
 
 class Heartbeat:
-    """Renews the job's lease in a thread; sets ``lost`` if another worker took it over."""
+    """Renews the job's lease in a thread (and writes the run's usage); sets ``lost`` if another worker
+    took it over."""
 
-    def __init__(self, db, job_id: str, worker_id: str, lease_s: float, every_s: float) -> None:
+    def __init__(self, db, job_id: str, worker_id: str, lease_s: float, every_s: float,
+                 usage: RunUsage | None = None) -> None:
         self.db, self.job_id, self.worker_id, self.lease_s, self.every_s = db, job_id, worker_id, lease_s, every_s
+        self.usage = usage
         self.lost, self._stop = threading.Event(), threading.Event()
         self._th = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
 
@@ -131,6 +173,8 @@ class Heartbeat:
             try:
                 with self.db.session() as s:
                     ok = jobs.heartbeat(s, self.job_id, self.worker_id, self.lease_s)
+                    if ok and self.usage is not None:  # a crash loses at most one beat of device time
+                        self.usage.write(s)
             except OperationalError as exc:  # database down: keep training, try again
                 log.warning("heartbeat failed: %s", exc.__class__.__name__)
                 continue

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from store import jobs
 from store.queue import enqueue_run_job, queue_depth
+from store.scheduling import jobs_needing_tokens
 from store.settings import Settings
+from store.usage import QueuePolicy
 from worker.context import get_db
 
 log = logging.getLogger(__name__)
+_RESENT: dict[str, float] = {}  # job id -> when this process last sent it a token (time.monotonic)
 
 
 def reap_once(settings: Settings) -> tuple[list[str], list[str]]:
@@ -27,14 +31,22 @@ def reap_once(settings: Settings) -> tuple[list[str], list[str]]:
 
 
 def resend_lost(settings: Settings) -> list[str]:
-    """Re-publish queued jobs whose broker message is gone. Only when the queue is empty, so a
-    waiting queue is not flooded; a copy that does arrive twice finds the lease and leaves."""
+    """Send a token again for each queued job that may run and has none (its message was lost, or
+    dropped while its tenant's budget was used). Only when the queue is empty, so a waiting queue is
+    not flooded; a token too many finds nothing to run and leaves."""
     if queue_depth(settings) != 0:
         return []
     with get_db(settings).session() as s:
-        lost = jobs.queued_without_message(s, settings.resend_lost_after_seconds)
+        lost = jobs_needing_tokens(s, QueuePolicy.of(settings), settings.resend_lost_after_seconds)
+    now = time.monotonic()
+    for job_id, at in list(_RESENT.items()):
+        if now - at > settings.resend_lost_after_seconds:
+            del _RESENT[job_id]
+    # A token just sent leaves the queue before its worker claims the job: do not send another meanwhile.
+    lost = [job_id for job_id in lost if job_id not in _RESENT]
     for job_id in lost:
         enqueue_run_job(settings, job_id)
+        _RESENT[job_id] = now
     return lost
 
 

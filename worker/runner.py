@@ -14,16 +14,17 @@ from pydantic import ValidationError
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
 from gspo_core.rewards import GraderPolicy, map_reward_models
-from gspo_core.trainer import train
 from store import jobs
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
 from store.objects import get_dir
 from store.private import private_dir
 from store.queue import enqueue_run_job
-from store.settings import get_settings
+from store.scheduling import claim_next
+from store.settings import Settings, get_settings
+from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
-from worker.persist import Heartbeat, PersistCallbacks, drop_orphan_uploads, with_db_retry
+from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,22 @@ def _resume_dir(s, objects, job_id: str, out_dir: Path) -> str | None:
     return str(get_dir(objects, ckpt.object_prefix, out_dir / "checkpoints" / f"step-{ckpt.step:06d}"))
 
 
+def wall_limit(job_limit: int | None, settings: Settings) -> tuple[float | None, str]:
+    """The job's device-time limit (the smaller of its own ask and the operator's; 0/None: none) and
+    where it comes from."""
+    operator = settings.max_job_wall_seconds or None
+    if job_limit and (operator is None or job_limit <= operator):
+        return float(job_limit), "the job's max_wall_seconds"
+    return operator, "the operator's GSPO_MAX_JOB_WALL_SECONDS"
+
+
+def _claim(s, job_id: str, worker_id: str, settings: Settings) -> Job | None:
+    """The job this message runs: its own job when that job's worker died (takeover of the stale lease),
+    else the fairest queued job (`store.scheduling`): a message is a token for one job slot."""
+    return (jobs.claim_stale(s, job_id, worker_id, settings.lease_seconds)
+            or claim_next(s, worker_id, settings.lease_seconds, QueuePolicy.of(settings)))
+
+
 def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> str:
     """Write the outcome of a finished or stopped run (its holder only; retried while the database is
     down, so a restart at the end of a run does not turn a finished job into a failed one)."""
@@ -71,10 +88,15 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
     def run() -> str:
         with db.session() as s:
             jobs.hold(s, job_id, worker_id)
+            if cb.usage is not None:
+                cb.usage.write(s)
             job = s.get(Job, job_id, populate_existing=True)
             if reason == "cancel" or job.status == "cancelling":
                 jobs.transition(s, job, "cancelled")
                 return "cancelled"
+            if reason == "wall_limit":
+                jobs.transition(s, job, "failed", error=cb.usage.limit_error(job.step))
+                return "wall_limit"
             if reason != "shutdown":
                 jobs.transition(s, job, "succeeded")
                 return "succeeded"
@@ -92,10 +114,12 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
     return outcome
 
 
-def _fail(db, job_id: str, worker_id: str, message: str) -> str:
+def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None = None) -> str:
     def run():
         with db.session() as s:
             jobs.hold(s, job_id, worker_id)
+            if usage is not None:
+                usage.write(s)
             jobs.transition(s, s.get(Job, job_id, populate_existing=True), "failed", error=message)
     try:
         with_db_retry(run, what="marking the job failed")
@@ -105,48 +129,62 @@ def _fail(db, job_id: str, worker_id: str, message: str) -> str:
     return "failed"
 
 
+def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path) -> str:
+    """Fetch the claimed job's inputs, train it (resuming from its checkpoint) and settle its status."""
+    with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds, usage) as hb:
+        # torch & co. load here, under the lease's heartbeat: a message that finds no job leaves without them.
+        from gspo_core.trainer import train
+
+        with db.session() as s:
+            job = s.get(Job, job_id)
+            hp, seed, reward, status = dict(job.hyperparameters), job.seed, job.reward, job.status
+            model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
+            resume = _resume_dir(s, objects, job_id, work / "output")
+            if dropped := drop_orphan_uploads(s, objects, job_id):
+                jobs.add_event(s, job_id, "log", f"removed {len(dropped)} checkpoint upload(s) a lost attempt "
+                                                 "left without a record")
+        reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
+        spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
+                       hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
+        cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
+        if status == "cancelling":
+            cb.stop_reason = "cancel"
+        else:
+            train(spec, cb, resume_from=resume, grader_policy=GraderPolicy.from_mapping(settings.grader_policy()))
+        return _settle(db, job_id, worker_id, cb, settings)
+
+
 def run_job(job_id: str) -> str:
-    """The body of the Celery task. Returns what happened (for logs and tests)."""
+    """The body of the Celery task: run the job a free slot is given (see `_claim`). Returns what
+    happened (for logs and tests)."""
     settings = get_settings()
     db, objects = get_db(settings), get_store(settings)
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     with db.session() as s:
-        job = jobs.claim(s, job_id, worker_id, settings.lease_seconds)
+        job = _claim(s, job_id, worker_id, settings)
         if job is None:
-            return "skipped"  # another live worker holds it, or it is finished
-        hp, seed, reward, status, attempt = dict(job.hyperparameters), job.seed, job.reward, job.status, job.attempts
+            return "skipped"  # its job runs elsewhere or is finished, and nothing else may run now
+        limit, source = wall_limit(job.max_wall_seconds, settings)
+        meter = RunMeter(QueuePolicy.of(settings), (job.device_seconds, job.tokens_sampled, job.tokens_trained))
+        usage = RunUsage(job.id, job.tenant_id, worker_id, job.attempts, meter, limit, source)
+        job_id = job.id
+    if usage.over_limit():  # its earlier attempts used it all (e.g. a worker died at the limit)
+        return _fail(db, job_id, worker_id, usage.limit_error(job.step), usage)
     work = settings.data_dir / "work" / job_id
     shutil.rmtree(work, ignore_errors=True)
     private_dir(work)
     try:
-        with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds) as hb:
-            with db.session() as s:
-                job = s.get(Job, job_id)
-                model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
-                resume = _resume_dir(s, objects, job_id, work / "output")
-                if dropped := drop_orphan_uploads(s, objects, job_id):
-                    jobs.add_event(s, job_id, "log", f"removed {len(dropped)} checkpoint upload(s) a lost attempt "
-                                                     "left without a record")
-            reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
-            spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
-                           hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
-            cb = PersistCallbacks(db, objects, job_id, worker_id, attempt, SHUTDOWN, hb.lost)
-            if status == "cancelling":
-                cb.stop_reason = "cancel"
-            else:
-                train(spec, cb, resume_from=resume,
-                      grader_policy=GraderPolicy.from_mapping(settings.grader_policy()))
-            return _settle(db, job_id, worker_id, cb, settings)
+        return _train(db, objects, settings, job_id, worker_id, usage, work)
     except jobs.LeaseLost as exc:
         log.warning("%s: stopped without writing further", exc)
         return "lease_lost"
     except (JobInputError, DataError, ValidationError) as exc:
-        return _fail(db, job_id, worker_id, f"invalid job input: {exc}")
+        return _fail(db, job_id, worker_id, f"invalid job input: {exc}", usage)
     except OSError as exc:
         return _fail(db, job_id, worker_id,
-                     str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}")
+                     str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}", usage)
     except Exception as exc:
         log.exception("job %s failed", job_id)
-        return _fail(db, job_id, worker_id, f"{type(exc).__name__}: {exc}")
+        return _fail(db, job_id, worker_id, f"{type(exc).__name__}: {exc}", usage)
     finally:
         shutil.rmtree(work, ignore_errors=True)

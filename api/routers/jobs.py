@@ -22,22 +22,23 @@ def create_job(req: JobCreate, s: SessionDep, settings: SettingsDep, tenant: Ten
     job, created = svc.create_job(s, settings, tenant, req, idempotency_key)
     if not created:
         response.status_code = 200
-    return svc.to_out(s, job)
+    return svc.to_out(s, settings, job)
 
 
 @router.get("", response_model=Page[JobOut], responses=ERRORS)
-def list_jobs(s: SessionDep, tenant: TenantDep, status: JobStatus | None = None,
+def list_jobs(s: SessionDep, settings: SettingsDep, tenant: TenantDep, status: JobStatus | None = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50, cursor: Annotated[str | None, Query(max_length=512)] = None):
     rows, nxt = svc.list_jobs(s, tenant, status, limit, cursor)
-    return Page[JobOut](data=[svc.to_out(s, j) for j in rows], next_cursor=nxt)
+    queue = svc.queue_view(s, settings, tenant.id)
+    return Page[JobOut](data=[svc.to_out(s, settings, j, queue) for j in rows], next_cursor=nxt)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
-def get_job(job: JobDep, s: SessionDep):
-    return json_response(svc.to_out(s, job))
+def get_job(job: JobDep, s: SessionDep, settings: SettingsDep):
+    return json_response(svc.to_out(s, settings, job))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)
-def cancel_job(job: JobDep, s: SessionDep):
+def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep):
     job_state.request_cancel(s, job)
-    return svc.to_out(s, job)
+    return svc.to_out(s, settings, job)

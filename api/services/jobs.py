@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import JobCreate, JobOut
+from api.schemas import JobCreate, JobOut, JobUsage
 from api.services.rewards import build_checked
 from gspo_core.config import GSPOConfig
 from gspo_core.rewards import redact_secrets
@@ -19,7 +19,9 @@ from store import jobs as job_state
 from store.model_refs import ModelRefError, check_local_or_hub
 from store.models import Checkpoint, File, Job, JobEvent, Tenant
 from store.queue import enqueue_run_job
+from store.scheduling import TenantQueue
 from store.settings import Settings
+from store.usage import QueuePolicy
 
 
 def check_hyperparameters(raw: dict) -> GSPOConfig:
@@ -59,6 +61,14 @@ def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> N
         raise ApiError(422, "invalid_model", f"{exc}{hint}", "model") from None
 
 
+def check_wall_limit(asked: int | None, settings: Settings) -> None:
+    """A job may ask for less device time than the operator allows, not more."""
+    limit = settings.max_job_wall_seconds
+    if asked is not None and limit and asked > limit:
+        raise ApiError(422, "invalid_max_wall_seconds", f"max_wall_seconds: at most {limit:.0f} (the operator's "
+                       "limit per job)", "max_wall_seconds")
+
+
 def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
     f = s.get(File, file_id)
     if f is None or f.tenant_id != tenant.id:
@@ -76,15 +86,18 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
         _owned_file(s, tenant, req.validation_file, "validation_file")
     check_reward(req.reward, set(train.item_fields), settings)
     check_model(s, settings, tenant, req.model)
-    if job_state.count_active(s, tenant.id) >= settings.max_active_jobs_per_tenant:
-        raise ApiError(429, "too_many_jobs", f"at most {settings.max_active_jobs_per_tenant} queued or running "
-                       "jobs per tenant; wait for one to finish or cancel one")
+    check_wall_limit(req.max_wall_seconds, settings)
     try:
         job = job_state.create_job(
             s, tenant_id=tenant.id, name=req.name, model=req.model, training_file_id=train.id,
             validation_file_id=req.validation_file, reward=req.reward, metadata=req.metadata, seed=req.seed,
             hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), total_steps=cfg.steps,
-            idempotency_key=idem_key, max_attempts=settings.max_attempts)
+            idempotency_key=idem_key, max_attempts=settings.max_attempts, max_wall_seconds=req.max_wall_seconds,
+            max_active=settings.max_active_jobs_per_tenant)
+    except job_state.TooManyActiveJobs as exc:
+        s.rollback()  # releases the tenant's lock at once
+        raise ApiError(429, "too_many_jobs", f"at most {exc.limit} queued or running jobs per tenant "
+                       "(GSPO_MAX_ACTIVE_JOBS_PER_TENANT); wait for one to finish or cancel one") from None
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
         s.rollback()
         return _replayed(_prior(s, tenant, idem_key), req, cfg), False
@@ -106,9 +119,9 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
     """The job an earlier request with this Idempotency-Key created, if this request is the same one:
     a key reused for a different job would otherwise silently answer with a job the caller did not ask for."""
     asked = (req.model, req.training_file, req.validation_file, req.reward, req.name, req.metadata, req.seed,
-             cfg.model_dump(mode="json", exclude={"seed"}))
+             cfg.model_dump(mode="json", exclude={"seed"}), req.max_wall_seconds)
     made = (prior.model, prior.training_file_id, prior.validation_file_id, prior.reward, prior.name,
-            prior.job_metadata or {}, prior.seed, prior.hyperparameters)
+            prior.job_metadata or {}, prior.seed, prior.hyperparameters, prior.max_wall_seconds)
     if asked != made:
         raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key was already used for job {prior.id} with "
                        "a different request; use a new key for a different job", "Idempotency-Key")
@@ -122,13 +135,24 @@ def _discard(s: Session, job: Job) -> None:
     s.commit()
 
 
-def to_out(s: Session, job: Job) -> JobOut:
+def queue_view(s: Session, settings: Settings, tenant_id: str) -> TenantQueue:
+    """The tenant's queue, read once per request however many of its jobs are shown."""
+    return TenantQueue(s, QueuePolicy.of(settings), tenant_id)
+
+
+def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None = None) -> JobOut:
+    waiting = None
+    if job.status == "queued":
+        waiting = (queue or queue_view(s, settings, job.tenant_id)).waiting(job)
     return JobOut(
         id=job.id, name=job.name, model=job.model, status=job.status, step=job.step, total_steps=job.total_steps,
-        queue_position=job_state.queue_position(s, job), error=job.error, created_at=job.created_at,
+        queue_position=waiting.position if waiting else None, waiting_reason=waiting.reason if waiting else None,
+        error=job.error, created_at=job.created_at,
         started_at=job.started_at, finished_at=job.finished_at, training_file=job.training_file_id,
         validation_file=job.validation_file_id, reward=redact_secrets(job.reward), hyperparameters={**job.hyperparameters, "seed": job.seed},
-        metadata=job.job_metadata or {}, seed=job.seed, attempts=job.attempts,
+        metadata=job.job_metadata or {}, seed=job.seed, attempts=job.attempts, max_wall_seconds=job.max_wall_seconds,
+        usage=JobUsage(device_seconds=job.device_seconds or 0.0, tokens_sampled=job.tokens_sampled or 0,
+                       tokens_trained=job.tokens_trained or 0),
         latest_metrics=job.latest_metrics)
 
 

@@ -52,7 +52,9 @@
   function showJob() {
     document.getElementById("job-title").textContent = job.name || job.id;
     const st = document.getElementById("job-status"); st.textContent = job.status; st.className = "status " + job.status;
-    document.getElementById("job-progress").textContent = `step ${job.step}/${job.total_steps} · ${job.model}`;
+    const waiting = job.waiting_reason ? ` · ${job.waiting_reason}` : "";
+    const used = job.usage && job.usage.device_seconds ? ` · ${(job.usage.device_seconds / 60).toFixed(1)} device-min` : "";
+    document.getElementById("job-progress").textContent = `step ${job.step}/${job.total_steps} · ${job.model}${used}${waiting}`;
     document.getElementById("job-error").textContent = job.error || "";
     document.getElementById("cancel").disabled = !["queued", "running"].includes(job.status);
     document.getElementById("config").textContent = JSON.stringify({ model: job.model, training_file: job.training_file,

@@ -83,3 +83,25 @@ def test_python_client_errors(service):  # noqa: F811
         assert exc.value.status == 404 and exc.value.field == "training_file"
         assert c.samples(job_id)["step"] == 12
         assert c.run_reward(TOY_REWARD, {"target": "aaaa"}, ["aaaa"])["results"][0]["reward"] == 1.0
+
+
+def test_python_client_usage_matches_the_steps_run(service):  # noqa: F811
+    """The embedded default (SQLite, filesystem broker) accounts usage too: the tenant's jobs' steps."""
+    import time
+
+    from gspo_client import Client
+
+    url, key, _, _ = service
+    with Client(url, key) as c:
+        for _ in range(120):  # other tests of this module may have left a job stopping
+            runs = c.list_jobs(limit=200)["data"]
+            if all(j["status"] in ("succeeded", "failed", "cancelled") for j in runs):
+                break
+            time.sleep(0.5)
+        usage = c.usage()
+        steps = [m["metrics"] for j in runs for m in c.metrics(j["id"])]
+    ran = [j for j in runs if j["usage"]["device_seconds"] > 0]
+    assert usage["total"]["jobs"] == len(ran) >= 2 and usage["budget_device_hours"] is None
+    assert usage["total"]["tokens_sampled"] == sum(int(m["tokens/sampled"]) for m in steps) > 0
+    assert usage["total"]["tokens_trained"] == sum(j["usage"]["tokens_trained"] for j in runs)
+    assert usage["total"]["device_seconds"] == pytest.approx(sum(j["usage"]["device_seconds"] for j in runs))

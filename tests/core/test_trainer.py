@@ -29,6 +29,7 @@ REQUIRED_METRICS = [
     "completion/len_max", "completion/truncated_frac", "logprob_gap/mean", "logprob_gap/max",
     "grader_errors/match", "time/rollout", "time/reward", "time/old_logprobs", "time/train", "time/weight_sync",
     "time/step", "throughput/tokens_per_s", "step", "total_steps", "update/rows_skipped_frac",
+    "tokens/sampled", "tokens/trained",
 ]
 
 
@@ -48,6 +49,10 @@ def test_metrics_samples_eval_and_checkpoints(tiny_model_dir, tmp_path):
     assert [("eval/reward/mean" in m) for _, m in rec.steps] == [False, True, False, True]
     assert 0.0 <= rec.steps[1][1]["eval/reward/mean"] <= 1.0
     assert 1 <= last["completion/len_mean"] <= last["completion/len_max"] <= 4
+    n_rows = spec.hyperparameters.prompts_per_step * spec.hyperparameters.group_size
+    for _, m in rec.steps:  # usage counts (the service bills them): every completion token, plus its prompt's
+        assert m["tokens/sampled"] == pytest.approx(m["completion/len_mean"] * n_rows)
+        assert m["tokens/trained"] >= m["tokens/sampled"] + n_rows
     assert last["completion/truncated_frac"] > 0.5  # the random model rarely says EOS within 4 tokens
     step, rows = rec.samples[0]
     assert len(rows) == 4 and len(rows[0]["completions"]) == 8  # samples_per_step prompts, G each

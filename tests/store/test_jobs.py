@@ -8,6 +8,8 @@ import pytest
 from sqlalchemy import func, select
 
 from store import jobs
+from store.scheduling import TenantQueue, Waiting
+from store.usage import QueuePolicy
 from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric
 from tests.store.conftest import make_job
 
@@ -209,15 +211,21 @@ def test_reaper_requeues_stale_fails_exhausted_and_leaves_live_leases(db):
         assert jobs.reap(s) == ([], []), "a second pass finds nothing to do"
 
 
-def test_queue_position_and_active_count(db):
-    first, second = make_job(db), make_job(db)
+def test_queue_position_counts_only_the_tenants_own_jobs_and_active_count(db):
+    first, second, other = make_job(db), make_job(db), make_job(db)  # `other`: another tenant's, queued first
     with db.session() as s:
+        s.get(Job, other).created_at = jobs._now().replace(year=2000)
         a, b = s.get(Job, first), s.get(Job, second)
         b.tenant_id = a.tenant_id
-        assert (jobs.queue_position(s, a), jobs.queue_position(s, b)) == (1, 2)
+    with db.session() as s:
+        a, b = s.get(Job, first), s.get(Job, second)
+        queue = TenantQueue(s, QueuePolicy(), a.tenant_id)
+        assert [queue.waiting(a), queue.waiting(b)] == [Waiting(1, "waiting for a free worker"),
+                                                         Waiting(2, "queued: 1 of your jobs ahead")]
         assert jobs.count_active(s, a.tenant_id) == 2
         jobs.claim(s, first, "w", 60)
-        assert jobs.queue_position(s, s.get(Job, first)) is None and jobs.queue_position(s, b) == 1
+        queue = TenantQueue(s, QueuePolicy(), a.tenant_id)
+        assert queue.waiting(s.get(Job, first)) is None and queue.waiting(b).position == 1
         jobs.transition(s, s.get(Job, first), "failed", error="boom")
         assert jobs.count_active(s, a.tenant_id) == 1
 

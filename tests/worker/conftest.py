@@ -50,8 +50,18 @@ class Rig:
         self.h = {"Authorization": f"Bearer {key}"}
         self.workers: list[subprocess.Popen] = []
         build_tiny_model(settings.models_dir / "toy")
-        data = write_toy_dataset(tmp / "toy.jsonl", n=32).read_bytes()
-        self.file_id = self.client.post("/v1/files", files={"file": ("t.jsonl", data)}, headers=self.h).json()["id"]
+        self.data = write_toy_dataset(tmp / "toy.jsonl", n=32).read_bytes()
+        self.file_id = self.upload(self.h)
+
+    def upload(self, headers: dict) -> str:
+        return self.client.post("/v1/files", files={"file": ("t.jsonl", self.data)}, headers=headers).json()["id"]
+
+    def add_tenant(self) -> tuple[dict, str]:
+        """Another tenant: its auth headers and its own copy of the toy file."""
+        with self.app.state.db.session() as s:
+            _, key = create_tenant_and_key(s, f"t-{uuid.uuid4().hex[:6]}")
+        h = {"Authorization": f"Bearer {key}"}
+        return h, self.upload(h)
 
     def start_worker(self) -> subprocess.Popen:
         """`gspo worker`'s exact Celery command, in its own process group (the pool child included)."""
@@ -70,18 +80,21 @@ class Rig:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
-    def submit(self, steps: int, slow: bool = True, **hp) -> str:
+    def submit(self, steps: int, slow: bool = True, tenant: tuple[dict, str] | None = None, job: dict | None = None,
+               **hp) -> str:
+        """A job of the rig's tenant (or of ``tenant`` from `add_tenant`); ``job``: more body fields."""
+        headers, file_id = tenant or (self.h, self.file_id)
         reward = {"type": "multi", "graders": {"match": TOY_REWARD, "slow": SLOW_GRADER},
                   "calculate_output": "match + 0*slow"} if slow else TOY_REWARD
-        body = {"model": "toy", "training_file": self.file_id, "reward": reward,
+        body = {"model": "toy", "training_file": file_id, "reward": reward, **(job or {}),
                 "hyperparameters": {"steps": steps, "prompts_per_step": 2, "group_size": 8, "max_new_tokens": 4,
                                     "learning_rate": 3e-3, "rollout_engine": "transformers", **hp}}
-        r = self.client.post("/v1/jobs", json=body, headers=self.h)
+        r = self.client.post("/v1/jobs", json=body, headers=headers)
         assert r.status_code == 201, r.text
         return r.json()["id"]
 
-    def job(self, job_id: str) -> dict:
-        return self.client.get(f"/v1/jobs/{job_id}", headers=self.h).json()
+    def job(self, job_id: str, headers: dict | None = None) -> dict:
+        return self.client.get(f"/v1/jobs/{job_id}", headers=headers or self.h).json()
 
     def steps(self, job_id: str) -> list[int]:
         with self.app.state.db.session() as s:
@@ -91,8 +104,9 @@ class Rig:
         with self.app.state.db.session() as s:
             return s.get(Job, job_id)
 
-    def wait_status(self, job_id: str, statuses: set[str], timeout: float = 120) -> dict:
-        return wait_for(lambda: (j := self.job(job_id))["status"] in statuses and j, timeout, f"{job_id} in {statuses}")
+    def wait_status(self, job_id: str, statuses: set[str], timeout: float = 120, headers: dict | None = None) -> dict:
+        return wait_for(lambda: (j := self.job(job_id, headers))["status"] in statuses and j, timeout,
+                        f"{job_id} in {statuses}")
 
     def logs(self) -> str:
         return "\n".join(p.read_text()[-3000:] for p in sorted(self.tmp.glob("worker-*.log")))
