@@ -14,7 +14,7 @@ from gspo_core.callbacks import Callbacks
 from store import jobs
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, put_dir
-from store.usage import RunMeter, record_usage
+from store.usage import Budget, RunMeter, budget, record_usage
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,11 @@ class RunUsage:
     def over_limit(self) -> bool:
         return self.limit_s is not None and self.meter.device_seconds() >= self.limit_s
 
+    def budget_used(self, s) -> Budget | None:
+        """The tenant's budget when this period's device time (this run's included) has used it up."""
+        b = budget(s, self.meter.policy, self.tenant_id)
+        return b if b.exhausted else None
+
     def limit_error(self, step: int) -> str:
         return (f"wall-clock limit reached: the job used {self.meter.device_seconds():.0f} s of device time (all its "
                 f"runs together); its limit is {self.limit_s:.0f} s ({self.limit_source}). Stopped after step "
@@ -95,6 +100,8 @@ class PersistCallbacks(Callbacks):
         self.db, self.objects, self.job_id, self.worker_id, self.attempt = db, objects, job_id, worker_id, attempt
         self.shutdown, self.lease_lost, self.usage = shutdown, lease_lost, usage
         self.stop_reason: str | None = None
+        self.budget: Budget | None = None  # the tenant's spent budget, when that stopped the run
+        self.steps_run = 0  # steps this run recorded
 
     def _tx(self, fn, what: str):
         """``fn(session)`` in one transaction fenced by this worker's lease (`jobs.LeaseLost` if gone)."""
@@ -111,6 +118,7 @@ class PersistCallbacks(Callbacks):
             raise
 
     def on_step(self, step, metrics):
+        self.steps_run += 1
         if self.usage is not None:
             self.usage.add_step(metrics)  # once per step: the transaction below writes absolute values
 
@@ -154,6 +162,13 @@ class PersistCallbacks(Callbacks):
                 self.stop_reason = "cancel"
             elif self.usage is not None and self.usage.over_limit():
                 self.stop_reason = "wall_limit"
+            elif self.usage is not None and self.usage.meter.policy.budget_s > 0 and self.steps_run:
+                # A running job stops too when its tenant spends the period's budget: it is requeued from
+                # its checkpoint and waits, like the tenant's queued jobs, for the next period. Not before
+                # the run's first step: a run whose start-up outlasts a period's budget still progresses.
+                self.budget = self._tx(self.usage.budget_used, "checking the tenant's budget")
+                if self.budget is not None:
+                    self.stop_reason = "budget"
         return self.stop_reason is not None
 
 

@@ -97,10 +97,12 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
             if reason == "wall_limit":
                 jobs.transition(s, job, "failed", error=cb.usage.limit_error(job.step))
                 return "wall_limit"
-            if reason != "shutdown":
+            if reason not in ("shutdown", "budget"):
                 jobs.transition(s, job, "succeeded")
                 return "succeeded"
-            jobs.add_event(s, job_id, "log", "worker shutting down: checkpointed and requeued")
+            why = ("worker shutting down" if reason == "shutdown" else "the tenant's device-hour budget of this "
+                   f"period is used (until {cb.budget.period_end.isoformat()})")
+            jobs.add_event(s, job_id, "log", f"{why}: checkpointed and requeued")
             jobs.transition(s, job, "queued")
             job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt
             return "requeued"

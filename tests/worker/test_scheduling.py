@@ -11,7 +11,7 @@ import redis
 from sqlalchemy import select
 
 from store import jobs
-from store.models import Checkpoint, StepMetric, UsageRecord
+from store.models import Checkpoint, JobEvent, StepMetric, UsageRecord
 from store.tenants import authenticate
 from store.usage import QueuePolicy
 from tests.conftest import REDIS_URL, truncate_all
@@ -101,29 +101,52 @@ def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_bound
 
 def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_shown(make_rig):
     period = 30
-    rig = make_rig(GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.001", GSPO_BUDGET_PERIOD_SECONDS=str(period),
+    rig = make_rig(GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.01", GSPO_BUDGET_PERIOD_SECONDS=str(period),
                    GSPO_RESEND_LOST_AFTER_SECONDS="3")
     policy = QueuePolicy.of(rig.settings)
     rig.start_worker()
     wait_for(lambda: " ready." in rig.logs(), 120, "the worker to start")
     if time.time() % period > period - 12:  # leave the checks below time to run within one period
         time.sleep(period - time.time() % period + 0.2)
-    with rig.app.state.db.session() as s:  # the tenant's earlier jobs used 4 s of its 3.6 s this period
+    with rig.app.state.db.session() as s:  # the tenant's earlier jobs used 40 s of its 36 s this period
         tenant_id = authenticate(s, rig.h["Authorization"].split()[1]).id
         s.add(UsageRecord(tenant_id=tenant_id, job_id="job_earlier", run_id="r1", attempt=1, tokens_sampled=10,
-                          tokens_trained=20, device_seconds=4.0, period_start=policy.period_start(jobs._now())))
+                          tokens_trained=20, device_seconds=40.0, period_start=policy.period_start(jobs._now())))
     job_id = rig.submit(steps=2, slow=False)
     usage = rig.client.get("/v1/usage", headers=rig.h).json()
     end = usage["budget_exhausted_until"]
-    assert end and usage["budget_device_hours"] == 0.001 and usage["budget_left_device_hours"] == 0
-    assert usage["current"]["device_seconds"] == 4.0 and usage["current"]["tokens_trained"] == 20
+    assert end and usage["budget_device_hours"] == 0.01 and usage["budget_left_device_hours"] == 0
+    assert usage["current"]["device_seconds"] == 40.0 and usage["current"]["tokens_trained"] == 20
     waiting = rig.job(job_id)
     assert waiting["status"] == "queued" and waiting["queue_position"] == 1
-    assert waiting["waiting_reason"] == (f"tenant device-hour budget used (0.00111 of 0.001 h this period) until "
+    assert waiting["waiting_reason"] == (f"tenant device-hour budget used (0.0111 of 0.01 h this period) until "
                                          f"{datetime.fromisoformat(end).isoformat()}")
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=period + 120)
     assert job["status"] == "succeeded", rig.logs()
     assert ts(job["started_at"]) >= ts(end), "it started once the next period freed budget"
     assert job["attempts"] == 1
     total = rig.client.get("/v1/usage", headers=rig.h).json()["total"]
-    assert total["device_seconds"] == pytest.approx(4.0 + job["usage"]["device_seconds"]) and total["jobs"] == 2
+    assert total["device_seconds"] == pytest.approx(40.0 + job["usage"]["device_seconds"]) and total["jobs"] == 2
+
+
+def test_a_running_job_is_paused_when_its_tenant_spends_the_budget_and_resumes_next_period(make_rig):
+    period = 45
+    rig = make_rig(GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.002", GSPO_BUDGET_PERIOD_SECONDS=str(period),
+                   GSPO_RESEND_LOST_AFTER_SECONDS="3")
+    rig.start_worker()
+    wait_for(lambda: " ready." in rig.logs(), 120, "the worker to start")
+    if time.time() % period > 5:  # start early in a period: 7.2 s of budget (a step at least), a pause, the next
+        time.sleep(period - time.time() % period + 0.2)
+    job_id = rig.submit(steps=40)
+    paused = wait_for(lambda: (j := rig.job(job_id))["status"] == "queued" and j["step"] > 0 and j, 60,
+                      "the running job to be paused by the budget")
+    assert paused["waiting_reason"].startswith("tenant device-hour budget used"), paused
+    assert 0 < paused["step"] < 40 and paused["attempts"] == 0, paused
+    with rig.app.state.db.session() as s:
+        logs = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
+        assert s.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id)) == paused["step"]
+    assert any("device-hour budget of this period is used" in m for m in logs), logs
+    resumed = wait_for(lambda: (j := rig.job(job_id))["step"] > paused["step"] and j, period + 60,
+                       "the job to go on in the next period")
+    assert resumed["status"] in ("running", "queued", "succeeded"), resumed
+    rig.client.post(f"/v1/jobs/{job_id}/cancel", headers=rig.h)
