@@ -1,8 +1,13 @@
-"""Reward specs at the API: build one (422 naming the field), check the models its graders load, score one."""
+"""Reward specs at the API: build one (422 naming the field), check the models its graders load, and
+dry-run one within the tenant's bounds."""
 
 from __future__ import annotations
 
+import time
+
 from api.errors import ApiError
+from api.limits import Limits
+from api.services.dry_run import run_dry
 from gspo_core.rewards import GraderPolicy, RewardFunction, RewardSpecError, build_reward, map_reward_models
 from store.model_refs import ModelRefError, check_local_or_hub, resolve_model
 from store.settings import Settings
@@ -23,3 +28,19 @@ def build_checked(spec: dict, settings: Settings) -> RewardFunction:
             fn.close()
             raise ApiError(422, "invalid_reward", f"reward.{field}: {exc}", f"reward.{field}") from None
     return fn
+
+
+async def dry_run(limits: Limits, settings: Settings, tenant_id: str, req: dict) -> dict:
+    """Grade ``req`` (reward, item, samples) within the tenant's bounds: samples per call (422), its
+    grading time per window and concurrent runs (429), this process's runs (503)."""
+    if len(req["samples"]) > settings.max_reward_run_samples:
+        raise ApiError(422, "invalid_request", f"samples: at most {settings.max_reward_run_samples} per call",
+                       "samples")
+    what, window = "reward runs", settings.reward_run_window_s
+    await limits.check_budget(what, tenant_id, settings.reward_run_budget_s, window)
+    async with limits.slot(what, tenant_id, settings.max_reward_runs_per_tenant, settings.max_reward_runs_per_process):
+        start = time.monotonic()
+        try:
+            return await run_dry(req, settings, settings.reward_run_timeout_s)
+        finally:
+            await limits.charge(what, tenant_id, time.monotonic() - start, window)
