@@ -22,6 +22,7 @@ MAX_ROW_FIELDS = 256
 MAX_ROW_BYTES = 1 << 20
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
@@ -95,6 +96,18 @@ def _deep_path(raw: str | bytes, limit: int) -> str:
     return found[0] if found else ""
 
 
+def _not_unicode(value: Any) -> bool:
+    """A string (or a dict with a key) holding a lone surrogate (``"\\ud800"``): JSON can spell it,
+    UTF-8 cannot, so it breaks whatever stores or sends it on."""
+    texts = value.keys() if isinstance(value, dict) else (value,) if isinstance(value, str) else ()
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+    return False
+
+
 def _parse_int(text: str):
     digits = len(text) - text.startswith("-")
     return int(text) if digits <= MAX_INT_DIGITS else _Refused(f"an integer of {digits} digits (at most "
@@ -132,6 +145,8 @@ def loads_strict(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     if refused:
         path, value = _path_of(obj, lambda v, d: isinstance(v, _Refused))
         raise JsonValueError(value.why, path)
+    if _SURROGATE.search(data) and (found := _path_of(obj, lambda v, d: _not_unicode(v))):
+        raise JsonValueError("a string holds a lone UTF-16 surrogate escape (not valid Unicode)", found[0])
     return obj
 
 
