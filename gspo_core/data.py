@@ -208,6 +208,16 @@ def iter_jsonl(f: BinaryIO, *, max_rows: int = 1_000_000, max_row_bytes: int | N
         raise DataError(None, None, "file is empty: it needs at least one JSON object line")
 
 
+def jsonl_summary(f: BinaryIO, *, max_rows: int = 1_000_000, max_row_bytes: int | None = MAX_ROW_BYTES
+                  ) -> tuple[int, list[str]]:
+    """``(rows, fields every row has)`` of a JSONL stream validated by :func:`iter_jsonl`, keeping no row."""
+    rows, common = 0, None
+    for row in iter_jsonl(f, max_rows=max_rows, max_row_bytes=max_row_bytes):
+        rows += 1
+        common = set(row) if common is None else common & row.keys()
+    return rows, sorted(common or ())
+
+
 def validate_jsonl_bytes(data: bytes, *, max_rows: int = 1_000_000) -> list[dict]:
     """Parse and validate a JSONL upload; raise :class:`DataError` naming the line and field."""
     return list(iter_jsonl(io.BytesIO(data), max_rows=max_rows, max_row_bytes=None))

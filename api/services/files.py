@@ -1,5 +1,6 @@
-"""Dataset uploads: streamed to a temporary file, validated line by line off the event loop, within the
-tenant's concurrent-upload cap and storage quota; object then row (never half-written)."""
+"""Dataset uploads: streamed to a temporary file, validated line by line off the event loop (a large
+one in a child process), within the tenant's concurrent-upload cap and storage quota; object then
+row (never half-written)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from starlette.requests import Request
 
 from api.errors import ApiError
 from api.limits import Limits
-from gspo_core.data import DataError, iter_jsonl
+from api.services.scan import scan_in_child
+from gspo_core.data import DataError, jsonl_summary
 from store.models import File, Tenant, new_id
 from store.objects import BadKey
 from store.settings import Settings
+
+#: Uploads up to this size are validated in a thread (milliseconds); larger ones in a child process.
+SCAN_IN_THREAD_BYTES = 1024 * 1024
 
 
 def _stored_bytes(s: Session, tenant_id: str) -> int:
@@ -41,15 +46,15 @@ def _scan(fh: BinaryIO, settings: Settings) -> tuple[int, list[str], int]:
     if size > settings.max_upload_bytes:
         raise ApiError(413, "file_too_large", f"file exceeds the {settings.max_upload_bytes} byte upload limit", "file")
     fh.seek(0)
-    rows, common = 0, None
     try:
-        for row in iter_jsonl(fh, max_rows=settings.max_file_rows, max_row_bytes=settings.max_row_bytes):
-            rows += 1
-            common = set(row) if common is None else common & row.keys()
+        if size > SCAN_IN_THREAD_BYTES:
+            rows, fields = scan_in_child(fh, settings.max_file_rows, settings.max_row_bytes)
+        else:
+            rows, fields = jsonl_summary(fh, max_rows=settings.max_file_rows, max_row_bytes=settings.max_row_bytes)
     except DataError as exc:
         status = 413 if "too many rows" in exc.message else 400
         raise ApiError(status, "invalid_file", str(exc), exc.field or "file", exc.line) from None
-    return rows, sorted(common or ()), size
+    return rows, fields, size
 
 
 def _store(db, objects, settings: Settings, tenant_id: str, filename: str, fh: BinaryIO) -> File:
