@@ -58,9 +58,12 @@ def _instrument(app: FastAPI) -> None:
 
 
 def _per_lifespan(app: FastAPI) -> None:
-    """What belongs to one run of the event loop: the limiter's Redis client, the streams' pool."""
+    """What belongs to one run of the event loop: the limiter's Redis client, the threads of event
+    streams' polls and of dry runs (their own, so neither can take the threads other requests need)."""
     app.state.limits = Limits(app.state.settings.redis_url)
     app.state.stream_pool = ThreadPoolExecutor(max_workers=STREAM_POLL_THREADS, thread_name_prefix="sse-poll")
+    app.state.grading_pool = ThreadPoolExecutor(max_workers=app.state.settings.max_reward_runs_per_process,
+                                                thread_name_prefix="dry-run")
 
 
 def _purge_leftovers(app: FastAPI) -> None:
@@ -82,6 +85,7 @@ async def _lifespan(app: FastAPI):
     yield
     await app.state.limits.close()
     app.state.stream_pool.shutdown(wait=False, cancel_futures=True)
+    app.state.grading_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -1,5 +1,6 @@
 """Strict JSON request bodies: bounded nesting (checked before any recursive parse), finite numbers,
-bounded integers; a 400 naming the field. Routers with JSON bodies use ``StrictJsonRoute``."""
+bounded integers, valid Unicode; a 422 naming the field, as FastAPI answers any other body it cannot
+use. Routers with JSON bodies use ``StrictJsonRoute``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class BadJsonBody(HTTPException):
     error_type = "invalid_json"
 
     def __init__(self, message: str, field: str) -> None:
-        super().__init__(400, message)
+        super().__init__(422, message)
         self.field = field
 
 

@@ -67,8 +67,8 @@ async def _victim(url: str, key: str, job_id: str, clients: int, interval: float
     return {kind: _quantiles(lat, errors) for kind, (lat, errors) in out.items()}
 
 
-async def _hostile_runs(http: httpx.AsyncClient, h: dict, until: float, seen: Counter) -> None:
-    body = {"reward": BURN, "item": {}, "samples": ["x"] * 64}
+async def _hostile_runs(http: httpx.AsyncClient, h: dict, until: float, seen: Counter, samples: int) -> None:
+    body = {"reward": BURN, "item": {}, "samples": ["x"] * samples}
     while time.monotonic() < until:
         try:
             r = await http.post("/v1/rewards/run", json=body, headers=h, timeout=120)
@@ -110,13 +110,13 @@ async def _hostile_uploads(http: httpx.AsyncClient, h: dict, path: str, until: f
 
 
 async def _hostile(url: str, key: str, job_id: str, upload_path: str, until: float, caps: dict,
-                   kinds: set[str]) -> dict:
+                   kinds: set[str], samples: int) -> dict:
     """One more client of each kind than the tenant's cap allows, so that the cap is always full."""
     seen: Counter = Counter()
     h = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=url, limits=limits) as http:
-        tasks = [_hostile_runs(http, h, until, seen) for _ in range(caps["runs"] + 1) if "runs" in kinds]
+        tasks = [_hostile_runs(http, h, until, seen, samples) for _ in range(caps["runs"] + 1) if "runs" in kinds]
         tasks += [_hostile_stream(http, h, job_id, until, seen) for _ in range(caps["streams"] + 2) if "streams" in kinds]
         tasks += [_hostile_uploads(http, h, upload_path, until, seen) for _ in range(caps["uploads"] + 1)
                   if "uploads" in kinds]
@@ -124,11 +124,16 @@ async def _hostile(url: str, key: str, job_id: str, upload_path: str, until: flo
     return dict(sorted(seen.items()))
 
 
-def _hostile_process(url: str, key: str, job_id: str, upload_path: str, seconds: float, kinds: str, out) -> None:
+def _hostile_process(url: str, key: str, job_id: str, upload_path: str, seconds: float, kinds: str, samples: int,
+                     out) -> None:
     """The hostile tenant in a process of its own: its client work must not delay the victim's timer."""
-    caps = {"runs": 2, "streams": 8, "uploads": 2}  # the Settings defaults the server runs with
+    from store.settings import Settings
+
+    defaults = {name: f.default for name, f in Settings.model_fields.items()}  # what the server runs with
+    caps = {"runs": defaults["max_reward_runs_per_tenant"], "streams": defaults["max_streams_per_tenant"],
+            "uploads": defaults["max_uploads_per_tenant"]}
     until = time.monotonic() + seconds
-    out.put(_event_loop_run(_hostile(url, key, job_id, upload_path, until, caps, set(kinds.split(",")))))
+    out.put(_event_loop_run(_hostile(url, key, job_id, upload_path, until, caps, set(kinds.split(",")), samples)))
 
 
 def _phase(url: str, keys: dict, jobs: dict, args, upload_path: str, hostile: bool) -> dict:
@@ -139,7 +144,7 @@ def _phase(url: str, keys: dict, jobs: dict, args, upload_path: str, hostile: bo
     proc = None
     if hostile:
         proc = ctx.Process(target=_hostile_process, args=(url, keys["hostile"], jobs["hostile"], upload_path,
-                                                          args.seconds + 2, args.hostile, out))
+                                                          args.seconds + 2, args.hostile, args.run_samples, out))
         proc.start()
         time.sleep(2)  # it opens its streams and starts its first runs and uploads
     until = time.monotonic() + args.seconds
@@ -185,8 +190,6 @@ def run(db_url: str, tmp: str, args) -> list[dict]:
            "GSPO_MAX_UPLOAD_BYTES": str((args.upload_mb + 1) * 2**20)}
     if args.redis_url:
         env["REDIS_URL"] = args.redis_url
-    if args.reward_run_timeout:
-        env["GSPO_REWARD_RUN_TIMEOUT_S"] = str(args.reward_run_timeout)
     keys, job_ids, upload_path = _prepare(db, tmp, args.upload_mb)
     proc, url = _serve(env, args.api_workers)
     stop = threading.Event()
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="Redis for the limiter (caps shared by the server processes); default per process")
     ap.add_argument("--upload-mb", type=int, default=32, help="size of each of the hostile tenant's uploads")
-    ap.add_argument("--reward-run-timeout", type=float, help="GSPO_REWARD_RUN_TIMEOUT_S of the server")
+    ap.add_argument("--run-samples", type=int, default=64, help="samples per hostile dry run (each burns 1 s)")
     ap.add_argument("--hostile", default="runs,streams,uploads", help="what the hostile tenant does (a subset)")
     ap.add_argument("--json", help="also write the reports here")
     args = ap.parse_args(argv)

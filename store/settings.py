@@ -56,11 +56,9 @@ class Settings(BaseSettings):
     stream_max_seconds: float = Field(900.0, validation_alias=_env("STREAM_MAX_SECONDS"),
                                       description="An event stream ends after this; clients resume with Last-Event-ID")
     stream_poll_seconds: float = Field(1.0, validation_alias=_env("STREAM_POLL_SECONDS"))
-    max_reward_runs_per_tenant: int = Field(2, validation_alias=_env("MAX_REWARD_RUNS_PER_TENANT"))
-    max_reward_runs_per_process: int = Field(4, validation_alias=_env("MAX_REWARD_RUNS_PER_PROCESS"))
-    max_reward_run_samples: int = Field(64, validation_alias=_env("MAX_REWARD_RUN_SAMPLES"))
-    reward_run_timeout_s: float = Field(300.0, validation_alias=_env("REWARD_RUN_TIMEOUT_S"),
-                                        description="A dry run still grading after this is killed (504)")
+    max_reward_runs_per_tenant: int = Field(4, ge=1, validation_alias=_env("MAX_REWARD_RUNS_PER_TENANT"))
+    max_reward_runs_per_process: int = Field(8, ge=1, validation_alias=_env("MAX_REWARD_RUNS_PER_PROCESS"))
+    max_reward_run_samples: int = Field(64, ge=1, le=64, validation_alias=_env("MAX_REWARD_RUN_SAMPLES"))
     reward_run_budget_s: float = Field(900.0, validation_alias=_env("REWARD_RUN_BUDGET_S"),
                                        description="Grading wall time a tenant may use per window")
     reward_run_window_s: float = Field(3600.0, validation_alias=_env("REWARD_RUN_WINDOW_S"))

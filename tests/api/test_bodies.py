@@ -32,21 +32,21 @@ BAD_JOB_BODIES = [  # (reward, more fields, the field named, in the message)
 ]
 
 
-def test_bad_json_in_a_job_is_a_400_naming_the_field(client, app, auth, uploaded, model_name):
+def test_bad_json_in_a_job_is_a_422_naming_the_field(client, app, auth, uploaded, model_name):
     for reward, extra, field, fragment in BAD_JOB_BODIES:
         r = client.post("/v1/jobs", content=_raw_job(uploaded["id"], reward, extra),
                         headers={**auth, "Content-Type": "application/json"})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 422, r.text
         err = r.json()["error"]
         assert err["type"] == "invalid_json" and err["field"].startswith(field) and fragment in err["message"], err
     with app.state.db.session() as s:
         assert s.scalar(select(func.count()).select_from(Job)) == 0
 
 
-def test_bad_json_in_a_dry_run_is_a_400(client, auth):
+def test_bad_json_in_a_dry_run_is_a_422(client, auth):
     body = b'{"reward": {"type": "string_check", "reference": "a"}, "item": {"n": NaN}, "samples": ["a"]}'
     r = client.post("/v1/rewards/run", content=body, headers={**auth, "Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["field"] == "item.n", r.text
+    assert r.status_code == 422 and r.json()["error"]["field"] == "item.n", r.text
 
 
 def test_seed_must_be_an_integer_and_last_event_id_one_we_sent(client, auth, uploaded, model_name):

@@ -13,11 +13,11 @@ def test_fairness_bench_smoke(tmp_path):
 
     out = tmp_path / "fairness.json"
     code = main(["--seconds", "3", "--victims", "4", "--upload-mb", "2", "--api-workers", "1",
-                 "--redis-url", REDIS_URL, "--reward-run-timeout", "2", "--json", str(out)])
+                 "--redis-url", REDIS_URL, "--run-samples", "2", "--json", str(out)])
     baseline, hostile = json.loads(out.read_text())
     assert code == 0  # no victim request failed
     for report in (baseline, hostile):
         assert all(report["victim"][k]["n"] > 0 for k in ("status", "metrics", "healthz"))
     seen = hostile["hostile_requests"]
-    assert seen.get("stream 200", 0) >= 8 and seen.get("stream 429", 0) > 0  # the cap was kept full
+    assert seen.get("stream 200", 0) >= 1 and seen.get("stream 429", 0) > 0  # the cap was kept full
     assert seen.get("reward_run 429", 0) > 0 and seen.get("upload 201", 0) > 0
