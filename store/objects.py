@@ -56,9 +56,9 @@ class LocalObjectStore:
     def put_fileobj(self, key: str, f: BinaryIO) -> None:
         """Store what ``f`` holds from its current position, copied in chunks."""
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         tmp = path.with_name(path.name + ".part")
-        with open(tmp, "wb") as out:
+        with open_private(tmp) as out:
             shutil.copyfileobj(f, out, CHUNK)
         tmp.replace(path)
 
@@ -121,7 +121,10 @@ class S3ObjectStore:
         self.client.upload_file(str(src), self.bucket, check_key(key))
 
     def put_fileobj(self, key: str, f: BinaryIO) -> None:
-        self.client.upload_fileobj(f, self.bucket, check_key(key))
+        from boto3.s3.transfer import TransferConfig
+
+        # Two 8 MiB parts in flight (boto3's default is ten): an upload's buffers stay small.
+        self.client.upload_fileobj(f, self.bucket, check_key(key), Config=TransferConfig(max_concurrency=2))
 
     def get_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=check_key(key))["Body"].read()

@@ -199,3 +199,35 @@ def test_uploads_capped_per_tenant(limited_sqlite):
             assert http.post("/v1/files", files={"file": ("b.jsonl", b'{"prompt": "b"}\n')}, headers=a).status_code == 201
     finally:
         app.state.db.dispose()
+
+
+def test_streams_end_after_their_maximum_and_the_client_resumes(settings):
+    """Each stream lasts at most GSPO_STREAM_MAX_SECONDS; gspo_client resumes with Last-Event-ID and
+    sees every step once."""
+    from api.app import create_app
+    from gspo_client import Client
+    from store.models import Job
+
+    app = create_app(settings.model_copy(update={"stream_max_seconds": 0.5, "stream_poll_seconds": 0.1}))
+    a, job_id = _tenant_with_job(app, "a")
+
+    def work() -> None:
+        with app.state.db.session() as s:
+            jobs.claim(s, job_id, "w", 30)
+        for step in range(1, 7):
+            time.sleep(0.3)
+            with app.state.db.session() as s:
+                jobs.record_step(s, job_id, step, {"loss": float(step)})
+        with app.state.db.session() as s:
+            jobs.transition(s, s.get(Job, job_id), "succeeded")
+
+    try:
+        with LiveServer(app) as live, Client(live.url, a["Authorization"].split()[1]) as client:
+            t = threading.Thread(target=work)
+            t.start()
+            seen = list(client.events(job_id))
+            t.join()
+        assert [d["step"] for e, d, _ in seen if e == "metrics"] == [1, 2, 3, 4, 5, 6]
+        assert seen[-1][0] == "end" and seen[-1][1]["status"] == "succeeded"
+    finally:
+        app.state.db.dispose()
