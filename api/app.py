@@ -19,7 +19,6 @@ from api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui, usage
 from api.schemas import ErrorBody
 from api.services.deletion import purge
-from api.services.rewards import lower_thread_priority
 from store.db import Database
 from store.models import Job
 from store.objects import get_object_store
@@ -64,7 +63,7 @@ def _per_lifespan(app: FastAPI) -> None:
     app.state.limits = Limits(app.state.settings.redis_url)
     app.state.stream_pool = ThreadPoolExecutor(max_workers=STREAM_POLL_THREADS, thread_name_prefix="sse-poll")
     app.state.grading_pool = ThreadPoolExecutor(max_workers=app.state.settings.max_reward_runs_per_process,
-                                                thread_name_prefix="dry-run", initializer=lower_thread_priority)
+                                                thread_name_prefix="dry-run")
 
 
 def _purge_leftovers(app: FastAPI) -> None:

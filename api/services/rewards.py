@@ -4,9 +4,6 @@ dry-run one within the tenant's bounds."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import threading
 import time
 from concurrent.futures import Executor
 
@@ -32,21 +29,6 @@ def build_checked(spec: dict, settings: Settings) -> RewardFunction:
             fn.close()
             raise ApiError(422, "invalid_reward", f"reward.{field}: {exc}", f"reward.{field}") from None
     return fn
-
-
-#: How much nicer than the API's own threads dry runs are (19: the most), with every thread and process they start
-#: (grader threads, python sandboxes, pool processes): under load the API's requests win the CPU.
-DRY_RUN_NICENESS = 19
-
-
-def lower_thread_priority() -> None:
-    """Make the calling thread (and what it starts) nicer. Linux keeps a nice value per thread
-    (setpriority(2) with a thread id), inherited by the threads and processes it creates; elsewhere
-    the call would renice the whole process, so it is skipped."""
-    if sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + DRY_RUN_NICENESS))
 
 
 def _grade(req: dict, settings: Settings) -> dict:

@@ -232,10 +232,3 @@ def test_streams_end_after_their_maximum_and_the_client_resumes(settings):
     finally:
         app.state.db.dispose()
 
-
-def test_dry_run_graders_run_at_the_lowest_priority(client, auth):
-    """A dry run's thread is as nice as can be, and so is everything it starts (here a python grader's
-    sandbox): a CPU-bound grader leaves the CPU to the API's requests."""
-    spec = {"type": "python", "name": "nice", "source": "import os\ndef grade(sample, item):\n    return float(os.nice(0))"}
-    r = client.post("/v1/rewards/run", json={"reward": spec, "samples": ["x"]}, headers=auth)
-    assert r.status_code == 200 and r.json()["results"][0]["reward"] == 19.0, r.text
