@@ -127,7 +127,6 @@ class Limits:
     def __init__(self, redis_url: str | None) -> None:
         self.process = LocalCounters()
         self.shared = RedisCounters(redis_url) if redis_url else self.process
-        self.backend = "redis" if redis_url else "process"
 
     async def _counters(self, call: str, *args):
         """``(counters that answered, answer)``: the shared ones, or this process's when Redis fails."""

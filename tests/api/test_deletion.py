@@ -149,3 +149,30 @@ def test_objects_left_by_an_interrupted_deletion_are_purged_at_start(app, settin
             assert time.monotonic() < deadline, "leftovers were not purged"
             time.sleep(0.05)
     assert stored_objects(settings) == []
+
+
+def test_a_job_created_while_its_file_is_deleted_is_a_404(client, app, settings, auth, uploaded, model_name):
+    """The deletion holds the file's row until it commits; a job being created from the file meanwhile
+    fails on the foreign key: a 404 naming the file, never a 500 or a job without its file."""
+    import threading
+
+    from sqlalchemy import delete as sql_delete
+
+    from store.models import File
+
+    s = app.state.db.new_session()
+    s.execute(select(File).where(File.id == uploaded["id"]).with_for_update())
+    s.execute(sql_delete(File).where(File.id == uploaded["id"]))
+    answer: list = []
+    t = threading.Thread(target=lambda: answer.append(client.post("/v1/jobs", json=job_body(uploaded["id"]),
+                                                                   headers=auth)))
+    t.start()
+    time.sleep(1.5)  # the job's insert now waits for the file's row
+    s.commit()
+    s.close()
+    t.join(60)
+    r = answer[0]
+    sqlite_busy = settings.resolved_database_url().startswith("sqlite") and r.status_code == 503
+    assert sqlite_busy or (r.status_code == 404 and r.json()["error"]["field"] == "training_file"), r.text
+    with app.state.db.session() as s2:
+        assert s2.scalar(select(func.count()).select_from(Job)) == 0
