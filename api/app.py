@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -11,13 +14,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, select
 
 from api import errors
+from api.limits import Limits
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui, usage
 from api.schemas import ErrorBody
+from api.services.deletion import purge
 from store.db import Database
 from store.models import Job
 from store.objects import get_object_store
 from store.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+#: Threads that run event streams' polls (each a short query): streams never take the shared pool's.
+STREAM_POLL_THREADS = 4
 
 
 def _instrument(app: FastAPI) -> None:
@@ -48,24 +57,47 @@ def _instrument(app: FastAPI) -> None:
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
 
+def _per_lifespan(app: FastAPI) -> None:
+    """What belongs to one run of the event loop: the limiter's Redis client, the threads of event
+    streams' polls and of dry runs (their own, so neither can take the threads other requests need)."""
+    app.state.limits = Limits(app.state.settings.redis_url)
+    app.state.stream_pool = ThreadPoolExecutor(max_workers=STREAM_POLL_THREADS, thread_name_prefix="sse-poll")
+    app.state.grading_pool = ThreadPoolExecutor(max_workers=app.state.settings.max_reward_runs_per_process,
+                                                thread_name_prefix="dry-run")
+
+
+def _purge_leftovers(app: FastAPI) -> None:
+    try:
+        purge(app.state.db, app.state.objects, limit=10_000)
+    except Exception as exc:  # the next deletion or start tries again
+        log.warning("could not purge pending deletions: %s", exc)
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     # Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose
     # full passes over it stalled every request for ~50 ms (the load test's p99 spikes).
     gc.collect()
     gc.freeze()
+    _per_lifespan(app)
+    # Objects of rows deleted just before a crash or during an object-store outage.
+    threading.Thread(target=_purge_leftovers, args=(app,), name="purge", daemon=True).start()
     yield
+    await app.state.limits.close()
+    app.state.stream_pool.shutdown(wait=False, cancel_futures=True)
+    app.state.grading_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
-    common = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 503)}
+    common = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503)}
     app = FastAPI(title="GSPO training service", version="0.1.0", responses=common, lifespan=_lifespan,
                   description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.")
     app.state.settings = settings
     app.state.db = Database(settings.resolved_database_url())
     app.state.objects = get_object_store(settings)
+    _per_lifespan(app)  # again at each start of the lifespan
     errors.install(app)
     _instrument(app)
     for router in (files.router, jobs.router, metrics.router, checkpoints.router, rewards.router, usage.router,

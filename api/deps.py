@@ -1,7 +1,8 @@
-"""Annotated dependencies: settings, database session, object store, tenant, owned resources."""
+"""Annotated dependencies: settings, database session, object store, limits, tenant, owned resources."""
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, Header, Path, Request
@@ -9,6 +10,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, not_found
+from api.limits import Limits
 from store.models import Checkpoint, File, Job, Tenant
 from store.settings import Settings
 from store.tenants import authenticate, owned_by_key
@@ -49,9 +51,16 @@ async def get_objects(request: Request):
     return request.app.state.objects
 
 
+async def get_limits(request: Request) -> Limits:
+    return request.app.state.limits
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# Closed (committed) when the handler returns, before the response is sent: a streamed response
+# (events, downloads) holds no pooled connection while it streams.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 ObjectsDep = Annotated[object, Depends(get_objects)]
+LimitsDep = Annotated[Limits, Depends(get_limits)]
 
 
 def _bearer(authorization: str | None) -> str:
@@ -64,15 +73,32 @@ def _unauthorized() -> ApiError:
                     headers={"WWW-Authenticate": "Bearer"})
 
 
-def current_tenant(s: SessionDep, authorization: Annotated[str | None, Header()] = None) -> Tenant:
-    """The tenant of the ``Authorization: Bearer <key>`` header; 401 otherwise."""
-    tenant = authenticate(s, _bearer(authorization))
+def current_tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> Tenant:
+    """The tenant of the ``Authorization: Bearer <key>`` header; 401 otherwise. Looked up in a session
+    of its own, closed before the handler runs: grading, streaming or uploading holds no connection."""
+    s = request.app.state.db.read_session()
+    try:
+        tenant = authenticate(s, _bearer(authorization))
+    finally:
+        s.close()
     if tenant is None:
         raise _unauthorized()
     return tenant
 
 
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
+
+
+async def metrics_auth(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
+    """The operator's ``GSPO_METRICS_TOKEN`` as a bearer token; /metrics is off (404) while it is unset."""
+    if not settings.metrics_token:
+        raise ApiError(404, "not_found", "/metrics is off; the operator turns it on with GSPO_METRICS_TOKEN")
+    if not hmac.compare_digest(_bearer(authorization).encode(), settings.metrics_token.encode()):
+        raise ApiError(401, "unauthorized", "GET /metrics needs Authorization: Bearer <GSPO_METRICS_TOKEN>",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+MetricsAuthDep = Annotated[None, Depends(metrics_auth)]
 
 
 def _owned(s: Session, model, kind: str, row_id: str, authorization: str | None):
@@ -105,3 +131,14 @@ def owned_checkpoint(s: SessionDep, checkpoint_id: Annotated[str, Path(max_lengt
 JobDep = Annotated[Job, Depends(owned_job)]
 FileDep = Annotated[File, Depends(owned_file)]
 CheckpointDep = Annotated[Checkpoint, Depends(owned_checkpoint)]
+
+
+async def stream_slot(request: Request, job: JobDep, settings: SettingsDep, limits: LimitsDep) -> AsyncIterator[None]:
+    """One of the tenant's event-stream slots, held until the response has been sent (or the client
+    left): a request-scoped dependency's exit runs after the stream, whichever way it ends."""
+    async with limits.slot("event streams", job.tenant_id, settings.max_streams_per_tenant,
+                           settings.max_streams_per_process):
+        yield
+
+
+StreamSlotDep = Annotated[None, Depends(stream_slot)]

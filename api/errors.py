@@ -47,8 +47,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(body(getattr(exc, "error_type", "http_error"), str(exc.detail)), exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(body(getattr(exc, "error_type", "http_error"), str(exc.detail), getattr(exc, "field", None)),
+                            exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(BadKey)
     async def _bad_key(_: Request, exc: BadKey):  # a stored key that would leave its prefix: never served

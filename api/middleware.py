@@ -76,6 +76,13 @@ async def _send_413(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
+def _ungated(method: str, path: str) -> bool:
+    """Event streams, dry runs and uploads: bounded per tenant and per process by api.limits, and
+    they hold no pooled connection while they last (they would hold a slot here for minutes)."""
+    return path == "/healthz" or path.endswith("/events") or (method == "POST" and path in ("/v1/rewards/run",
+                                                                                            "/v1/files"))
+
+
 class MetricsMiddleware:
     """Counts and times requests by route template, and bounds requests in flight.
 
@@ -93,8 +100,9 @@ class MetricsMiddleware:
             return
         t0, status = time.perf_counter(), 500
         # Bound requests in flight below the DB pool (a request holds its connection while it waits
-        # for a worker thread); event streams poll with their own short sessions, so they skip it.
-        gated = not scope["path"].endswith("/events")
+        # for a worker thread). Long calls with caps of their own skip it, as does /healthz, which
+        # must answer at once whatever else is in flight.
+        gated = not _ungated(scope["method"], scope["path"])
         if gated:
             await self.gate.acquire()
         held = gated

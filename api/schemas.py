@@ -72,8 +72,8 @@ class JobCreate(BaseModel):
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     name: str | None = Field(None, max_length=200)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    max_wall_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description=(
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)  # strict: `true` is not a seed
+    max_wall_seconds: int | None = Field(None, gt=0, le=2**31 - 1, strict=True, description=(
         "Device time (seconds, summed over attempts) after which the job stops at its next step, "
         "checkpoints and fails; at most the operator's limit, which applies when unset."))
 
@@ -101,7 +101,7 @@ class JobOut(BaseModel):
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None
-    training_file: str
+    training_file: str | None  # null once the file was deleted (after the job finished)
     validation_file: str | None
     reward: dict[str, Any]
     hyperparameters: dict[str, Any]
@@ -173,7 +173,8 @@ class RewardRunIn(BaseModel):
 
     reward: dict[str, Any]
     item: dict[str, Any] = Field(default_factory=dict)
-    samples: list[str] = Field(..., min_length=1, max_length=64, description="Completion texts to grade.")
+    samples: list[str] = Field(..., min_length=1, max_length=64,
+                               description="Completion texts to grade (GSPO_MAX_REWARD_RUN_SAMPLES, at most 64).")
 
 
 class RewardRunResult(BaseModel):

@@ -64,6 +64,11 @@ def jobs_cancel(c: Client, args):
     print(c.cancel_job(args.job_id)["status"])
 
 
+def jobs_delete(c: Client, args):
+    c.delete_job(args.job_id)
+    print("deleted")
+
+
 def jobs_metrics(c: Client, args):
     if args.csv:
         sys.stdout.write(c.metrics_csv(args.job_id))
@@ -150,6 +155,7 @@ def register(sub) -> None:
     p.add_argument("--status")
     p.add_argument("--limit", type=int, default=50)
     for name, fn, help_ in (("get", jobs_get, "show a job"), ("cancel", jobs_cancel, "cancel a job"),
+                            ("delete", jobs_delete, "delete a finished job and everything it made"),
                             ("watch", jobs_watch, "follow a job live")):
         cmd(jobs, name, fn, help_).add_argument("job_id")
     p = cmd(jobs, "metrics", jobs_metrics, "a job's step metrics")

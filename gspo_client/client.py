@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -85,6 +86,10 @@ class Client:
     def cancel_job(self, job_id: str) -> dict:
         return self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")).json()
 
+    def delete_job(self, job_id: str) -> None:
+        """A finished job with its metrics, samples, events and checkpoints (409 while it is active)."""
+        self._check(self.http.delete(f"/v1/jobs/{job_id}"))
+
     def usage(self, periods: int = 30) -> dict:
         """Your device time and tokens per budget period, totals, and budget (``GET /v1/usage``)."""
         return self._get("/v1/usage", periods=periods)
@@ -99,7 +104,18 @@ class Client:
         return self._get(f"/v1/jobs/{job_id}/samples", step=step)
 
     def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[tuple[str, dict, str]]:
-        """Follow the job's server-sent events: yields ``(event, data, id)`` until ``end``."""
+        """Follow the job's server-sent events: yields ``(event, data, id)`` until ``end``. The server
+        ends a stream after a while (GSPO_STREAM_MAX_SECONDS): this resumes from the last id, as a
+        browser's EventSource does."""
+        while True:
+            for event, data, ident in self._event_stream(job_id, last_event_id):
+                yield event, data, ident
+                if event == "end":
+                    return
+                last_event_id = ident or last_event_id
+            time.sleep(0.5)  # as EventSource's retry: no tight loop if streams keep ending at once
+
+    def _event_stream(self, job_id: str, last_event_id: str | None) -> Iterator[tuple[str, dict, str]]:
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
         with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=None) as resp:
             if resp.status_code >= 400:
@@ -110,8 +126,6 @@ class Client:
                 if not line:
                     if data:
                         yield event, json.loads("\n".join(data)), ident
-                        if event == "end":
-                            return
                     event, data = "message", []
                 elif line.startswith("event:"):
                     event = line[6:].strip()
@@ -123,6 +137,9 @@ class Client:
     # --- checkpoints ---------------------------------------------------------------------
     def list_checkpoints(self, job_id: str) -> list[dict]:
         return self._get(f"/v1/jobs/{job_id}/checkpoints")["data"]
+
+    def delete_checkpoint(self, checkpoint_id: str) -> None:
+        self._check(self.http.delete(f"/v1/checkpoints/{checkpoint_id}"))
 
     def download_checkpoint(self, checkpoint_id: str, dest: str | Path,
                             progress: Callable[[int], None] | None = None) -> Path:

@@ -60,8 +60,9 @@ class Job(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str | None] = mapped_column(String(200), nullable=True)
     model: Mapped[str] = mapped_column(String(512))
-    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
-    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"), nullable=True)
+    # NULL once the file is deleted (allowed only when no active job uses it): the job's history stays.
+    training_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id", ondelete="SET NULL"), nullable=True)
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id", ondelete="SET NULL"), nullable=True)
     reward: Mapped[dict] = mapped_column(JSON)
     hyperparameters: Mapped[dict] = mapped_column(JSON)
     job_metadata: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
@@ -151,3 +152,13 @@ class UsageRecord(Base):
     device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class PendingDeletion(Base):
+    """Stored objects whose rows are gone: written in the transaction that deletes the rows, removed
+    once the objects are, so a crash or an object-store outage in between is retried, never leaked."""
+
+    __tablename__ = "pending_deletions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    prefix: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from store.private import open_private, private_dir
 from store.settings import Settings
@@ -50,6 +50,15 @@ class LocalObjectStore:
         private_dir(path.parent)
         tmp = path.with_name(path.name + ".part")
         with open(src, "rb") as f, open_private(tmp) as out:
+            shutil.copyfileobj(f, out, CHUNK)
+        tmp.replace(path)
+
+    def put_fileobj(self, key: str, f: BinaryIO) -> None:
+        """Store what ``f`` holds from its current position, copied in chunks."""
+        path = self._path(key)
+        private_dir(path.parent)
+        tmp = path.with_name(path.name + ".part")
+        with open_private(tmp) as out:
             shutil.copyfileobj(f, out, CHUNK)
         tmp.replace(path)
 
@@ -110,6 +119,12 @@ class S3ObjectStore:
 
     def put_file(self, key: str, src: str | Path) -> None:
         self.client.upload_file(str(src), self.bucket, check_key(key))
+
+    def put_fileobj(self, key: str, f: BinaryIO) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        # Two 8 MiB parts in flight (boto3's default is ten): an upload's buffers stay small.
+        self.client.upload_fileobj(f, self.bucket, check_key(key), Config=TransferConfig(max_concurrency=2))
 
     def get_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=check_key(key))["Body"].read()

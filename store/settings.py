@@ -44,6 +44,27 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_REQUEST_BYTES"))
     max_active_jobs_per_tenant: int = Field(16, validation_alias=_env("MAX_ACTIVE_JOBS_PER_TENANT"))
 
+    # Per-tenant API bounds (429 + Retry-After past them). "per tenant" caps are shared by every API
+    # process when REDIS_URL is set, else they hold per process; "per process" caps are local.
+    max_file_storage_bytes_per_tenant: int = Field(2 * 1024**3, validation_alias=_env("MAX_FILE_STORAGE_BYTES_PER_TENANT"),
+                                                   description="Sum of a tenant's uploaded files' sizes (413 past it)")
+    max_row_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_ROW_BYTES"), description="Longest dataset line")
+    max_uploads_per_tenant: int = Field(2, validation_alias=_env("MAX_UPLOADS_PER_TENANT"))
+    max_uploads_per_process: int = Field(4, validation_alias=_env("MAX_UPLOADS_PER_PROCESS"))
+    max_streams_per_tenant: int = Field(8, validation_alias=_env("MAX_STREAMS_PER_TENANT"))
+    max_streams_per_process: int = Field(256, validation_alias=_env("MAX_STREAMS_PER_PROCESS"))
+    stream_max_seconds: float = Field(900.0, validation_alias=_env("STREAM_MAX_SECONDS"),
+                                      description="An event stream ends after this; clients resume with Last-Event-ID")
+    stream_poll_seconds: float = Field(1.0, validation_alias=_env("STREAM_POLL_SECONDS"))
+    max_reward_runs_per_tenant: int = Field(4, ge=1, validation_alias=_env("MAX_REWARD_RUNS_PER_TENANT"))
+    max_reward_runs_per_process: int = Field(8, ge=1, validation_alias=_env("MAX_REWARD_RUNS_PER_PROCESS"))
+    max_reward_run_samples: int = Field(64, ge=1, le=64, validation_alias=_env("MAX_REWARD_RUN_SAMPLES"))
+    reward_run_budget_s: float = Field(900.0, validation_alias=_env("REWARD_RUN_BUDGET_S"),
+                                       description="Grading wall time a tenant may use per window")
+    reward_run_window_s: float = Field(3600.0, validation_alias=_env("REWARD_RUN_WINDOW_S"))
+    metrics_token: str | None = Field(None, validation_alias=_env("METRICS_TOKEN"),
+                                      description="Bearer token of GET /metrics; unset: /metrics is off (404)")
+
     # Graders (see gspo_core.rewards.policy.GraderPolicy): what tenants' graders may do on this host.
     grader_python: str | None = Field(None, validation_alias=_env("GRADER_PYTHON"),
                                       description="Interpreter of the grader environment; default the service's")

@@ -1,4 +1,4 @@
-"""Checkpoints: list a job's, and download one as a streamed .tar.gz (or a presigned redirect)."""
+"""Checkpoints: list a job's, download one as a streamed .tar.gz (or a presigned redirect), delete one."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from api.deps import CheckpointDep, JobDep, ObjectsDep, SessionDep
 from api.errors import ApiError
 from api.schemas import CheckpointOut, ErrorBody, Page
 from api.services.archive import archive_members, stream_tar_gz
+from api.services.deletion import delete_checkpoint as delete_checkpoint_rows, purge
 from store.objects import ARCHIVE_NAME
 from store.models import Checkpoint
 
@@ -51,3 +52,10 @@ def download_checkpoint(c: CheckpointDep, objects: ObjectsDep):
         stream_tar_gz(objects, members, root), media_type="application/gzip",
         headers={"Content-Disposition": f'attachment; filename="{root}.tar.gz"',
                  "X-Checkpoint-Bytes": str(sum(size for _, _, size in members))})
+
+
+@router.delete("/v1/checkpoints/{checkpoint_id}", status_code=204, responses={409: {"model": ErrorBody}, **ERRORS})
+def delete_checkpoint(c: CheckpointDep, s: SessionDep, request: Request):
+    """409 while its job is queued or running, or while an active job trains from it (`ckpt:<id>`)."""
+    delete_checkpoint_rows(s, c)
+    purge(request.app.state.db, request.app.state.objects)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
-from api.deps import SettingsDep
+from api.deps import MetricsAuthDep, SettingsDep
 from gspo_core.rewards import GraderPolicy
 from gspo_core.rewards.isolation import isolation_for
 from store.queue import broker_reachable
@@ -18,7 +18,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz():
+async def healthz():  # on the event loop: no thread to wait for while the pool is busy
     return {"status": "ok"}
 
 
@@ -43,6 +43,7 @@ async def readyz(request: Request, settings: SettingsDep):
 
 
 @router.get("/metrics", include_in_schema=False)
-def prometheus(request: Request):
+def prometheus(request: Request, _: MetricsAuthDep):
+    """Prometheus text; needs ``Authorization: Bearer $GSPO_METRICS_TOKEN`` (404 while it is unset)."""
     request.app.state.observe_jobs()
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

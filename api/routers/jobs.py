@@ -1,18 +1,20 @@
-"""/v1/jobs: create (validated, idempotent), list (cursor), get, cancel."""
+"""/v1/jobs: create (validated, idempotent), list (cursor), get, cancel, delete."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 
+from api.bodies import StrictJsonRoute
 from api.deps import JobDep, SessionDep, SettingsDep, TenantDep
 from api.schemas import ErrorBody, JobCreate, JobOut, JobStatus, Page, json_response
 from api.services import jobs as svc
+from api.services.deletion import delete_job as delete_job_rows, purge
 from store import jobs as job_state
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 422: {"model": ErrorBody}, 429: {"model": ErrorBody}}
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=StrictJsonRoute)
+ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 422, 429)}
 
 
 @router.post("", response_model=JobOut, status_code=201, responses={
@@ -42,3 +44,11 @@ def get_job(job: JobDep, s: SessionDep, settings: SettingsDep):
 def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep):
     job_state.request_cancel(s, job)
     return svc.to_out(s, settings, job)
+
+
+@router.delete("/{job_id}", status_code=204, responses={409: {"model": ErrorBody}, **ERRORS})
+def delete_job(job: JobDep, s: SessionDep, request: Request):
+    """A finished job (succeeded, failed, cancelled) with its metrics, samples, events and checkpoints;
+    409 naming its status while it is queued or running."""
+    delete_job_rows(s, job)
+    purge(request.app.state.db, request.app.state.objects)

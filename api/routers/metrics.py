@@ -6,15 +6,15 @@ import csv
 import io
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import TypeAdapter
 from sqlalchemy import select
 
-from api.deps import JobDep, SessionDep
+from api.deps import JobDep, SessionDep, SettingsDep, StreamSlotDep
 from api.errors import ApiError
 from api.schemas import ErrorBody, Page, SamplesOut, StepMetricsOut, json_response
-from api.services.events import stream
+from api.services.events import parse_last_event_id, stream
 from store.models import Sample, StepMetric
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["metrics"])
@@ -48,11 +48,21 @@ def get_metrics(job: JobDep, s: SessionDep, after_step: Annotated[int, Query(ge=
     return json_response(METRICS_PAGE.validate_python({"data": [r._asdict() for r in rows]}))
 
 
-@router.get("/events", responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
-def job_events(job: JobDep, request: Request, last_event_id: Annotated[str | None, Header(max_length=64)] = None):
-    """Server-sent events: `status`, `log`, `checkpoint`, `metrics` (one per step), then `end`."""
-    return StreamingResponse(stream(request.app.state.db, job.id, last_event_id), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _event_position(last_event_id: Annotated[str | None, Header(max_length=64)] = None) -> tuple[int, int]:
+    return parse_last_event_id(last_event_id)
+
+
+@router.get("/events", responses={200: {"content": {"text/event-stream": {}}}, 400: {"model": ErrorBody},
+                                  429: {"model": ErrorBody}, **ERRORS})
+async def job_events(job: JobDep, request: Request, settings: SettingsDep,
+                     after: Annotated[tuple[int, int], Depends(_event_position)], _: StreamSlotDep):
+    """Server-sent events: `status`, `log`, `checkpoint`, `metrics` (one per step), then `end`. A stream
+    ends after GSPO_STREAM_MAX_SECONDS (reconnect with `Last-Event-ID`); a tenant has at most
+    GSPO_MAX_STREAMS_PER_TENANT open (429)."""
+    state = request.app.state
+    return StreamingResponse(stream(state.db, state.stream_pool, job.id, after, settings.stream_poll_seconds,
+                                    settings.stream_max_seconds),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 @router.get("/samples", response_model=SamplesOut, responses=ERRORS)

@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
+from fastapi import APIRouter, Request
 
-from fastapi import APIRouter
+from api.bodies import StrictJsonRoute
+from api.deps import LimitsDep, SettingsDep, TenantDep
+from api.schemas import ErrorBody, RewardRunIn, RewardRunOut, json_response
+from api.services.rewards import dry_run
 
-from api.deps import SettingsDep, TenantDep
-from api.schemas import ErrorBody, RewardRunIn, RewardRunOut, RewardRunResult
-from api.services.rewards import build_checked
-from store.settings import Settings
-
-router = APIRouter(prefix="/v1/rewards", tags=["rewards"])
-
-
-def _run(req: RewardRunIn, settings: Settings) -> RewardRunOut:
-    fn = build_checked(req.reward, settings)
-    try:
-        samples = [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in req.samples]
-        results = fn.score_batch([req.item] * len(samples), samples)
-    finally:
-        fn.close()
-    return RewardRunOut(grader_names=fn.grader_names, results=[
-        RewardRunResult(output_text=t, reward=r.reward, scores=r.scores, errors=r.errors)
-        for t, r in zip(req.samples, results)])
+router = APIRouter(prefix="/v1/rewards", tags=["rewards"], route_class=StrictJsonRoute)
+ERRORS = {code: {"model": ErrorBody} for code in (401, 422, 429, 503)}
 
 
-@router.post("/run", response_model=RewardRunOut, responses={401: {"model": ErrorBody}, 422: {"model": ErrorBody}})
-async def run_reward(req: RewardRunIn, tenant: TenantDep, settings: SettingsDep):
-    return await asyncio.to_thread(_run, req, settings)
+@router.post("/run", response_model=RewardRunOut, responses=ERRORS)
+async def run_reward(req: RewardRunIn, tenant: TenantDep, settings: SettingsDep, limits: LimitsDep, request: Request):
+    """Bounded per tenant: GSPO_MAX_REWARD_RUNS_PER_TENANT at once and GSPO_REWARD_RUN_BUDGET_S of grading
+    per GSPO_REWARD_RUN_WINDOW_S (429 with Retry-After past either)."""
+    out = await dry_run(limits, request.app.state.grading_pool, settings, tenant.id,
+                        req.model_dump(mode="json", include={"reward", "item", "samples"}))
+    return json_response(RewardRunOut.model_validate(out))

@@ -1,59 +1,104 @@
-"""Dataset uploads: bounded read, validation with line numbers, object then row (never half-written)."""
+"""Dataset uploads: streamed to a temporary file, validated line by line off the event loop (a large
+one in a child process), within the tenant's concurrent-upload cap and storage quota; object then
+row (never half-written)."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
-from fastapi import UploadFile
-from sqlalchemy import select
+import anyio
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
 
 from api.errors import ApiError
-from gspo_core.data import DataError, validate_jsonl_bytes
-from store.models import File, Job, Tenant, new_id
+from api.limits import Limits
+from api.services.scan import scan_in_child
+from gspo_core.data import DataError, jsonl_summary
+from store.models import File, Tenant, new_id
 from store.objects import BadKey
 from store.settings import Settings
 
-
-async def read_bounded(upload: UploadFile, limit: int) -> bytes:
-    """Read at most ``limit`` bytes; 413 past it (never buffers an unbounded body)."""
-    chunks, size = [], 0
-    while chunk := await upload.read(1024 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "file_too_large", f"file exceeds the {limit} byte upload limit", "file")
-        chunks.append(chunk)
-    return b"".join(chunks)
+#: Uploads up to this size are validated in a thread (milliseconds); larger ones in a child process.
+SCAN_IN_THREAD_BYTES = 1024 * 1024
 
 
-def _item_fields(rows: list[dict]) -> list[str]:
-    """Fields present in EVERY row (a template may only use those)."""
-    common = set(rows[0])
-    for r in rows[1:]:
-        common &= set(r)
-    return sorted(common)
+def _stored_bytes(s: Session, tenant_id: str) -> int:
+    return int(s.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(File.tenant_id == tenant_id)))
 
 
-def create_file(s: Session, objects, settings: Settings, tenant: Tenant, filename: str, data: bytes) -> File:
+def _stored_bytes_now(db, tenant_id: str) -> int:
+    with db.session() as s:
+        return _stored_bytes(s, tenant_id)
+
+
+def _quota_error(settings: Settings, used: int, size: int | None) -> ApiError:
+    this = f"; this file is {size} bytes" if size is not None else ""
+    return ApiError(413, "storage_quota_exceeded", f"your files use {used} of the "
+                    f"{settings.max_file_storage_bytes_per_tenant} bytes allowed{this}; delete files to make room", "file")
+
+
+def _scan(fh: BinaryIO, settings: Settings) -> tuple[int, list[str], int]:
+    """``(rows, fields every row has, bytes)`` of the upload, read line by line (bounded memory)."""
+    size = fh.seek(0, 2)
+    if size > settings.max_upload_bytes:
+        raise ApiError(413, "file_too_large", f"file exceeds the {settings.max_upload_bytes} byte upload limit", "file")
+    fh.seek(0)
     try:
-        rows = validate_jsonl_bytes(data, max_rows=settings.max_file_rows)
+        if size > SCAN_IN_THREAD_BYTES:
+            rows, fields = scan_in_child(fh, settings.max_file_rows, settings.max_row_bytes)
+        else:
+            rows, fields = jsonl_summary(fh, max_rows=settings.max_file_rows, max_row_bytes=settings.max_row_bytes)
     except DataError as exc:
         status = 413 if "too many rows" in exc.message else 400
         raise ApiError(status, "invalid_file", str(exc), exc.field or "file", exc.line) from None
+    return rows, fields, size
+
+
+def _store(db, objects, settings: Settings, tenant_id: str, filename: str, fh: BinaryIO) -> File:
+    """Validate, store the object, insert the row (the quota re-checked under the tenant's lock)."""
+    rows, fields, size = _scan(fh, settings)
+    if (used := _stored_bytes_now(db, tenant_id)) + size > settings.max_file_storage_bytes_per_tenant:
+        raise _quota_error(settings, used, size)
     file_id = new_id("file")
-    key = f"tenants/{tenant.id}/files/{file_id}.jsonl"
-    objects.put_bytes(key, data)
+    key = f"tenants/{tenant_id}/files/{file_id}.jsonl"
+    fh.seek(0)
+    objects.put_fileobj(key, fh)
     try:
-        f = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "data.jsonl", bytes=len(data),
-                 rows=len(rows), object_key=key, item_fields=_item_fields(rows))
-        s.add(f)
-        s.commit()  # here, not after the response: a failed insert must not leave the object behind
-    except Exception:
-        s.rollback()
+        with db.session() as s:
+            s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())  # PostgreSQL: one at a time
+            f = File(id=file_id, tenant_id=tenant_id, filename=filename[:255] or "data.jsonl", bytes=size,
+                     rows=rows, object_key=key, item_fields=fields)
+            s.add(f)
+            s.flush()  # SQLite: the write lock is ours from here, so the sum below is the final one
+            if (total := _stored_bytes(s, tenant_id)) > settings.max_file_storage_bytes_per_tenant:
+                raise _quota_error(settings, total - size, size)
+    except BaseException:
         objects.delete_prefix(key)
         raise
     return f
+
+
+async def upload(request: Request, settings: Settings, limits: Limits, tenant: Tenant) -> File:
+    """The multipart part ``file``: read only once the tenant holds an upload slot and has room left."""
+    db, objects = request.app.state.db, request.app.state.objects
+    used = await anyio.to_thread.run_sync(_stored_bytes_now, db, tenant.id)
+    if used >= settings.max_file_storage_bytes_per_tenant:
+        raise _quota_error(settings, used, None)
+    async with limits.slot("uploads", tenant.id, settings.max_uploads_per_tenant, settings.max_uploads_per_process):
+        # Starlette spools the part to a temporary file (in memory up to 1 MiB) as it arrives.
+        form = await request.form(max_files=1, max_fields=8)
+        try:
+            part = form.get("file")
+            if not isinstance(part, UploadFile):
+                raise ApiError(422, "invalid_request", "file: a multipart/form-data part named `file` is required",
+                               "file")
+            return await anyio.to_thread.run_sync(_store, db, objects, settings, tenant.id,
+                                                  part.filename or "data.jsonl", part.file)
+        finally:
+            await form.close()
 
 
 def open_content(objects, key: str) -> Iterator[bytes]:
@@ -69,12 +114,3 @@ def open_content(objects, key: str) -> Iterator[bytes]:
             raise
         raise ApiError(404, "not_found", "stored content is missing (NoSuchKey)") from None
     return itertools.chain([first], stream)
-
-
-def delete_file(s: Session, objects, f: File) -> None:
-    used = s.scalar(select(Job.id).where((Job.training_file_id == f.id) | (Job.validation_file_id == f.id)).limit(1))
-    if used:
-        raise ApiError(409, "file_in_use", f"file {f.id} is used by job {used}", "file_id")
-    s.delete(f)
-    s.commit()  # the row goes first: a failed delete leaves the file whole, never a row without content
-    objects.delete_prefix(f.object_key)

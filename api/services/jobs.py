@@ -100,7 +100,10 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
                        "(GSPO_MAX_ACTIVE_JOBS_PER_TENANT); wait for one to finish or cancel one") from None
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
         s.rollback()
-        return _replayed(_prior(s, tenant, idem_key), req, cfg), False
+        if idem_key is None or (prior := _prior(s, tenant, idem_key)) is None:  # else a file deleted meanwhile
+            raise ApiError(404, "not_found", "a file of this job was deleted while it was being created",
+                           "training_file") from None
+        return _replayed(prior, req, cfg), False
     s.commit()
     try:
         enqueue_run_job(settings, job.id)

@@ -1,8 +1,14 @@
-"""Reward specs at the API: build one (422 naming the field), check the models its graders load, score one."""
+"""Reward specs at the API: build one (422 naming the field), check the models its graders load, and
+dry-run one within the tenant's bounds."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from concurrent.futures import Executor
+
 from api.errors import ApiError
+from api.limits import Limits
 from gspo_core.rewards import GraderPolicy, RewardFunction, RewardSpecError, build_reward, map_reward_models
 from store.model_refs import ModelRefError, check_local_or_hub, resolve_model
 from store.settings import Settings
@@ -23,3 +29,32 @@ def build_checked(spec: dict, settings: Settings) -> RewardFunction:
             fn.close()
             raise ApiError(422, "invalid_reward", f"reward.{field}: {exc}", f"reward.{field}") from None
     return fn
+
+
+def _grade(req: dict, settings: Settings) -> dict:
+    fn = build_checked(req["reward"], settings)
+    try:
+        samples = [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in req["samples"]]
+        results = fn.score_batch([req["item"]] * len(samples), samples)
+    finally:
+        fn.close()
+    return {"grader_names": fn.grader_names, "results": [
+        {"output_text": t, "reward": r.reward, "scores": r.scores, "errors": r.errors}
+        for t, r in zip(req["samples"], results)]}
+
+
+async def dry_run(limits: Limits, pool: Executor, settings: Settings, tenant_id: str, req: dict) -> dict:
+    """Grade ``req`` (reward, item, samples) on ``pool`` (this process's grading threads, as many as
+    its dry-run slots) within the bounds: samples per call (422), the tenant's grading time per window
+    and concurrent runs (429), this process's runs (503)."""
+    if len(req["samples"]) > settings.max_reward_run_samples:
+        raise ApiError(422, "invalid_request", f"samples: at most {settings.max_reward_run_samples} per call",
+                       "samples")
+    what, window = "reward runs", settings.reward_run_window_s
+    await limits.check_budget(what, tenant_id, settings.reward_run_budget_s, window)
+    async with limits.slot(what, tenant_id, settings.max_reward_runs_per_tenant, settings.max_reward_runs_per_process):
+        start = time.monotonic()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, _grade, req, settings)
+        finally:
+            await limits.charge(what, tenant_id, time.monotonic() - start, window)

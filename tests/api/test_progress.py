@@ -112,11 +112,16 @@ def test_rewards_run(client, auth):
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "reward.pattern"
 
 
-def test_health_ready_prometheus(client):
+def test_health_ready_prometheus(client, app, settings, auth):
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 200 and ready.json() == {"database": "ok", "broker": "ok", "sandbox": "bubblewrap"}
-    text = client.get("/metrics").text
+    assert client.get("/metrics").status_code == 404  # off until the operator sets a token
+    app.state.settings = settings.model_copy(update={"metrics_token": "scrape-me"})
+    for headers in ({}, auth, {"Authorization": "Bearer scrape-m"}):  # a tenant's key is not the token
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", headers
+    text = client.get("/metrics", headers={"Authorization": "Bearer scrape-me"}).text
     assert "gspo_http_requests_total" in text and 'gspo_jobs{status="queued"}' in text
 
 

@@ -21,14 +21,15 @@ def _gspo(env: dict, *args: str) -> str:
 
 def _requests_counted(url: str, route: str) -> float:
     total = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", headers={"Authorization": "Bearer scrape"}).text.splitlines():
         if line.startswith("gspo_http_requests_total{") and f'route="{route}"' in line and 'status="200"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
 def test_two_server_processes_share_metrics_and_revocation(tmp_path):
-    env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "GSPO_MODELS_DIR": str(tmp_path / "models")}
+    env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "GSPO_MODELS_DIR": str(tmp_path / "models"),
+           "GSPO_METRICS_TOKEN": "scrape"}
     env.pop("DATABASE_URL", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     _gspo(env, "migrate")

@@ -121,3 +121,45 @@ def test_load_rows_reads_a_jsonl_file_and_keeps_item_fields(tmp_path):
     assert load_rows(str(path)) == [{"prompt": "p", "answer": "4", "meta": {"k": [1]}}]
     with pytest.raises(DataError, match="hf:NAME"):
         load_rows("hf:only")
+
+
+def test_nesting_is_decided_on_bytes_before_any_parse():
+    from gspo_core.data import MAX_DEPTH, nesting_exceeds
+
+    assert not nesting_exceeds(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)
+    assert nesting_exceeds(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1))
+    assert nesting_exceeds(b'{"a": ' + b'[{"b": ' * 17 + b"1" + b"}]" * 17 + b"}")
+    assert nesting_exceeds((b"[" * 32 + b"]") * 3)  # deep without a long run of openers
+    assert not nesting_exceeds(b'{"s": "' + b"[" * 100 + b'\\" [[["}')  # brackets in strings do not count
+    assert not nesting_exceeds(b"[" + b"[]," * 10_000 + b"[]]")  # wide is not deep
+    assert not nesting_exceeds(b'{"a": [}')  # unbalanced: the parser's to refuse
+
+
+def test_loads_strict_names_the_path():
+    from gspo_core.data import JsonValueError, loads_strict
+
+    assert loads_strict('{"a": [1, 2.5, -3, "x", {"b": null}], "e": "\\ud83d\\ude00"}') == {
+        "a": [1, 2.5, -3, "x", {"b": None}], "e": "\U0001F600"}
+    cases = {'{"a": [1, NaN]}': "a[1]", '{"a": {"b": -Infinity}}': "a.b", '{"x": 1e999}': "x",
+             '{"n": ' + "1" * 1001 + "}": "n", '{"s": ["ok", "\\udfff"]}': "s[1]",
+             '{"d": ' + "[" * 40 + "]" * 40 + "}": "d" + "[0]" * 31, "[" * 100_000 + "]" * 100_000: ""}
+    for text, path in cases.items():
+        with pytest.raises(JsonValueError) as exc:
+            loads_strict(text)
+        assert exc.value.path == path, text[:40]
+    with pytest.raises(json.JSONDecodeError):
+        loads_strict("{bad")
+
+
+def test_long_lines_are_refused_before_they_are_read_whole():
+    import io
+
+    from gspo_core.data import iter_jsonl
+
+    data = b'{"prompt": "a"}\n{"prompt": "' + b"b" * 100 + b'"}\n'
+    assert len(list(iter_jsonl(io.BytesIO(data), max_row_bytes=200))) == 2
+    with pytest.raises(DataError, match="longer than 50 bytes") as exc:
+        list(iter_jsonl(io.BytesIO(data), max_row_bytes=50))
+    assert exc.value.line == 2
+    with pytest.raises(DataError, match="at most 256") as exc:
+        validate_jsonl_bytes(json.dumps({"prompt": "a", **{f"k{i}": i for i in range(300)}}).encode())

@@ -3,6 +3,7 @@ under a permissive umask: the SQLite database, the local object store, uploads, 
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path
@@ -39,6 +40,7 @@ def test_everything_under_the_data_dir_is_private(tmp_path, open_umask):
     assert wal == {"gspo.db-wal": 0o600, "gspo.db-shm": 0o600}, wal
     store = get_object_store(settings)
     store.put_bytes("tenants/t1/files/f1.jsonl", b'{"prompt": "x"}\n')
+    store.put_fileobj("tenants/t2/files/f2.jsonl", io.BytesIO(b'{"prompt": "y"}\n'))  # an upload's spooled file
     ckpt = tmp_path / "ckpt"
     (ckpt / "model").mkdir(parents=True)
     (ckpt / "model" / "model.safetensors").write_bytes(b"weights")
@@ -51,7 +53,7 @@ def test_everything_under_the_data_dir_is_private(tmp_path, open_umask):
     files = [p for p in data.rglob("*") if p.is_file()]
     dirs = [p for p in data.rglob("*") if p.is_dir()]
     names = {p.name for p in files}
-    assert {"gspo.db", "f1.jsonl", "model.safetensors"} <= names, names
+    assert {"gspo.db", "f1.jsonl", "f2.jsonl", "model.safetensors"} <= names, names
     assert (fetched / "model" / "model.safetensors").read_bytes() == b"weights"
     assert {str(p): oct(mode(p)) for p in files if mode(p) != 0o600} == {}
     assert {str(p): oct(mode(p)) for p in dirs if mode(p) != 0o700} == {}
