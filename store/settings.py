@@ -85,6 +85,8 @@ class Settings(BaseSettings):
                                          description="Per batch, for graders run in the grader pool")
     grader_pool_size: int = Field(0, ge=0, validation_alias=_env("GRADER_POOL_SIZE"),
                                   description="Grader pool processes per API/worker process; 0: the CPUs, 2..4")
+    dry_run_niceness: int = Field(10, ge=0, le=19, validation_alias=_env("DRY_RUN_NICENESS"),
+                                  description="Niceness of the processes the API's dry runs grade in (not the worker's)")
     grader_pool_memory_mb: int = Field(1024, ge=64, validation_alias=_env("GRADER_POOL_MEMORY_MB"),
                                        description="Address space of a grader pool process beyond its start")
 

@@ -17,9 +17,10 @@ from store.settings import Settings
 def build_checked(spec: dict, settings: Settings) -> RewardFunction:
     """The built spec, its ``reward_model`` names resolved under the models directory; 422 naming the
     field for a bad spec or a grader model outside the models policy (the one the trained model obeys)."""
+    # The API's graders run below its own priority: a tenant's CPU-bound dry run leaves the cores to requests.
+    policy = GraderPolicy.from_mapping({**settings.grader_policy(), "niceness": settings.dry_run_niceness})
     try:
-        fn = build_reward(map_reward_models(spec, lambda m: resolve_model(settings.models_dir, m)),
-                          GraderPolicy.from_mapping(settings.grader_policy()))
+        fn = build_reward(map_reward_models(spec, lambda m: resolve_model(settings.models_dir, m)), policy)
     except RewardSpecError as exc:
         raise ApiError(422, "invalid_reward", str(exc), f"reward.{exc.field}" if exc.field else "reward") from None
     for field, model in fn.local_models().items():

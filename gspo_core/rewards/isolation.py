@@ -52,6 +52,7 @@ class SandboxLimits:
     max_open_files: int = 64
     tmp_mb: int = 64
     setup_s: float = 20.0
+    niceness: int = 0
 
     @property
     def reserve_mb(self) -> int:
@@ -165,6 +166,8 @@ def preexec(iso: Isolation, limits, n_tasks: int, uid: int | None):
     throw-away host ``uid`` for bwrap, or in weak mode an empty network namespace."""
     def setup() -> None:
         os.setsid()
+        if limits.niceness:
+            os.nice(limits.niceness)
         cpu = int(limits.setup_s + limits.timeout_s * n_tasks) + 2
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         mem = limits.memory_mb * 1024 * 1024

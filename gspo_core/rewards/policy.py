@@ -35,6 +35,9 @@ class GraderPolicy:
     #: Grader pool processes per service process (0: the CPUs, 2..4) and each one's memory beyond its start.
     pool_size: int = 0
     pool_memory_mb: int = 1024
+    #: Niceness of the processes graders run in (python sandboxes, the grader pool): the API gives its dry
+    #: runs' graders a low priority, so a tenant's CPU-bound grader does not slow other tenants' requests.
+    niceness: int = 0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "GraderPolicy":

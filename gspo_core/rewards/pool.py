@@ -92,8 +92,8 @@ class _Proc:
 class GraderPool:
     """``size`` warm grader processes; :meth:`grade` spreads a batch over them."""
 
-    def __init__(self, size: int, memory_mb: int) -> None:
-        self.size, self.memory_mb = size, memory_mb
+    def __init__(self, size: int, memory_mb: int, niceness: int = 0) -> None:
+        self.size, self.memory_mb, self.niceness = size, memory_mb, niceness
         self._idle: queue.Queue[_Proc] = queue.Queue()
         self._spawns: queue.Queue[int] = queue.Queue()
         self._lock = threading.Lock()
@@ -120,7 +120,8 @@ class GraderPool:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
             try:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "gspo_core.rewards.pool_child", str(os.getpid()), str(self.memory_mb)],
+                    [sys.executable, "-m", "gspo_core.rewards.pool_child", str(os.getpid()), str(self.memory_mb),
+                     str(self.niceness)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, start_new_session=True)
             except OSError as exc:
                 self._lost(None, f"{type(exc).__name__}: {exc}")
@@ -321,7 +322,7 @@ def default_size() -> int:
 def pool_for(policy: GraderPolicy) -> GraderPool:
     """The process-wide pool for the operator's pool settings (one per process; a forked child gets its own)."""
     global _POOLS_PID
-    key = (policy.pool_size or default_size(), policy.pool_memory_mb)
+    key = (policy.pool_size or default_size(), policy.pool_memory_mb, policy.niceness)
     with _POOLS_LOCK:
         if _POOLS_PID != os.getpid():
             _POOLS.clear()

@@ -93,6 +93,8 @@ def _grade(grader, sample: dict, item: dict, timeout: float) -> dict:
 def main() -> None:
     parent, headroom_mb = int(sys.argv[1]), int(sys.argv[2])
     _die_with_parent(parent)
+    if len(sys.argv) > 3 and int(sys.argv[3]):
+        os.nice(int(sys.argv[3]))
     from gspo_core.rewards import pool
 
     pool.IN_POOL_PROCESS = True

@@ -55,7 +55,7 @@ class PythonGrader(Grader):
         memory = self.num("memory_mb", max(64, min(512, policy.max_memory_mb, room)), 64, policy.max_memory_mb)
         if not isinstance(memory, int):
             raise RewardSpecError(self.field("memory_mb"), "must be an integer")
-        self.limits = SandboxLimits(timeout_s=float(timeout), memory_mb=memory)
+        self.limits = SandboxLimits(timeout_s=float(timeout), memory_mb=memory, niceness=policy.niceness)
         if self.limits.reserve_mb > policy.sandbox_memory_budget_mb:
             raise RewardSpecError(self.field("memory_mb"), f"with the sandbox's {self.limits.reserve_mb - memory} MB "
                                   f"of tmpfs it exceeds the operator's sandbox memory budget of "

@@ -5,6 +5,7 @@ are loaded once per process, however many dry runs ask for them."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -112,3 +113,20 @@ def test_reward_model_dry_runs_load_the_model_once(client, settings, auth):
     assert MODEL_CACHE.loads == loads + 1  # five requests, four of them at once: one load
     scores = {res["output_text"]: res["reward"] for _, res in out}
     assert len(scores) == 4 and 0 < scores["text 0"] < 1
+
+
+def test_dry_runs_grade_below_the_api_s_priority(client, auth):
+    """A python grader's sandbox and the grader pool run at the operator's dry-run niceness (default 10)."""
+    probe = "import os\ndef grade(sample, item):\n    return float(os.getpriority(os.PRIO_PROCESS, 0))"
+    spec = {"type": "multi", "graders": {
+        "py": {"type": "python", "source": probe},
+        "sim": {"type": "text_similarity", "reference": "a", "evaluation_metric": "fuzzy_match"}},
+        "calculate_output": "py"}
+    r = client.post("/v1/rewards/run", json={"reward": spec, "samples": ["a"]}, headers=auth)
+    assert r.status_code == 200, r.text
+    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # relative to the API's own (this process's)
+    assert r.json()["results"][0]["scores"]["py"] == want
+    from gspo_core.rewards.pool import _POOLS
+
+    niced = [pool for key, pool in _POOLS.items() if key[2] == 10]
+    assert niced and all(os.getpriority(os.PRIO_PROCESS, pid) == want for pool in niced for pid in pool.pids())
