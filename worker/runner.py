@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
+from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
 from gspo_core.trainer import train
 from store import jobs
@@ -107,6 +108,8 @@ def _fail(db, job_id: str, worker_id: str, message: str) -> str:
 def run_job(job_id: str) -> str:
     """The body of the Celery task. Returns what happened (for logs and tests)."""
     settings = get_settings()
+    runtime = RuntimeOptions.from_mapping(settings.runtime_options())
+    prepare_process(runtime)  # this process runs one job (a fresh pool child per task): its owner prepares it
     db, objects = get_db(settings), get_store(settings)
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     with db.session() as s:
@@ -128,13 +131,14 @@ def run_job(job_id: str) -> str:
                                                      "left without a record")
             reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
             spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
-                           hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
+                           hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}),
+                           output_dir=str(work / "output"))
             cb = PersistCallbacks(db, objects, job_id, worker_id, attempt, SHUTDOWN, hb.lost)
             if status == "cancelling":
                 cb.stop_reason = "cancel"
             else:
-                train(spec, cb, resume_from=resume,
-                      grader_policy=GraderPolicy.from_mapping(settings.grader_policy()))
+                train(spec, cb, resume_from=resume, grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
+                      runtime=runtime)
             return _settle(db, job_id, worker_id, cb, settings)
     except jobs.LeaseLost as exc:
         log.warning("%s: stopped without writing further", exc)
