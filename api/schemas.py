@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+
+from gspo_core.config import GSPOConfig
 
 T = TypeVar("T")
 
@@ -56,6 +58,15 @@ class FileOut(BaseModel):
     created_at: UtcDatetime
 
 
+def hyperparameters_schema() -> dict[str, Any]:
+    """GSPOConfig's JSON schema, each field with its description and bounds; every field is optional (an
+    absent one takes its default). The request's values are checked by GSPOConfig itself
+    (api/services/jobs.py), whose 422 names the field as ``hyperparameters.<name>``."""
+    schema = GSPOConfig.model_json_schema()
+    schema.pop("required", None)
+    return {**schema, "title": "Hyperparameters"}
+
+
 class JobCreate(BaseModel):
     """``POST /v1/jobs``. ``hyperparameters`` are gspo_core's GSPOConfig fields (unknown = 422)."""
 
@@ -69,7 +80,9 @@ class JobCreate(BaseModel):
     training_file: str = Field(..., min_length=1, max_length=64)
     validation_file: str | None = Field(None, max_length=64)
     reward: dict[str, Any] = Field(..., description="Grader spec (see README: reward spec).")
-    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    hyperparameters: Annotated[dict[str, Any], WithJsonSchema(hyperparameters_schema())] = Field(
+        default_factory=dict, description="The algorithm's settings (GSPOConfig); how the machine runs the job "
+        "(rollout engine, memory) is the operator's, not the job's.")
     name: str | None = Field(None, max_length=200)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
     seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)  # strict: `true` is not a seed

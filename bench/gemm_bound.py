@@ -5,8 +5,9 @@ Any sampling engine must at least run every ``nn.Linear`` of the model (the LM h
 decoded token and once per prompt token (the prompt once per prompt: its G samples can share it; only the
 last prompt token needs the LM head). :func:`gemm_bound` times exactly those products, each weight by the
 fastest product this process offers for it (torch's ``linear``: MKL, or oneDNN for bf16; oneDNN's fp32
-``linear`` as the trainer routes it, :mod:`gspo_core.cpu_gemm`; vLLM's prepacked oneDNN matmul where vLLM
-is installed), decode batched over every sequence of the call as both engines batch it. No attention,
+``linear``; vLLM's prepacked oneDNN matmul where vLLM is installed), decode batched over every sequence of
+the call as both engines batch it. The last two are private ops, called here only to measure: neither the
+trainer nor the engines' own code calls them from this project. No attention,
 norms, sampling or Python is counted, so no engine can beat the bound; the bound over an engine's
 tokens/s is the most any engine could gain over it here.
 """
@@ -18,8 +19,7 @@ import time
 
 import torch
 
-from gspo_core import cpu_gemm
-from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
+from gspo_core.platform.cpu import CPU_KV_BLOCK
 
 
 def _vllm_onednn(w: torch.Tensor):
@@ -34,11 +34,19 @@ def _vllm_onednn(w: torch.Tensor):
     return lambda x: ops.onednn_mm(handler, x, None)
 
 
+def _onednn_linear(w: torch.Tensor):
+    """oneDNN's fp32 ``linear`` (``x @ w.T``, a private torch op: measured, never used), or None without it."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return None if op is None else (lambda x: op(x, w, None, "none", [], ""))
+
+
 def _products(w: torch.Tensor) -> list:
     """Every ``x -> x @ w.T`` this process offers: torch's ``linear``, oneDNN's fp32 ``linear``, vLLM's."""
     impls = [lambda x: torch.nn.functional.linear(x, w)]
-    if cpu_gemm.available() and w.device.type == "cpu":
-        impls.append(lambda x: cpu_gemm.mm(x, w.t()))
+    if onednn := _onednn_linear(w):
+        impls.append(onednn)
     vllm_mm = _vllm_onednn(w)
     return impls + ([vllm_mm] if vllm_mm else [])
 

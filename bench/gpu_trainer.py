@@ -98,8 +98,7 @@ def make_rollout(prompts: int, group: int, prompt_len: int, lengths: list[int], 
             n = lengths[p * group + g]
             comps.append(Completion(prompt_index=p, prompt_ids=ids, completion_ids=[rng.randrange(3, vocab)
                                     for _ in range(n)], logprobs=[-10.0] * n, text="", finish_reason="length"))
-    rewards_N = torch.tensor([rng.random() for _ in comps])
-    return S.Rollout(rows=[{}] * prompts, prompts=[""] * prompts, completions=comps, rewards_N=rewards_N)
+    return S.Rollout(rows=[{}] * prompts, prompts=[""] * prompts, completions=comps)
 
 
 def cfg_for(ro: S.Rollout, group: int) -> GSPOConfig:
@@ -107,33 +106,41 @@ def cfg_for(ro: S.Rollout, group: int) -> GSPOConfig:
                       learning_rate=1e-6, max_new_tokens=max(len(c.completion_ids) for c in ro.completions))
 
 
+def _policy(env: Env, amp) -> S.PolicyState:
+    opt = torch.optim.AdamW(env.model.parameters(), lr=1e-6, betas=(0.9, 0.99))
+    return S.PolicyState(env.model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), amp, pad_id=0)
+
+
 def bench_old_logprobs(env: Env, ro: S.Rollout, cfg: GSPOConfig, amp) -> dict:
     """The trainer's recompute pass over the whole rollout (the trainer itself skips the first
-    mini-batch's rows, whose old logprobs come from the update's first forward)."""
+    mini-batch's rows, whose old logprobs come from the update's first forward: here a plan whose first
+    mini-batch is empty)."""
+    rows_N = torch.arange(len(ro.completions))
+    plan = S.MinibatchPlan(batches=(rows_N[:0], rows_N), live=(rows_N[:0], rows_N))
+    policy = _policy(env, amp)
     env.mem_reset()
-    t = env.timed(lambda: S.old_logprobs(env.model, ro, 0, cfg, amp))
+    t = env.timed(lambda: S.recompute_old_logprobs(policy, ro, plan, cfg))
     return {"s": t, "mfu": env.fwd_flops(ro) / t / env.peak, "peak_gib": env.mem_peak_gib()}
 
 
-def _optimizer(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-
-
 def bench_update(env: Env, ro: S.Rollout, cfg: GSPOConfig, amp, checkpointing: bool) -> dict:
-    """``gspo_core.step.update``: 4 mini-batch GSPO updates (fwd + bwd + clip + AdamW) as the trainer runs them."""
-    if ro.old_logp_NT is None:  # the recompute section failed: take the sampler's logprobs instead
-        S.old_logprobs(env.model, ro, 0, cfg.model_copy(update={"old_logprobs": "rollout"}), amp)
+    """``gspo_core.step.update``: 4 mini-batch GSPO updates (fwd + bwd + clip + AdamW) as the trainer runs them,
+    on random rewards and the recomputed old logprobs (the sampler's, where that forward fails)."""
+    policy = _policy(env, amp)
+    adv_N, _ = S.advantages(torch.rand(len(ro.completions), generator=torch.Generator().manual_seed(0)), cfg)
+    plan = S.plan_minibatches(ro, adv_N, cfg, torch.Generator().manual_seed(0))
+    try:
+        old = S.old_logprobs(policy, ro, plan, cfg, mode="recompute")
+    except RuntimeError:  # out of memory: the sampler's logprobs do for timing the update
+        old = S.old_logprobs(policy, ro, plan, cfg, mode="rollout")
     if checkpointing:
         env.model.gradient_checkpointing_enable()
-    opt, sched = _optimizer(env.model)
-    gen = torch.Generator().manual_seed(0)
     env.mem_reset()
     try:
-        t = env.timed(lambda: S.update(env.model, opt, sched, ro, 0, cfg, amp, gen), reps=2)
+        t = env.timed(lambda: S.update(policy, ro, old, adv_N, plan, cfg), reps=2)
     finally:
         env.model.gradient_checkpointing_disable()
-        del opt, sched
+        del policy
     flops = env.fwd_flops(ro) * (4 if checkpointing else 3)  # fwd + 2x bwd (+ recomputed fwd)
     tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in ro.completions)
     return {"s": t, "mfu_model_flops": env.fwd_flops(ro) * 3 / t / env.peak, "mfu_hardware_flops": flops / t / env.peak,

@@ -22,10 +22,10 @@ import torch
 from bench.gemm_bound import gemm_bound
 from bench.workload import instructions
 from gspo_core.config import GSPOConfig
-from gspo_core.memory import keep_freed_memory as keep
+from gspo_core.platform import RuntimeOptions, prepare_process
+from gspo_core.platform.cpu import CPU_KV_BLOCK
 from gspo_core.policy import export_weights, load_policy
 from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
-from gspo_core.rollout.vllm_engine import CPU_KV_BLOCK
 from gspo_core.toy import build_tiny_model
 
 
@@ -57,7 +57,7 @@ def _push_seconds(engine, policy, reps: int) -> float:
 
 def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tokens: int = 32, reps: int = 3,
                     engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None,
-                    keep_freed_memory: bool = True, prompt_tokens: int = 0, dtype: str = "float32") -> dict:
+                    prompt_tokens: int = 0, dtype: str = "float32") -> dict:
     """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
@@ -69,7 +69,8 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     :mod:`bench.gemm_bound`; vLLM's KV block, which the block-shared bound counts by). Tokens/s are
     medians over ``reps`` calls; the engines alternate call by call, and each ratio is the median of the
     per-pair ratios.
-    ``keep_freed_memory``: the trainer's heap policy (:mod:`gspo_core.memory`), on as in a training job.
+    The caller owns the process and prepares it (:func:`main` does, with `gspo_core.platform.prepare_process`:
+    the heap policy of a training job's process, :mod:`gspo_core.platform.heap`, unless asked otherwise).
     ``prompt_tokens``: every prompt opens with this many tokens of instructions (the short prompts
     alone are 17-18 tokens: with 32-token KV blocks the samples of a prompt share none of its KV, with the
     16-token blocks vLLM gets for completions of at most 64 tokens on CPU, its first 16 tokens).
@@ -81,7 +82,7 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     prompt_ids = [tok(instructions(prompt_tokens) + f"say {chr(97 + i % 5)}: question {i}")["input_ids"]
                   for i in range(prompts)]
     out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
-                 "prompts": prompts, "group": group, "tokens": tokens, "keep_freed_memory": keep_freed_memory,
+                 "prompts": prompts, "group": group, "tokens": tokens,
                  "dtype": dtype,
                  "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
                  "loadavg_1m_before": os.getloadavg()[0]}
@@ -89,8 +90,6 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
                                dtype=dtype, max_model_len=max(len(p) for p in prompt_ids) + tokens + 16,
                                max_num_seqs=prompts * group, max_new_tokens=tokens)
              for kind in engines if kind != "vllm" or vllm_available()}
-    if keep_freed_memory:  # as the Trainer does: once the model and engines are loaded
-        keep()
     try:
         # Without sampler logprobs (old_logprobs=recompute, but for its gap-check steps) and with them
         # (the default old_logprobs=auto and old_logprobs=rollout ask for them at every step).
@@ -150,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="both engines' precision (a bf16 trainer samples in bf16)")
     ap.add_argument("--engines", default="transformers,vllm", help="comma-separated: transformers, vllm")
     ap.add_argument("--return-freed-memory", action="store_true",
-                    help="leave glibc's default heap policy (the trainer keeps freed memory: gspo_core.memory)")
+                    help="leave glibc's default heap policy (a job's process keeps freed memory: "
+                    "gspo_core.platform.heap)")
     a = ap.parse_args(argv)
+    # This command owns its process: it prepares it as a job's process is.
+    applied = prepare_process(RuntimeOptions(keep_freed_memory=not a.return_freed_memory))
     out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")),
-                          keep_freed_memory=not a.return_freed_memory, prompt_tokens=a.prompt_tokens, dtype=a.dtype)
+                          prompt_tokens=a.prompt_tokens, dtype=a.dtype)
+    out["keep_freed_memory"] = "keep_freed_memory" in applied
     print(json.dumps(out, indent=2))
     return 0
 

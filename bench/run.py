@@ -25,15 +25,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 OURS = {"ours": {}, "ours-recompute": {"old_logprobs": "recompute"}, "ours-rollout-lp": {"old_logprobs": "rollout"},
         "ours-noshare": {"share_prompts": False}, "ours-returnmem": {"keep_freed_memory": False},
-        "ours-blas": {"cpu_gemm": "blas"}, "ours-onednn": {"cpu_gemm": "onednn"}, "ours-bf16": {"precision": "bf16"}}
+        "ours-bf16": {"precision": "bf16"}}
 """Our variants by what they change of the defaults: ``ours`` is the default (``old_logprobs=auto``: the
 sampler's logprobs, checked every step; prompts shared in the trainer's forwards where that pays);
 ``ours-recompute`` always runs the no-grad forward, ``ours-rollout-lp`` trusts the sampler unchecked,
 ``ours-noshare`` runs every row's prompt itself, ``ours-returnmem`` lets glibc unmap freed memory (its
-default), ``ours-blas`` / ``ours-onednn`` run the policy's fp32 products through torch's default BLAS
-(MKL) / oneDNN (``gspo_core.cpu_gemm``; ``ours`` picks by CPU vendor), ``ours-bf16`` trains and samples
-under bf16 autocast (``precision=bf16``, the GPU default). ``trl-keepmem`` is TRL with our heap policy
-(``gspo_core.memory``) applied to its process; ``trl-bf16`` is TRL with ``bf16=True`` (the peer of
+default; a runtime option, the others are hyperparameters), ``ours-bf16`` trains and samples under bf16
+autocast (``precision=bf16``, the GPU default). ``trl-keepmem`` is TRL with our heap policy
+(``gspo_core.platform.heap``) applied to its process; ``trl-bf16`` is TRL with ``bf16=True`` (the peer of
 ``ours-bf16``)."""
 TRL = ("trl", "trl-keepmem", "trl-bf16")
 TRAINERS = (*OURS, *TRL)

@@ -16,16 +16,23 @@ def peak_rss_mb() -> float:
 
 
 def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict:
-    """gspo_core.trainer.train on the workload, ``overrides`` of GSPOConfig's defaults applied; phases
-    come from its own ``time/*`` metrics."""
+    """gspo_core.trainer.train on the workload, ``overrides`` of GSPOConfig's defaults applied (and of
+    RuntimeOptions' for its fields); phases come from its own ``time/*`` metrics. The run owns its process:
+    it prepares it as the worker does (`gspo_core.platform.prepare_process`)."""
+    from dataclasses import fields
+
     from gspo_core.callbacks import Callbacks
     from gspo_core.config import GSPOConfig, JobSpec
+    from gspo_core.platform import RuntimeOptions, prepare_process
     from gspo_core.rollout import vllm_available
     from gspo_core.toy import TOY_REWARD
     from gspo_core.trainer import train
 
     if engine == "auto":
         engine = "vllm" if vllm_available() else "transformers"
+    runtime_keys = {f.name for f in fields(RuntimeOptions)}
+    runtime = RuntimeOptions(rollout_engine=engine, **{k: v for k, v in overrides.items() if k in runtime_keys})
+    prepare_process(runtime)
     model, data = prepare(w, root)
     steps: list[dict] = []
 
@@ -35,11 +42,11 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
 
     cfg = GSPOConfig(steps=w.steps, prompts_per_step=w.prompts, group_size=w.group, max_new_tokens=w.tokens,
                      ignore_eos=w.fixed_length, mini_batches=w.updates, learning_rate=w.lr, seed=w.seed,
-                     rollout_engine=engine, samples_per_step=0, **overrides)
+                     samples_per_step=0, **{k: v for k, v in overrides.items() if k not in runtime_keys})
     spec = JobSpec(model=str(model), training_file=str(data), reward=TOY_REWARD, hyperparameters=cfg,
                    output_dir=str(root / f"out-ours-{engine}"))
     t0 = time.perf_counter()
-    train(spec, Rec())
+    train(spec, Rec(), runtime=runtime)
     phases = {k[5:]: [m[k] for m in steps] for k in steps[0] if k.startswith("time/")}
     return {"trainer": "ours", "engine": engine, "overrides": overrides, "step_s": phases.pop("step"),
             "phases": phases, "reward": [m["reward/mean"] for m in steps], "wall_s": time.perf_counter() - t0,
@@ -123,8 +130,8 @@ def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_me
     _timed(trainer, "_generate", gen)
     _timed(trainer, "_calculate_rewards", rew)
     _timed(trainer, "_generate_and_score_completions", prep)
-    if keep_freed_memory:  # where our Trainer applies it: after the model is loaded, before the first step
-        from gspo_core.memory import keep_freed_memory as keep
+    if keep_freed_memory:  # after TRL's model is loaded, before its first step (ours: at process start)
+        from gspo_core.platform.heap import keep_freed_memory as keep
 
         keep()
     t0 = time.perf_counter()

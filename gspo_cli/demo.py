@@ -50,7 +50,7 @@ def run_demo(args) -> int:
     migrate()
     model_dir = build_tiny_model(settings.models_dir / "toy-demo", shape="toy")
     data = write_toy_dataset(settings.data_dir / "demo" / "toy.jsonl", n=64)
-    worker = start_worker()
+    worker = start_worker(rollout_engine=args.engine)
     server, th, url = _serve(args.port)
     try:
         with Client(url, create_key("demo")) as client:
@@ -59,7 +59,7 @@ def run_demo(args) -> int:
             job = client.create_job(model=model_dir.name, training_file=f["id"], reward=TOY_REWARD, name="demo",
                                     hyperparameters={"steps": args.steps, "prompts_per_step": 8, "group_size": 8,
                                                      "max_new_tokens": 4, "learning_rate": 3e-3,
-                                                     "rollout_engine": args.engine, "save_every": 20})
+                                                     "save_every": 20})
             print(f"job {job['id']} queued; dashboard: {url}/jobs/{job['id']}")
             rewards = _watch(client, job["id"], args.steps)
             job = client.get_job(job["id"])

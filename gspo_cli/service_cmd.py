@@ -48,9 +48,11 @@ def worker_command(loglevel: str = "INFO", name: str | None = None, queue: str |
             "--without-gossip", "--without-mingle", "-n", name or f"gspo-{os.getpid()}@%h", "--loglevel", loglevel]
 
 
-def start_worker(loglevel: str = "WARNING") -> subprocess.Popen:
-    """The worker in its own process group, so a forced stop reaches its pool child too."""
-    return subprocess.Popen(worker_command(loglevel), env=os.environ.copy(), start_new_session=True)
+def start_worker(loglevel: str = "WARNING", rollout_engine: str | None = None) -> subprocess.Popen:
+    """The worker in its own process group, so a forced stop reaches its pool child too; ``rollout_engine``
+    (the operator's setting, `Settings.rollout_engine`) overrides GSPO_ROLLOUT_ENGINE for it."""
+    env = {**os.environ, **({"GSPO_ROLLOUT_ENGINE": rollout_engine} if rollout_engine else {})}
+    return subprocess.Popen(worker_command(loglevel), env=env, start_new_session=True)
 
 
 def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -90,7 +92,7 @@ def run_api(host: str, port: int, workers: int = 1) -> None:
 def up(args) -> int:
     migrate()
     key = create_key(args.tenant)
-    proc = start_worker()
+    proc = start_worker(rollout_engine=args.rollout_engine)
     print(f"GSPO service on http://{args.host}:{args.port}  (dashboard: /, API docs: /docs)")
     print(f"API key for tenant {args.tenant!r}: {key}")
     print(f"data directory: {_settings().data_dir.resolve()}")
@@ -140,6 +142,8 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tenant", default="default")
+    p.add_argument("--rollout-engine", choices=["auto", "vllm", "transformers"],
+                   help="the worker's rollout engine (default: GSPO_ROLLOUT_ENGINE, else auto)")
     p.set_defaults(func=up)
     p = sub.add_parser("api", help="run the API server only")
     p.add_argument("--host", default="0.0.0.0")

@@ -1,10 +1,13 @@
 """`gspo train job.yaml`: run a GSPO job locally (no database, broker or server) with a progress bar.
 
-    gspo train job.yaml [--output-dir D] [--set key=value ...] [--resume]
+    gspo train job.yaml [--output-dir D] [--set key=value ...] [--resume] [--rollout-engine E] ...
     python -m gspo_core train job.yaml ...
 
 The YAML holds JobSpec's fields (model, training_file, validation_file, reward, hyperparameters,
-output_dir, name). ``--set`` overrides a hyperparameter (``--set learning_rate=1e-5``) or a
+output_dir, name), and optionally a ``runtime:`` section: how this machine runs the job
+(`gspo_core.platform.RuntimeOptions`: rollout_engine, vllm_gpu_memory_utilization, keep_freed_memory),
+which the flags ``--rollout-engine``, ``--vllm-gpu-memory-utilization`` and ``--return-freed-memory``
+override. ``--set`` overrides a hyperparameter (``--set learning_rate=1e-5``) or a
 top-level field (``--set model=/path``). ``model: toy`` (or ``toy:small``) builds a tiny local
 model under the output directory and ``training_file: toy`` writes the toy dataset, so
 ``examples/toy_job.yaml`` runs with no downloads. The output directory receives ``metrics.jsonl``
@@ -17,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
 from gspo_core.callbacks import Callbacks, CallbackList
 from gspo_core.config import JobSpec
+from gspo_core.platform import ENGINE_KINDS, RuntimeOptions
 
 
 class MetricsFile(Callbacks):
@@ -102,13 +107,35 @@ def apply_overrides(raw: dict, overrides: dict) -> dict:
     return raw
 
 
-def load_spec(path: str, output_dir: str | None, overrides: dict) -> JobSpec:
-    """The job YAML with ``--set``/``--output-dir`` applied; ``model: toy[:shape]`` builds a tiny
-    local model and ``training_file: toy`` writes the toy dataset (both under the output dir)."""
+def load_job(path: str, output_dir: str | None, overrides: dict,
+             runtime_flags: dict | None = None) -> tuple[JobSpec, RuntimeOptions]:
+    """The job YAML as a JobSpec (see :func:`_spec`) and its ``runtime:`` section as RuntimeOptions,
+    ``runtime_flags`` (the command's flags that were given) over it."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of JobSpec fields")
+    section = raw.pop("runtime", None) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: runtime: expected a mapping of {', '.join(f.name for f in fields(RuntimeOptions))}")
+    try:
+        runtime = RuntimeOptions.from_mapping({**section, **(runtime_flags or {})})
+    except ValueError as exc:
+        raise ValueError(f"runtime: {exc}") from None
+    return _spec(raw, output_dir, overrides), runtime
+
+
+#: The flag of each runtime option.
+RUNTIME_FLAGS = {"rollout_engine": "--rollout-engine", "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization",
+                 "keep_freed_memory": "--return-freed-memory"}
+
+
+def _spec(raw: dict, output_dir: str | None, overrides: dict) -> JobSpec:
+    """The job's fields with ``--set``/``--output-dir`` applied; ``model: toy[:shape]`` builds a tiny
+    local model and ``training_file: toy`` writes the toy dataset (both under the output dir)."""
     raw = apply_overrides(raw, overrides)
+    if moved := sorted(set(raw["hyperparameters"]) & set(RUNTIME_FLAGS)):  # earlier versions took them there
+        raise ValueError(f"hyperparameters.{moved[0]}: how this machine runs jobs is not a hyperparameter; set it "
+                         f"in the job's runtime: section or with {RUNTIME_FLAGS[moved[0]]}")
     if output_dir:
         raw["output_dir"] = output_dir
     out = Path(raw.get("output_dir", "runs/job"))
@@ -141,22 +168,34 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", help="overrides output_dir")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a hyperparameter")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
+    p.add_argument("--rollout-engine", choices=ENGINE_KINDS, help="auto (default) = vLLM when installed, else "
+                   "transformers generate")
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default 0.3)")
+    p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false", default=None,
+                   help="CPU: let glibc return freed memory to the OS (default: the process keeps it, faster steps)")
+
+
+def runtime_flags(args: argparse.Namespace) -> dict:
+    """The runtime options given as flags (None: not given)."""
+    return {n: getattr(args, n) for n in RUNTIME_FLAGS if getattr(args, n, None) is not None}
 
 
 def run_train(args: argparse.Namespace) -> int:
     from gspo_core.checkpoint import latest_checkpoint
+    from gspo_core.platform import prepare_process
     from gspo_core.trainer import train
 
     try:
-        spec = load_spec(args.job, args.output_dir, parse_set(args.set))
+        spec, runtime = load_job(args.job, args.output_dir, parse_set(args.set), runtime_flags(args))
     except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2
+    prepare_process(runtime)  # this command owns its process
     out = Path(spec.output_dir)
     resume = latest_checkpoint(out) if args.resume else None
     bar, metrics_file = ProgressBar(spec.hyperparameters.steps), MetricsFile(out / "metrics.jsonl")
     try:
-        result = train(spec, CallbackList(metrics_file, bar), resume_from=resume)
+        result = train(spec, CallbackList(metrics_file, bar), resume_from=resume, runtime=runtime)
     except (OSError, ValueError, KeyError) as exc:  # bad data, reward spec, model or loss name
         print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+#: Losses and advantage estimators a job may name: those registered in gspo_core.losses and
+#: gspo_core.advantages (tests/core/test_losses.py checks the two lists agree). Named here, not looked up
+#: in the registries, so validating a job needs no torch (the API validates jobs too).
+LossName = Literal["gspo", "gspo_token", "grpo"]
+AdvantageName = Literal["group_norm"]
+
+#: Keys earlier versions stored in a job's hyperparameters that are no longer the tenant's: the operator's
+#: settings (rollout engine, vLLM memory share, heap policy, CPU GEMM library) and fields that could take
+#: only one value or were read nowhere (beta, lora_dropout, save_merged). `GSPOConfig.from_stored` drops them.
+RETIRED_FIELDS = frozenset({"rollout_engine", "vllm_gpu_memory_utilization", "keep_freed_memory", "cpu_gemm",
+                            "beta", "lora_dropout", "save_merged"})
 
 
 class GSPOConfig(BaseModel):
@@ -16,7 +28,7 @@ class GSPOConfig(BaseModel):
     pushes the new weights into the rollout engine.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # --- rollout ---
     steps: int = Field(20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
@@ -24,21 +36,19 @@ class GSPOConfig(BaseModel):
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     max_new_tokens: int = Field(64, ge=1, le=32768, description="Completion length cap.")
     max_prompt_tokens: int = Field(512, ge=8, le=131072, description="Prompts longer are left-truncated.")
-    temperature: float = Field(1.0, gt=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, gt=0.0, le=5.0, description="Sampling temperature; the loss scores the same "
+                               "log_softmax(logits / temperature).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = the full distribution).")
     ignore_eos: bool = Field(False, description="Always generate max_new_tokens (benchmarks).")
-    rollout_engine: Literal["auto", "vllm", "transformers"] = Field(
-        "auto", description="auto = vLLM when installed, else transformers generate."
-    )
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95)
 
     # --- objective ---
-    loss: str = Field("gspo", description="Registered loss name: gspo | gspo_token | grpo.")
-    advantage: str = Field("group_norm", description="Registered advantage estimator name.")
+    loss: LossName = Field("gspo", description="gspo: sequence-level ratio and clip (GSPO); gspo_token: GSPO with "
+                           "per-token advantages allowed; grpo: token-level ratio and clip (baseline).")
+    advantage: AdvantageName = Field("group_norm", description="group_norm: each reward minus its group's mean, "
+                                     "divided by the group's std when scale_rewards.")
     scale_rewards: bool = Field(True, description="Divide group-centred rewards by the group std.")
-    clip_eps_low: float = Field(3e-4, ge=0.0, le=1.0)
-    clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0)
-    beta: float = Field(0.0, ge=0.0, le=0.0, description="KL coefficient; GSPO uses none (must be 0).")
+    clip_eps_low: float = Field(3e-4, ge=0.0, le=1.0, description="Clip range below 1 of the importance ratio.")
+    clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0, description="Clip range above 1 of the importance ratio.")
     mini_batches: int = Field(4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
     minibatch_order: Literal["length", "group", "random"] = Field(
         "length", description="length = rows of similar length share a mini-batch (less padding; ties keep "
@@ -63,45 +73,57 @@ class GSPOConfig(BaseModel):
         "Asking slows vLLM sampling.")
 
     # --- optimisation ---
-    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0, le=1_000_000)
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
-    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6)
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW's peak learning rate.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: constant, or a cosine decay to 0 over the remaining updates.")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000,
+                              description="Steps of linear warmup (each of mini_batches updates).")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW's decoupled weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW's first-moment decay.")
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW's second-moment decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradients are clipped to this global norm.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward: less memory, "
+                                         "more time.")
     micro_batch_tokens: int = Field(
         0, ge=0, le=10_000_000, description="Most tokens (prompt + completion) one forward + backward holds: a "
         "mini-batch over it runs as micro-batches whose gradients add up to the same update (gradient "
         "accumulation), so memory, not the number of optimizer updates, is what it trades. 0 = the whole "
         "mini-batch at once.")
-    keep_freed_memory: bool = Field(
-        True, description="CPU training: from the first step on, keep freed memory in the process's heap (glibc) "
-        "instead of unmapping it, so each step's large tensors reuse warm pages instead of page-faulting new "
-        "ones (~15 % of a CPU mini-batch); the process's RSS then stays at its high-water mark.")
-    cpu_gemm: Literal["auto", "onednn", "blas"] = Field(
-        "auto", description="CPU, fp32: the products of the policy's Linear layers and LM head. onednn: "
-        "oneDNN (2x torch's default on AMD CPUs with AVX-512, where MKL runs its AVX2 kernels); blas: "
-        "torch's default (MKL; ~10 % faster than oneDNN on an Intel Xeon); auto: onednn on AMD, else blas.")
 
     # --- LoRA (full fine-tuning when lora_rank == 0) ---
-    lora_rank: int = Field(0, ge=0, le=1024)
-    lora_alpha: float = Field(32.0, gt=0.0, le=4096.0)
-    lora_dropout: float = Field(
-        0.0, ge=0.0, le=0.0, description="Must be 0: GSPO compares two forwards' log-probs within its clip range "
-        "(3e-4), and a random dropout mask makes that ratio noise; the model's own dropout is turned off too.")
-    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    save_merged: bool = Field(True, description="With LoRA, also save a merged full model.")
+    lora_rank: int = Field(0, ge=0, le=1024, description="LoRA rank; 0 = full fine-tuning.")
+    lora_alpha: float = Field(32.0, gt=0.0, le=4096.0, description="LoRA scaling numerator (scale = alpha / rank).")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=64,
+        description="Module names LoRA adapts. No LoRA dropout: GSPO compares two forwards' log-probs within "
+        "its clip range, and a random mask would make that ratio noise (the model's own dropout is off too). "
+        "Checkpoints hold the adapter and the merged full model.")
 
     # --- bookkeeping ---
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and mini-batch splits.")
     save_every: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end).")
     eval_every: int = Field(0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
-    eval_prompts: int = Field(32, ge=1, le=100_000)
+    eval_prompts: int = Field(32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one "
+                              "completion each).")
     samples_per_step: int = Field(4, ge=0, le=4096, description="Prompts whose rollouts are stored per step.")
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="Shuffle the training rows each epoch (else file order).")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_kinds(cls, value: Any, info: ValidationInfo) -> Any:
+        """A boolean is not a number (``"steps": true`` is not 1), and a switch takes only true or false."""
+        kind = cls.model_fields[info.field_name].annotation
+        if kind in (int, float) and isinstance(value, bool):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+
+    @classmethod
+    def from_stored(cls, values: Mapping[str, Any]) -> "GSPOConfig":
+        """A job's stored hyperparameters, less the `RETIRED_FIELDS` an earlier version stored with them."""
+        return cls(**{k: v for k, v in values.items() if k not in RETIRED_FIELDS})
 
     @model_validator(mode="after")
     def _check(self) -> "GSPOConfig":

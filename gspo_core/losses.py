@@ -4,7 +4,10 @@ Every loss takes ``(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low, eps_high)``
 sequences, ``T`` completion positions, ``mask_BT`` is 1 on real completion tokens and 0 on padding,
 and ``adv`` is ``adv_B`` (one advantage per sequence) or ``adv_BT`` (per token, gspo_token only).
 Each returns ``(loss, metrics)``: a scalar to minimise and detached float metrics
-(``clip/low_frac``, ``clip/high_frac``, ``ratio/mean``, ``ratio/min``, ``ratio/max``).
+(``clip/low_frac``, ``clip/high_frac``, ``ratio/mean``, ``ratio/min``, ``ratio/max``), and carries a
+``ratio_unit``: what those means and fractions are over ("sequence" or "token"), so that `LossMetrics`
+can add up the metrics of a mini-batch's micro-batches from the same evaluations that made its gradient.
+A new loss is registered here and named in ``gspo_core.config.LossName`` (what a job may name).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ def gspo_loss(logp_new_BT, logp_old_BT, adv_B, mask_BT, eps_low: float, eps_high
     return loss, metrics
 
 
+gspo_loss.ratio_unit = "sequence"
+
+
 def _token_clipped(ratio_BT, adv_BT, mask_BT, eps_low: float, eps_high: float):
     """Per-token clipped surrogate, averaged per sequence then over sequences, with clip metrics."""
     clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -82,6 +88,9 @@ def gspo_token_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_
     return _token_clipped(torch.exp(log_s_BT), _per_token(adv, logp_new_BT), mask_BT, eps_low, eps_high)
 
 
+gspo_token_loss.ratio_unit = "token"
+
+
 @LOSSES.register("grpo")
 def grpo_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_high: float):
     """GRPO's token-level ratio ``r_it = exp(logp_new - logp_old)`` with token clipping (baseline).
@@ -92,3 +101,40 @@ def grpo_loss(logp_new_BT, logp_old_BT, adv, mask_BT, eps_low: float, eps_high: 
     # exp() only of real tokens' log-ratios: a large pad value would overflow to inf (and NaN grads).
     r_BT = torch.exp(torch.where(mask_BT.bool(), logp_new_BT - logp_old_BT, 0.0))
     return _token_clipped(r_BT, _per_token(adv, logp_new_BT), mask_BT, eps_low, eps_high)
+
+
+grpo_loss.ratio_unit = "token"
+
+
+class LossMetrics:
+    """A mini-batch's loss metrics added up over its micro-batches' own loss evaluations (no second pass):
+    the loss as a share of the mean over the mini-batch's ``n_rows`` rows, ratio means and clip fractions
+    weighted by how many ratios each micro-batch had (its rows, or its valid tokens for a loss whose
+    ``ratio_unit`` is "token"), ratio extremes over all, and the entropy per valid token."""
+
+    def __init__(self, loss_fn, n_rows: int) -> None:
+        self.per_token = getattr(loss_fn, "ratio_unit", "sequence") == "token"
+        self.n_rows, self.loss, self.tokens, self.entropy = n_rows, 0.0, 0.0, 0.0
+        self.weighted: dict[str, float] = {}
+        self.weight = 0.0
+        self.low, self.high = float("inf"), float("-inf")
+
+    def add(self, loss: torch.Tensor, m: dict[str, float], entropy: float, mask_BT: torch.Tensor, rows: int) -> None:
+        """One micro-batch of ``rows`` rows: its loss and metrics ``m``, its mean token ``entropy``."""
+        tokens = float(mask_BT.sum())
+        self.loss += float(loss.detach()) * rows / self.n_rows
+        self.entropy += entropy * tokens
+        self.tokens += tokens
+        w = tokens if self.per_token else float(rows)
+        for name in ("clip/low_frac", "clip/high_frac", "ratio/mean"):
+            self.weighted[name] = self.weighted.get(name, 0.0) + m[name] * w
+        self.weight += w
+        self.low, self.high = min(self.low, m["ratio/min"]), max(self.high, m["ratio/max"])
+
+    def result(self) -> dict[str, float]:
+        if self.weight:
+            out = {name: v / self.weight for name, v in self.weighted.items()}
+        else:  # no ratio at all (every row without a valid token): what _ratio_metrics reports for none
+            out = {"clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 1.0}
+        return {**out, "ratio/min": self.low, "ratio/max": self.high, "loss": self.loss,
+                "entropy": self.entropy / max(self.tokens, 1.0)}

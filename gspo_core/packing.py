@@ -16,9 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 #: Share prompts only where that removes at least this fraction of a batch's tokens: below it the second
-#: trunk call and its small-batch kernels cost about what they save. Measured on the 55 M model on CPU
-#: (16 rows = 2 groups x 8, 32-token completions, forward + backward): 19 % saved -> same time,
-#: 29 % -> 8 % faster, 44 % -> 27 % faster, 128-token prompts (78 %) -> 2.7x faster.
+#: trunk call and its small-batch kernels cost about what they save (docs/bench.md: prompt sharing).
 SHARE_MIN_SAVED = 0.25
 
 

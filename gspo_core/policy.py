@@ -7,7 +7,6 @@ from typing import Iterator
 
 import torch
 
-from gspo_core import cpu_gemm
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.token_logprobs import head_logprobs, token_logprobs
@@ -28,7 +27,7 @@ def sampler_dtype(amp_dtype: torch.dtype | None) -> str:
     """The rollout engine's precision: the trainer's own. Under bf16 autocast the transformers engine
     then runs the trainer's ops (old_logprobs=auto measured 0 error on the toy model, 7e-4 with an fp32
     sampler, which made every step recompute); vLLM's bf16 kernels still miss the tolerance, but its
-    fp32 GEMMs run at half its bf16 rate on a CPU with AMX, and at a fraction on a GPU."""
+    fp32 GEMMs run well below its bf16 rate on CPUs with AMX and on GPUs (docs/bench.md)."""
     return "bfloat16" if amp_dtype == torch.bfloat16 else "float32"
 
 
@@ -53,12 +52,9 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
             target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM"))
     disable_dropout(model)
-    gemm = cpu_gemm.preferred() if cfg.cpu_gemm == "auto" else cfg.cpu_gemm
-    if gemm == "onednn" and device.type == "cpu":
-        cpu_gemm.route_linears(model)
     check_logit_head(model)
     model.train()
     return model, tokenizer

@@ -1,37 +1,126 @@
-"""One GSPO step's phases: rollout, rewards, old logprobs, mini-batch updates, weight push."""
+"""One GSPO step as a one-way pipeline of phases, each taking values and returning values.
+
+`gspo_core.trainer.Trainer.run_step` calls them in this order, each timed as ``time/<phase>``:
+
+1. ``rollout``: :func:`sample` -- ``B`` prompts, ``G`` completions each: a `Rollout` of ``N = B * G``
+   rows, each prompt's group contiguous.
+2. ``reward``: :func:`score` -- every row's reward: `Scores`.
+3. ``advantages``: :func:`advantages` -- the registered estimator over the rewards (``adv_N``), and
+   :func:`plan_minibatches` -- the update's `MinibatchPlan` (split, order, zero-advantage rows left out),
+   made once.
+4. ``old_logprobs``: :func:`old_logprobs` -- the old policy's log-probs of the rows the update reads:
+   `OldLogprobs`.
+5. ``train``: :func:`update` -- ``mini_batches`` optimizer updates: `UpdateResult`, which also says whether
+   the sampler's log-probs failed their check (``old_logprobs=auto``); the trainer keeps that decision.
+6. ``weight_sync``: :func:`push_weights` -- the new weights into the rollout engine.
+
+No phase changes what an earlier one returned; the policy's training state (model, optimizer, LR
+schedule, autocast, pad id) travels as one `PolicyState`.
+
+Naming: a tensor's name ends with its shape, one capital letter per dimension -- ``N`` rollout rows,
+``B`` rows of one forward batch (a mini-batch or micro-batch), ``T`` completion positions, ``G`` groups,
+``V`` vocabulary, ``H`` hidden size, ``K`` mini-batches -- so ``logp_BT`` is ``[B, T]`` and ``adv_N`` is
+``[N]``. The same convention holds across gspo_core.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
-from gspo_core import losses as _losses  # noqa: F401  (registers the losses)
 from gspo_core.config import GSPOConfig
-from gspo_core.packing import pack_rows
+from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
 from gspo_core.policy import completion_logprobs, export_weights
+from gspo_core.losses import LossMetrics
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rollout.base import Completion, SamplingSpec
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
     """A step's flattened rollout: ``N = prompts * group_size`` sequences, groups contiguous."""
 
     rows: list[dict]
     prompts: list[str]
     completions: list[Completion]
-    rewards_N: torch.Tensor = None
-    grades: list = field(default_factory=list)
-    old_logp_NT: torch.Tensor | None = None
-    batches: list[torch.Tensor] | None = None  # the mini-batch split (row indices), once drawn
-    first_batch_on_policy: bool = False  # old logprobs of batches[0] come from the update's own forward
-    verify_sampler: bool = False  # old_logprobs=auto: old_logp_NT holds the sampler's, checked in update()
-    recomputed: bool = False  # auto's check failed: old_logp_NT was recomputed before the first optimizer step
-    adv_N: torch.Tensor | None = None  # advantages (see advantages())
-    adv_metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Rewards of a rollout's rows (``rewards_N``), each row's grades, and the reward metrics."""
+
+    rewards_N: torch.Tensor
+    grades: list
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class MinibatchPlan:
+    """The update's mini-batches, drawn once per step: ``batches[k]`` the rows of mini-batch ``k`` (every
+    rollout row exactly once, in update order), ``live[k]`` those of them that run forward and backward.
+
+    Rows of mini-batches after the first whose advantage is exactly 0 (groups whose rewards all tie) are
+    left out of ``live``: every registered loss is a sum of per-row terms times the row's advantage, with no
+    KL, so their gradient is exactly 0 and the update is the same. Mini-batch 0 keeps every row: its
+    forward is on-policy and gives the trainer-vs-sampler metrics over all of them.
+    """
+
+    batches: tuple[torch.Tensor, ...]
+    live: tuple[torch.Tensor, ...]
+
+    @property
+    def skipped(self) -> int:
+        """Rows left out of the forward and backward."""
+        return sum(len(b) - len(x) for b, x in zip(self.batches, self.live))
+
+    def later_live_rows(self) -> torch.Tensor:
+        """The rows whose old log-probs the update reads from `OldLogprobs` (mini-batch 0's come from its own
+        on-policy forward): the live rows of the later mini-batches (none with one mini-batch)."""
+        return torch.cat(self.live[1:]) if len(self.live) > 1 else torch.zeros(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class OldLogprobs:
+    """The old policy's log-probs ``logp_NT`` ``[N, T]`` (0 on padding and on rows the update never reads).
+
+    ``first_on_policy``: mini-batch 0 takes its own forward's detached log-probs instead (it runs before any
+    optimizer step, so they are exactly the old policy's). ``verify``: these are the sampler's, accepted only
+    if they pass the check on that forward (``old_logprobs=auto``, see :func:`update`).
+    """
+
+    logp_NT: torch.Tensor
+    first_on_policy: bool
+    verify: bool = False
+
+
+@dataclass
+class PolicyState:
+    """The policy's training state: the model, its optimizer and LR schedule, the autocast dtype of its
+    forwards (None: fp32), and the pad token id of its batches."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    amp: torch.dtype | None
+    pad_id: int
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What :func:`update` did: its metrics, the old log-probs it used (recomputed ones where the
+    sampler's failed their check), and whether they failed (the trainer then stops trusting the sampler)."""
+
+    metrics: dict[str, float]
+    old: OldLogprobs
+    sampler_rejected: bool = False
 
 
 class Timer(dict):
@@ -50,6 +139,25 @@ class Timer(dict):
         return _Ctx()
 
 
+# --- 1. rollout ---------------------------------------------------------------------------------------------
+
+
+def old_logprob_mode(cfg: GSPOConfig, sampler_trusted: bool = True) -> str:
+    """The old-logprob source a step uses: ``cfg.old_logprobs``, but ``auto`` turns to ``recompute`` once a
+    check of the sampler's log-probs failed (``sampler_trusted`` False: trainer state, see :func:`update`)."""
+    return "recompute" if cfg.old_logprobs == "auto" and not sampler_trusted else cfg.old_logprobs
+
+
+def sampler_logprobs_needed(cfg: GSPOConfig, step: int, mode: str | None = None) -> bool:
+    """Whether step ``step`` (1-based) asks the sampler for logprobs: always when they serve as the
+    old policy's (``mode``, default ``cfg.old_logprobs``), else on the first step and every
+    ``logprob_gap_every`` steps, for the gap metrics. (With one mini-batch ``auto`` needs none: every
+    row's old logprobs come from its on-policy forward.)"""
+    mode, every = mode or cfg.old_logprobs, cfg.logprob_gap_every
+    return (mode == "rollout" or (mode == "auto" and cfg.mini_batches > 1)
+            or (every > 0 and (step == 1 or step % every == 0)))
+
+
 def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
     """Each prompt's token ids, left-truncated to ``max_prompt_tokens`` (an empty prompt: the BOS token)."""
     ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
@@ -62,145 +170,181 @@ def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int 
     ``logprobs``: also the sampler's per-token logprobs."""
     prompt_ids = prompt_token_ids(tokenizer, prompts, cfg.max_prompt_tokens)
     spec = SamplingSpec(n=n or cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                        top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed,
-                        logprobs=logprobs)
+                        top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed, logprobs=logprobs)
     groups = engine.generate(prompt_ids, spec)
-    flat = [c for g in groups for c in g]
-    return Rollout(rows=rows, prompts=prompts, completions=flat)
+    return Rollout(rows=rows, prompts=prompts, completions=[c for g in groups for c in g])
 
 
-def score(reward_fn, ro: Rollout, cfg: GSPOConfig) -> dict[str, float]:
-    """Rewards of every completion; returns reward and grader-error metrics."""
+# --- 2. reward ----------------------------------------------------------------------------------------------
+
+
+def score(reward_fn, ro: Rollout) -> Scores:
+    """Rewards of every completion, with reward and grader-error metrics."""
     items = [ro.rows[c.prompt_index] for c in ro.completions]
     samples = [{"output_text": c.text, "output_tokens": len(c.completion_ids), "finish_reason": c.finish_reason}
                for c in ro.completions]
-    ro.grades = reward_fn.score_batch(items, samples)
-    ro.rewards_N = torch.tensor([g.reward for g in ro.grades], dtype=torch.float32)
-    m = {"reward/mean": float(ro.rewards_N.mean()), "reward/std": float(ro.rewards_N.std(unbiased=False))}
+    grades = reward_fn.score_batch(items, samples)
+    rewards_N = torch.tensor([g.reward for g in grades], dtype=torch.float32)
+    m = {"reward/mean": float(rewards_N.mean()), "reward/std": float(rewards_N.std(unbiased=False))}
     for name in reward_fn.grader_names:
-        m[f"reward/{name}/mean"] = sum(g.scores.get(name, 0.0) for g in ro.grades) / len(ro.grades)
-        m[f"grader_errors/{name}"] = float(sum(name in g.errors for g in ro.grades))
-    return m
+        m[f"reward/{name}/mean"] = sum(g.scores.get(name, 0.0) for g in grades) / len(grades)
+        m[f"grader_errors/{name}"] = float(sum(name in g.errors for g in grades))
+    return Scores(rewards_N=rewards_N, grades=grades, metrics=m)
 
 
-def minibatches(lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator, group_size: int = 1
-                ) -> list[torch.Tensor]:
-    """Split ``N`` rollout rows (groups of ``group_size`` contiguous) into ``k`` mini-batches of
-    indices, each row exactly once.
-
-    ``random``: a random permutation. ``group``: whole groups in random order (each prompt then runs
-    once per mini-batch, see :mod:`gspo_core.packing`). ``length``: rows sorted by ``lengths_N`` so
-    each mini-batch pads only to lengths close to its own (the GPU benchmark measured 45 % padding
-    waste for random batches of mixed lengths, 20 % bucketed), ties in ``group`` order; the batches'
-    order is random.
-    """
-    perm = torch.randperm(len(lengths_N), generator=gen)
-    if order == "random":
-        return list(perm.chunk(k))
-    group_rank_G = torch.randperm(-(-len(lengths_N) // group_size), generator=gen)
-    by_group = perm[torch.sort(group_rank_G[perm // group_size], stable=True).indices]
-    if order == "group":
-        return list(by_group.chunk(k))
-    by_len = by_group[torch.sort(lengths_N[by_group], stable=True).indices]
-    chunks = list(by_len.chunk(k))
-    return [chunks[i] for i in torch.randperm(len(chunks), generator=gen)]
+# --- 3. advantages and the mini-batch plan ------------------------------------------------------------------
 
 
-def _lengths_N(comps: list[Completion]) -> torch.Tensor:
-    """Prompt + completion tokens of each rollout row ``[N]``."""
-    return torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in comps])
+def advantages(rewards_N: torch.Tensor, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """``adv_N`` of the registered estimator ``cfg.advantage``, and its metrics."""
+    return ADVANTAGES.get(cfg.advantage)(rewards_N, cfg.group_size, scale=cfg.scale_rewards)
 
 
-def _draw_batches(ro: Rollout, cfg: GSPOConfig, gen: torch.Generator) -> None:
-    """Draw ``ro.batches`` (the update's mini-batch split) unless it is drawn already."""
-    if ro.batches is None:
-        ro.batches = minibatches(_lengths_N(ro.completions), cfg.mini_batches, cfg.minibatch_order, gen,
-                                 cfg.group_size)
+def plan_minibatches(ro: Rollout, adv_N: torch.Tensor, cfg: GSPOConfig, gen: torch.Generator) -> MinibatchPlan:
+    """The update's `MinibatchPlan`: ``cfg.mini_batches`` mini-batches in ``cfg.minibatch_order``, drawn
+    from ``gen``, less the zero-advantage rows of the later ones."""
+    batches = minibatches(lengths_N(ro.completions), cfg.mini_batches, cfg.minibatch_order, gen, cfg.group_size)
+    live = [b if k == 0 else _with_signal(b, adv_N) for k, b in enumerate(batches)]
+    return MinibatchPlan(batches=tuple(batches), live=tuple(live))
 
+
+def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
+    """The rows of ``idx`` whose advantage is not exactly 0 (per-token advantages: not all 0)."""
+    a = adv_N[idx]
+    return idx[(a != 0) if a.dim() == 1 else (a != 0).any(-1)]
+
+
+# --- 4. old log-probs ---------------------------------------------------------------------------------------
 
 #: Token budget of one no-grad forward: the whole rollout goes in one batch unless it is larger.
 OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
 
 
-def sampler_logprobs_needed(cfg: GSPOConfig, step: int) -> bool:
-    """Whether step ``step`` (1-based) asks the sampler for logprobs: always when they serve as the
-    old policy's, else on the first step and every ``logprob_gap_every`` steps, for the gap metrics.
-    (With one mini-batch ``auto`` needs none: every row's old logprobs come from its on-policy forward.)"""
-    every = cfg.logprob_gap_every
-    return (cfg.old_logprobs == "rollout" or (cfg.old_logprobs == "auto" and cfg.mini_batches > 1)
-            or (every > 0 and (step == 1 or step % every == 0)))
+def old_logprobs(policy: PolicyState, ro: Rollout, plan: MinibatchPlan, cfg: GSPOConfig,
+                 mode: str | None = None) -> OldLogprobs:
+    """The old policy's log-probs of the rows the update reads, by ``mode`` (default ``cfg.old_logprobs``;
+    the trainer passes :func:`old_logprob_mode`).
+
+    ``rollout``: the sampler's own. ``auto``: the sampler's too, to be checked by :func:`update` against
+    mini-batch 0's on-policy forward. ``recompute`` (and ``auto`` with one mini-batch or without sampler
+    logprobs): batched no-grad forwards of :meth:`MinibatchPlan.later_live_rows` -- mini-batch 0's come
+    from the update's own first forward, which runs before any optimizer step (a quarter of the pass saved
+    at 4 mini-batches), and zero-advantage rows are never read.
+    """
+    mode = mode or cfg.old_logprobs
+    comps = ro.completions
+    if mode == "rollout" or (mode == "auto" and len(plan.batches) > 1 and _has_sampler_logprobs(comps)):
+        logp_NT = torch.zeros(len(comps), _width(comps))
+        for b, c in enumerate(comps):
+            logp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return OldLogprobs(logp_NT, first_on_policy=mode == "auto", verify=mode == "auto")
+    return recompute_old_logprobs(policy, ro, plan, cfg)
+
+
+def recompute_old_logprobs(policy: PolicyState, ro: Rollout, plan: MinibatchPlan, cfg: GSPOConfig) -> OldLogprobs:
+    """Old log-probs of the later mini-batches' live rows by the current weights, in batched no-grad
+    forwards (split only past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
+    comps, rows = ro.completions, plan.later_live_rows()
+    logp_NT = torch.zeros(len(comps), _width(comps))
+    if len(rows):
+        tokens = int(lengths_N(comps)[rows].sum())
+        with torch.inference_mode():
+            for idx in rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))):
+                sub = pack(comps, idx, policy.pad_id, cfg)
+                lp_BT = completion_logprobs(policy.model, sub.to(policy.device), cfg.temperature, policy.amp)
+                logp_NT[idx, : lp_BT.size(1)] = lp_BT.float().cpu() * sub.mask_BT
+    return OldLogprobs(logp_NT, first_on_policy=True)
+
+
+def _width(comps: list[Completion]) -> int:
+    return max(1, max(len(c.completion_ids) for c in comps))
 
 
 def _has_sampler_logprobs(comps: list[Completion]) -> bool:
     return all(len(c.logprobs) == len(c.completion_ids) for c in comps)
 
 
-def _pack(comps: list[Completion], idx, pad_id: int, cfg: GSPOConfig):
-    """Rows ``idx`` as one forward batch; rows of one prompt share its pass where that pays
-    (``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
-    return pack_rows([comps[i].prompt_ids for i in idx], [comps[i].completion_ids for i in idx], pad_id,
-                     share=cfg.share_prompts and not cfg.gradient_checkpointing)
+# --- 5. train -----------------------------------------------------------------------------------------------
 
 
-def _recompute(model, ro: Rollout, rows: torch.Tensor, pad_id: int, cfg: GSPOConfig, amp) -> None:
-    """Fill ``ro.old_logp_NT[rows]`` with batched no-grad forwards of the current weights (split only
-    past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
-    if not len(rows):
-        return
-    comps = ro.completions
-    tokens = int(_lengths_N(comps)[rows].sum())
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        for idx in rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))):
-            sub = _pack(comps, idx, pad_id, cfg)
-            lp = completion_logprobs(model, sub.to(device), cfg.temperature, amp).float().cpu()
-            ro.old_logp_NT[idx, : lp.size(1)] = lp * sub.mask_BT
+def update(policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tensor, plan: MinibatchPlan,
+           cfg: GSPOConfig) -> UpdateResult:
+    """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss, one per mini-batch
+    of ``plan`` (a mini-batch over ``cfg.micro_batch_tokens`` accumulates its gradient over micro-batches;
+    a mini-batch left empty still steps AdamW, with zero gradients).
 
-
-def old_logprobs(model, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen: torch.Generator | None = None
-                 ) -> dict[str, float]:
-    """Old-policy logprobs ``ro.old_logp_NT`` ``[N, T]`` (0 on padding).
-
-    ``rollout``: the sampler's own. ``auto``: the sampler's too, marked for :func:`update` to check
-    against its first, on-policy forward (``ro.verify_sampler``). ``recompute`` (and ``auto`` without
-    a mini-batch split or sampler logprobs): batched no-grad forwards. Given ``gen``, the mini-batch
-    split is drawn here (``ro.batches``) and the first mini-batch's rows are left out: the update's
-    first forward runs before any optimizer step, so its detached logprobs are exactly the old
-    policy's (``ro.first_batch_on_policy``) -- a quarter of the pass saved at 4 mini-batches.
+    Mini-batch 0's forward runs before any optimizer step, so it is on-policy: it gives the trainer-vs-sampler
+    gap metrics, and, with ``old.verify`` (``old_logprobs=auto``), the check of the sampler's log-probs. A
+    check that fails recomputes the later mini-batches' old log-probs right there, while the weights are
+    still the ones that sampled (:func:`recompute_old_logprobs`), and the result says so
+    (``sampler_rejected``): the step is then exactly a ``recompute`` step.
     """
-    comps = ro.completions
-    if gen is not None:
-        _draw_batches(ro, cfg, gen)
-    T = max(1, max(len(c.completion_ids) for c in comps))
-    ro.old_logp_NT = torch.zeros(len(comps), T)
-    auto = cfg.old_logprobs == "auto" and ro.batches is not None and len(ro.batches) > 1
-    if cfg.old_logprobs == "rollout" or (auto and _has_sampler_logprobs(comps)):
-        for b, c in enumerate(comps):
-            ro.old_logp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-        ro.first_batch_on_policy = ro.verify_sampler = cfg.old_logprobs == "auto"
-        return {}
-    ro.first_batch_on_policy = ro.batches is not None
-    if not ro.first_batch_on_policy:
-        rows = torch.arange(len(comps))
-    else:
-        rows = _later_rows_with_signal(ro, cfg)
-    _recompute(model, ro, rows, pad_id, cfg, amp)
-    return {}
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    acc: dict[str, list[float]] = {}
+    extra: dict[str, float] = {}
+    rejected = False
+    for k, (idx, live) in enumerate(zip(plan.batches, plan.live)):
+        policy.optimizer.zero_grad(set_to_none=True)
+        if len(live):
+            m, logp_BT, mask_BT = _minibatch_grads(policy, ro, old, adv_N, live, len(idx), cfg, first=k == 0)
+            if k == 0:  # on-policy, before the optimizer step: a failed check can still recompute in time
+                extra.update(_sampler_gap(logp_BT, [ro.completions[i] for i in live], mask_BT))
+                if old.verify:
+                    err = _sampler_error(old.logp_NT[live], logp_BT, mask_BT)
+                    rejected = err > cfg.rollout_logprob_tol
+                    if rejected:
+                        old = recompute_old_logprobs(policy, ro, plan, cfg)
+                    extra.update({"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(rejected)})
+        else:
+            m = {"loss": 0.0}
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        extra["lr"] = policy.optimizer.param_groups[0]["lr"]  # the rate this update used
+        policy.optimizer.step()
+        policy.scheduler.step()
+        for name, v in {**m, "grad_norm": float(grad_norm)}.items():
+            acc.setdefault(name, []).append(v)
+    out = {name: sum(v) / len(v) for name, v in acc.items()}
+    out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])
+    out["update/rows_skipped_frac"] = plan.skipped / len(ro.completions)
+    return UpdateResult(metrics={**out, **extra}, old=old, sampler_rejected=rejected)
 
 
-def _check_sampler(model, ro: Rollout, idx: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-                   pad_id: int, cfg: GSPOConfig, amp) -> dict[str, float]:
-    """``old_logprobs=auto``: the largest per-sequence error in ``log s_i`` the sampler's logprobs would
-    cause, measured on mini-batch 0's on-policy forward ``logp_BT`` ``[B, T]``. Past
-    ``cfg.rollout_logprob_tol`` the other mini-batches' old logprobs are recomputed now, while the
-    weights are still the ones that sampled."""
-    samp_BT = ro.old_logp_NT[idx][:, : logp_BT.size(1)].to(logp_BT.device)
-    err_B = ((logp_BT.detach() - samp_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
-    err = float(err_B.max()) if err_B.numel() else 0.0
-    if err > cfg.rollout_logprob_tol:
-        _recompute(model, ro, _later_rows_with_signal(ro, cfg), pad_id, cfg, amp)
-        ro.recomputed = True
-    return {"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(ro.recomputed)}
+def _minibatch_grads(policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tensor, rows: torch.Tensor,
+                     n_rows: int, cfg: GSPOConfig, first: bool):
+    """Forward and backward of the live ``rows`` of a mini-batch of ``n_rows`` rows, a micro-batch of
+    ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all ``n_rows`` rows
+    (left-out rows add 0), so the gradients add up to the one-batch ones. The metrics come from these same
+    loss evaluations (`gspo_core.losses.LossMetrics`). Returns ``(metrics, logp_BT, mask_BT)``; for mini-batch 0
+    (``first``) also its detached log-probs and mask ``[len(rows), T]`` on the CPU (else None, None)."""
+    loss_fn = LOSSES.get(cfg.loss)
+    on_policy = first and old.first_on_policy
+    T = old.logp_NT.size(1)
+    logp_BT = torch.zeros(len(rows), T) if first else None
+    mask_BT = torch.zeros(len(rows), T) if first else None
+    metrics, at = LossMetrics(loss_fn, n_rows), 0
+    for part in micro_batches(ro.completions, rows, cfg.micro_batch_tokens):
+        batch = pack(ro.completions, part, policy.pad_id, cfg).to(policy.device)
+        lp_BT, entropy = completion_logprobs(policy.model, batch, cfg.temperature, policy.amp, with_entropy=True)
+        old_BT = lp_BT.detach() if on_policy else old.logp_NT[part][:, : lp_BT.size(1)].to(lp_BT.device)
+        loss, m = loss_fn(lp_BT, old_BT, adv_N[part].to(lp_BT.device), batch.mask_BT, cfg.clip_eps_low,
+                          cfg.clip_eps_high)
+        (loss * (len(part) / n_rows)).backward()
+        metrics.add(loss, m, entropy, batch.mask_BT, len(part))
+        if first:
+            span, width = slice(at, at + len(part)), lp_BT.size(1)
+            logp_BT[span, :width], mask_BT[span, :width] = lp_BT.detach().cpu(), batch.mask_BT.cpu()
+        at += len(part)
+    return metrics.result(), logp_BT, mask_BT
+
+
+def _sampler_error(samp_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """``old_logprobs=auto``'s check: the largest per-sequence error in ``log s_i`` the sampler's log-probs
+    ``samp_BT`` would cause, measured against mini-batch 0's on-policy forward ``logp_BT``."""
+    samp_BT = samp_BT[:, : logp_BT.size(1)].to(logp_BT.device)
+    err_B = ((logp_BT - samp_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
+    return float(err_B.max()) if err_B.numel() else 0.0
 
 
 def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.Tensor) -> dict[str, float]:
@@ -210,128 +354,12 @@ def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.
     samp_BT = torch.zeros_like(mask_BT)
     for b, c in enumerate(comps):
         samp_BT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=samp_BT.dtype)
-    gap_BT = (logp_BT.detach() - samp_BT).abs() * mask_BT
-    return {"logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)), "logprob_gap/max": float(gap_BT.max())}
+    gap_BT = (logp_BT - samp_BT).abs() * mask_BT
+    return {"logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)),
+            "logprob_gap/max": float(gap_BT.max())}
 
 
-def advantages(ro: Rollout, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """``adv_N`` of the registered estimator and its metrics, computed once per rollout."""
-    if ro.adv_N is None:
-        ro.adv_N, ro.adv_metrics = ADVANTAGES.get(cfg.advantage)(ro.rewards_N, cfg.group_size,
-                                                                 scale=cfg.scale_rewards)
-    return ro.adv_N, ro.adv_metrics
-
-
-def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
-    """The rows of ``idx`` whose advantage is not exactly 0. (Every registered loss is a sum of
-    per-row terms times the row's advantage, with no KL: a 0-advantage row has a zero gradient.)"""
-    a = adv_N[idx]
-    return idx[(a != 0) if a.dim() == 1 else (a != 0).any(-1)]
-
-
-def _later_rows_with_signal(ro: Rollout, cfg: GSPOConfig) -> torch.Tensor:
-    """The rows whose old logprobs the update reads from ``ro.old_logp_NT``: those of mini-batches
-    after the first (its own come from its on-policy forward) that it does not leave out for a 0
-    advantage (empty with one mini-batch)."""
-    if len(ro.batches) < 2:
-        return torch.zeros(0, dtype=torch.long)
-    return _with_signal(torch.cat(ro.batches[1:]), advantages(ro, cfg)[0])
-
-
-def micro_batches(comps: list[Completion], idx: torch.Tensor, budget: int) -> list[torch.Tensor]:
-    """Rows ``idx``, in order, as runs of at most ``budget`` tokens (prompt + completion) each, a row over
-    the budget alone; ``budget`` 0: all in one."""
-    if budget <= 0 or not len(idx):
-        return [idx]
-    parts: list[list[int]] = [[]]
-    tokens = 0
-    for i, n in zip(idx.tolist(), _lengths_N(comps)[idx].tolist()):
-        if parts[-1] and tokens + n > budget:
-            parts.append([])
-            tokens = 0
-        parts[-1].append(i)
-        tokens += n
-    return [torch.tensor(p, dtype=torch.long) for p in parts]
-
-
-def _forward_backward(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
-                      amp) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Mini-batch ``k``'s rows ``idx`` forward and backward, a micro-batch of ``cfg.micro_batch_tokens`` at a
-    time, each loss scaled as a share of the mean over all ``n_rows`` rows of the mini-batch (left-out
-    rows add 0), so the gradients add up to the one-batch ones. Returns the detached logprobs and mask
-    ``[len(idx), T]`` (on the CPU) and the mean token entropy."""
-    device = next(model.parameters()).device
-    adv_N, _ = advantages(ro, cfg)
-    logp_BT, mask_BT = torch.zeros(len(idx), ro.old_logp_NT.size(1)), torch.zeros(len(idx), ro.old_logp_NT.size(1))
-    entropy_sum, at = 0.0, 0
-    for part in micro_batches(ro.completions, idx, cfg.micro_batch_tokens):
-        batch = _pack(ro.completions, part, pad_id, cfg).to(device)
-        lp_BT, entropy = completion_logprobs(model, batch, cfg.temperature, amp, with_entropy=True)
-        old_BT = (lp_BT.detach() if k == 0 and ro.first_batch_on_policy
-                  else ro.old_logp_NT[part][:, : lp_BT.size(1)].to(device))
-        loss, _ = LOSSES.get(cfg.loss)(lp_BT, old_BT, adv_N[part].to(device), batch.mask_BT, cfg.clip_eps_low,
-                                       cfg.clip_eps_high)
-        (loss * (len(part) / n_rows)).backward()
-        rows, T = slice(at, at + len(part)), lp_BT.size(1)
-        logp_BT[rows, :T], mask_BT[rows, :T] = lp_BT.detach().cpu(), batch.mask_BT.cpu()
-        entropy_sum += entropy * float(batch.mask_BT.sum())
-        at += len(part)
-    return logp_BT, mask_BT, entropy_sum / max(float(mask_BT.sum()), 1.0)
-
-
-def _minibatch(model, ro: Rollout, k: int, idx: torch.Tensor, n_rows: int, pad_id: int, cfg: GSPOConfig,
-               amp) -> tuple[dict[str, float], dict[str, float]]:
-    """Gradients of mini-batch ``k``'s rows ``idx`` (see :func:`_forward_backward`) and their loss metrics,
-    computed once over all of them; returns ``(loss metrics, step-0 extras)``."""
-    logp_BT, mask_BT, entropy = _forward_backward(model, ro, k, idx, n_rows, pad_id, cfg, amp)
-    extra: dict[str, float] = {}
-    if k == 0:  # on-policy: before the optimizer step, so a failed check can still recompute in time
-        extra = _sampler_gap(logp_BT, [ro.completions[i] for i in idx], mask_BT)
-        if ro.verify_sampler:
-            extra.update(_check_sampler(model, ro, idx, logp_BT, mask_BT, pad_id, cfg, amp))
-    old_BT = logp_BT if k == 0 and ro.first_batch_on_policy else ro.old_logp_NT[idx][:, : logp_BT.size(1)]
-    loss, m = LOSSES.get(cfg.loss)(logp_BT, old_BT, advantages(ro, cfg)[0][idx], mask_BT, cfg.clip_eps_low,
-                                   cfg.clip_eps_high)
-    return {**m, "entropy": entropy, "loss": float(loss) * len(idx) / n_rows}, extra
-
-
-def update(model, optimizer, scheduler, ro: Rollout, pad_id: int, cfg: GSPOConfig, amp, gen) -> dict[str, float]:
-    """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss and estimator.
-
-    The first mini-batch's forward is on-policy (no step taken yet): it gives the trainer-vs-sampler
-    gap metrics, and the old logprobs of its rows when :func:`old_logprobs` left them out. In the
-    later mini-batches, rows with a zero advantage (groups whose rewards all tie) are left out of the
-    forward and backward: their gradient is exactly 0, so the update is the same
-    (``update/rows_skipped_frac``); a mini-batch left empty still steps AdamW, with zero gradients.
-    A mini-batch over ``cfg.micro_batch_tokens`` accumulates its gradient over micro-batches.
-    """
-    adv_N, adv_metrics = advantages(ro, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    acc: dict[str, list[float]] = {}
-    extra: dict[str, float] = {}
-    skipped = 0
-    _draw_batches(ro, cfg, gen)
-    for k, idx in enumerate(ro.batches):
-        live = idx if k == 0 else _with_signal(idx, adv_N)
-        skipped += len(idx) - len(live)
-        optimizer.zero_grad(set_to_none=True)
-        if len(live):
-            m, first = _minibatch(model, ro, k, live, len(idx), pad_id, cfg, amp)
-            extra.update(first)
-        else:
-            m = {"loss": 0.0}
-            for p in params:
-                p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        extra["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
-        optimizer.step()
-        scheduler.step()
-        for name, v in {**m, "grad_norm": float(grad_norm)}.items():
-            acc.setdefault(name, []).append(v)
-    out = {name: sum(v) / len(v) for name, v in acc.items()}
-    out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])
-    out["update/rows_skipped_frac"] = skipped / len(ro.completions)
-    return {**out, **extra, **adv_metrics}
+# --- 6. weight sync, and what a step reports ----------------------------------------------------------------
 
 
 def push_weights(model, engine) -> None:
@@ -349,13 +377,13 @@ def completion_metrics(ro: Rollout) -> dict[str, float]:
     }
 
 
-def sample_rows(ro: Rollout, cfg: GSPOConfig) -> list[dict]:
+def sample_rows(ro: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]:
     """The first ``samples_per_step`` prompts with all their completions, rewards and grader errors."""
     rows = []
     G = cfg.group_size
     for p in range(min(cfg.samples_per_step, len(ro.prompts))):
         comps = []
-        for c, g in zip(ro.completions[p * G:(p + 1) * G], ro.grades[p * G:(p + 1) * G]):
+        for c, g in zip(ro.completions[p * G:(p + 1) * G], scores.grades[p * G:(p + 1) * G]):
             comps.append({"text": c.text, "reward": g.reward, "scores": g.scores, "errors": g.errors,
                           "tokens": len(c.completion_ids), "finish_reason": c.finish_reason})
         rows.append({"prompt": ro.prompts[p], "item": ro.rows[p], "completions": comps})

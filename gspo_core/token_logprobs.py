@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from gspo_core.cpu_gemm import mm, routed
-
 #: Elements of one softmax block (positions x vocabulary): ~2 MiB of fp32, so a block's temporaries stay in cache.
 BLOCK_ELEMENTS = 1 << 19
 #: Elements of one chunk of logits the head's GEMMs make at once (512 MiB of fp32), past KEEP_LOGITS_ELEMENTS.
@@ -100,10 +98,10 @@ def _logit_dtype(w_VH) -> torch.dtype:
     return torch.promote_types(w_VH.dtype, torch.float32)
 
 
-def _logits(h_CH, w_VH, b_V, dtype, onednn: bool) -> torch.Tensor:
+def _logits(h_CH, w_VH, b_V, dtype) -> torch.Tensor:
     """Logits ``[C, V]`` of the head's matmul run in ``dtype`` (bf16 where the trainer autocasts), in fp32
-    (fp64 for an fp64 head); by oneDNN where ``onednn`` (the head's layer is routed: `cpu_gemm`)."""
-    z = mm(h_CH.to(dtype), w_VH.to(dtype).t(), onednn)
+    (fp64 for an fp64 head)."""
+    z = h_CH.to(dtype) @ w_VH.to(dtype).t()
     if b_V is not None:
         z += b_V.to(dtype)
     return z.to(_logit_dtype(w_VH))
@@ -113,14 +111,13 @@ class _HeadLogprobs(torch.autograd.Function):
     """``h_NH`` (the head's inputs at ``N`` positions), head ``w_VH`` / ``b_V`` -> ``logp_N``, ``entropy_N``."""
 
     @staticmethod
-    def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype, onednn: bool):
+    def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype):
         N, V = h_NH.size(0), w_VH.size(0)
-        ctx.onednn = onednn
         logp_N, lse_N, ent_N = _new_outputs(h_NH, N, with_entropy, _logit_dtype(w_VH))
         keep = N * V <= KEEP_LOGITS_ELEMENTS
         kept = []  # the logits, kept for the backward when they are few enough
         for s in [slice(0, N)] if keep else _spans(N, CHUNK_ELEMENTS // V):
-            z_CV = _logits(h_NH[s], w_VH, b_V, dtype, ctx.onednn)
+            z_CV = _logits(h_NH[s], w_VH, b_V, dtype)
             _forward_blocks(z_CV, target_N[s], temperature, with_entropy, logp_N[s], lse_N[s], ent_N[s])
             if keep:
                 kept.append(z_CV)
@@ -144,13 +141,13 @@ class _HeadLogprobs(torch.autograd.Function):
                 z_CV = kept[0].new_empty(len(pos), V)
                 _grad_blocks_(kept[0], target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV, pos)
             else:
-                z_CV = _logits(h_NH[pos], w_VH, b_V, ctx.dtype, ctx.onednn)
+                z_CV = _logits(h_NH[pos], w_VH, b_V, ctx.dtype)
                 _grad_blocks_(z_CV, target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV)
             dz = z_CV.to(ctx.dtype)
             if need_h:
-                grad_h[pos] = mm(dz, w_dt, ctx.onednn).to(grad_h.dtype)
+                grad_h[pos] = (dz @ w_dt).to(grad_h.dtype)
             if need_w:
-                part = mm(dz.t(), h_NH[pos].to(ctx.dtype), ctx.onednn).to(w_VH.dtype)
+                part = (dz.t() @ h_NH[pos].to(ctx.dtype)).to(w_VH.dtype)
                 grad_w = part if grad_w is None else grad_w.add_(part)
             if need_b:
                 part = z_CV.sum(0).to(b_V.dtype)
@@ -159,7 +156,7 @@ class _HeadLogprobs(torch.autograd.Function):
             grad_w = torch.zeros_like(w_VH)
         if need_b and grad_b is None:
             grad_b = torch.zeros_like(b_V)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, target_N: torch.Tensor, temperature: float = 1.0,
@@ -168,4 +165,4 @@ def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, target_N: torch.Ten
     (default: the weight's) made a chunk at a time, and its backward only over positions whose
     log-prob gets a nonzero gradient."""
     return _HeadLogprobs.apply(h_NH, head.weight, head.bias, target_N, float(temperature), bool(with_entropy),
-                               dtype or head.weight.dtype, routed(head))
+                               dtype or head.weight.dtype)

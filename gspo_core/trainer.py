@@ -16,7 +16,7 @@ from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
-from gspo_core.memory import keep_freed_memory
+from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import autocast_dtype, load_policy, pick_device, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
@@ -42,8 +42,8 @@ def seed_everything(seed: int) -> None:
 def make_optimizer(model, cfg: GSPOConfig):
     """AdamW + LR schedule over ``steps * mini_batches`` updates (constant or warmup + cosine)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # The fused kernel is the same update in one pass per tensor: measured 0.03 s vs 0.18 s per step
-    # for the 55 M model on CPU, i.e. ~0.6 s of a 4-update GSPO step.
+    # The fused kernel is the same update in one pass per tensor instead of a handful of kernels per
+    # tensor (docs/bench.md).
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             weight_decay=cfg.weight_decay, fused=fused)
@@ -74,44 +74,54 @@ def batch_indices(n_rows: int, step: int, per_step: int, seed: int, shuffle: boo
 
 
 class Trainer:
-    """Owns the run's objects; each phase is in :mod:`gspo_core.step`."""
+    """Owns the run's objects; :meth:`run_step` calls the phases of :mod:`gspo_core.step` in order.
+
+    ``runtime``: the operator's options (rollout engine, vLLM memory share); the process owner has already
+    applied the process-wide ones (`gspo_core.platform.prepare_process`).
+    ``sampler_trusted``: False once a check of the sampler's log-probs failed (``old_logprobs=auto``): the
+    later steps recompute them (the config stays as the job gave it).
+    """
 
     def __init__(self, spec: JobSpec, callbacks: Callbacks | None, engine=None,
-                 grader_policy: GraderPolicy = DEFAULT_POLICY) -> None:
+                 grader_policy: GraderPolicy = DEFAULT_POLICY, runtime: RuntimeOptions | None = None) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
+        self.runtime = runtime or RuntimeOptions()
         self.cb = callbacks or Callbacks()
-        LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)  # unknown names fail before any loading
+        # A config made without validation (model_copy) may still name an unknown one: fail before any loading.
+        LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)
         seed_everything(self.cfg.seed)
         self.device = pick_device()
-        self.amp = autocast_dtype(self.cfg, self.device)
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         self.reward_fn = build_reward(spec.reward, grader_policy)
         try:
-            self.model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
-            self.pad_id = self.tokenizer.pad_token_id
-            self.optimizer, self.scheduler = make_optimizer(self.model, self.cfg)
+            model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
+            optimizer, scheduler = make_optimizer(model, self.cfg)
+            self.policy = S.PolicyState(model, optimizer, scheduler, autocast_dtype(self.cfg, self.device),
+                                        self.tokenizer.pad_token_id)
             self.engine = engine or self._make_engine()
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
             raise
-        # After loading, so load-time copies (a dtype cast, a CPU copy on its way to the GPU) are returned
-        # to the OS, not kept; on CPU only, where the steps' large tensors live in this heap.
-        if self.cfg.keep_freed_memory and self.device.type == "cpu":
-            keep_freed_memory()
         self.step = 0
+        self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
+    @property
+    def model(self):
+        return self.policy.model
+
     def _make_engine(self):
-        kind, cfg = engine_kind(self.cfg.rollout_engine), self.cfg
+        kind, cfg = engine_kind(self.runtime.rollout_engine), self.cfg
         # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
         max_model_len, max_num_seqs = (self.sampling_bounds() if kind == "vllm"
                                        else (cfg.max_prompt_tokens + cfg.max_new_tokens, None))
         return make_engine(
             kind, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
             seed=cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, dtype=sampler_dtype(self.amp),
-            plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0, max_new_tokens=cfg.max_new_tokens)
+            gpu_memory_utilization=self.runtime.vllm_gpu_memory_utilization,
+            dtype=sampler_dtype(self.policy.amp), plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0,
+            max_new_tokens=cfg.max_new_tokens)
 
     def sampling_bounds(self) -> tuple[int, int]:
         """``(max_model_len, max_num_seqs)`` of this job's sampling: its longest prompt (as sampled:
@@ -121,8 +131,8 @@ class Trainer:
         evals = self.val_rows[: cfg.eval_prompts] if cfg.eval_every else []
         rows = self.rows + evals
         longest = 1
-        # One batched tokenizer call per chunk (memory stays bounded); 100k prompts of ~280 tokens took
-        # 11 s on 2 cores, what the job's first epoch spends tokenizing them anyway.
+        # One batched tokenizer call per chunk (memory stays bounded): about what the job's first epoch
+        # spends tokenizing them anyway.
         for i in range(0, len(rows), 4096):
             if longest >= cfg.max_prompt_tokens:
                 break
@@ -137,7 +147,7 @@ class Trainer:
 
     def resume(self, ckpt_dir: str) -> None:
         state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.optimizer, self.scheduler, state, ckpt_dir)
+        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir)
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
@@ -148,41 +158,46 @@ class Trainer:
         self.cb.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
+        """One GSPO step, its phases in order (each timed as ``time/<phase>``); returns its metrics and
+        sample rows."""
         cfg, t = self.cfg, S.Timer()
         t0 = time.perf_counter()
-        idx = batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)
-        rows = [self.rows[i] for i in idx]
+        mode = S.old_logprob_mode(cfg, self.sampler_trusted)
+        rows = [self.rows[i] for i in batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)]
         prompts = [render_prompt(r, self.tokenizer) for r in rows]
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
         with t.phase("rollout"):
             self.engine.wake()
             ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=cfg.seed * 100_003 + step,
-                          logprobs=S.sampler_logprobs_needed(cfg, step))
+                          logprobs=S.sampler_logprobs_needed(cfg, step, mode))
             self.engine.sleep()
         with t.phase("reward"):
-            m = S.score(self.reward_fn, ro, cfg)
+            scores = S.score(self.reward_fn, ro)
+        with t.phase("advantages"):
+            adv_N, adv_metrics = S.advantages(scores.rewards_N, cfg)
+            plan = S.plan_minibatches(ro, adv_N, cfg, torch.Generator().manual_seed(cfg.seed * 7919 + step))
         with t.phase("old_logprobs"):
-            m.update(S.old_logprobs(self.model, ro, self.pad_id, cfg, self.amp, gen))
+            old = S.old_logprobs(self.policy, ro, plan, cfg, mode)
         with t.phase("train"):
-            m.update(S.update(self.model, self.optimizer, self.scheduler, ro, self.pad_id, cfg, self.amp, gen))
-        if ro.recomputed:
-            self._stop_trusting_sampler(m["old_logprobs/sampler_err_max"])
+            result = S.update(self.policy, ro, old, adv_N, plan, cfg)
+        if result.sampler_rejected:
+            self._stop_trusting_sampler(result.metrics["old_logprobs/sampler_err_max"])
         with t.phase("weight_sync"):
             self.engine.wake()
             S.push_weights(self.model, self.engine)
         t["time/step"] = time.perf_counter() - t0
         tokens = sum(len(c.completion_ids) for c in ro.completions)
-        m.update(S.completion_metrics(ro), **t, step=float(step), total_steps=float(cfg.steps))
+        m = {**scores.metrics, **adv_metrics, **result.metrics, **S.completion_metrics(ro), **t,
+             "step": float(step), "total_steps": float(cfg.steps)}
         m["throughput/tokens_per_s"] = tokens / max(t["time/step"], 1e-9)
         # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
         m["tokens/sampled"] = float(tokens)
         m["tokens/trained"] = float(tokens + sum(len(c.prompt_ids) for c in ro.completions))
-        return m, S.sample_rows(ro, cfg)
+        return m, S.sample_rows(ro, scores, cfg)
 
     def _stop_trusting_sampler(self, err: float) -> None:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
         precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
-        self.cfg = self.cfg.model_copy(update={"old_logprobs": "recompute"})
+        self.sampler_trusted = False
         self.cb.on_log(f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
                        f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on")
 
@@ -192,7 +207,7 @@ class Trainer:
         rows = self.val_rows[: self.cfg.eval_prompts]
         prompts = [render_prompt(r, self.tokenizer) for r in rows]
         ro = S.sample(self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1)
-        m = S.score(self.reward_fn, ro, self.cfg)
+        m = S.score(self.reward_fn, ro).metrics
         out = {"eval/reward/mean": m["reward/mean"]}
         out.update({f"eval/{k}": v for k, v in m.items() if k.startswith("reward/") and k.endswith("/mean")
                     and k != "reward/mean"})
@@ -202,7 +217,7 @@ class Trainer:
         """Save the current step (once: a step already saved is not written again)."""
         if self.saved is None or self.saved[0] != self.step:
             path = save_checkpoint(self.spec.output_dir, self.step, self.model, self.tokenizer,
-                                   self.optimizer, self.scheduler, extra={"data": self.data_state()})
+                                   self.policy.optimizer, self.policy.scheduler, extra={"data": self.data_state()})
             self.saved = (self.step, str(path))
             self.cb.on_checkpoint(self.step, str(path), final)
         elif final:
@@ -233,10 +248,12 @@ def _loop(tr: Trainer) -> TrainResult:
 
 
 def train(spec: JobSpec, callbacks: Callbacks | None = None, *, resume_from: str | None = None,
-          engine=None, grader_policy: GraderPolicy = DEFAULT_POLICY) -> TrainResult:
+          engine=None, grader_policy: GraderPolicy = DEFAULT_POLICY, runtime: RuntimeOptions | None = None
+          ) -> TrainResult:
     """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``; the job's
-    graders obey the operator's ``grader_policy``."""
-    tr = Trainer(spec, callbacks, engine, grader_policy)
+    graders obey the operator's ``grader_policy``, and its engine the operator's ``runtime`` options
+    (the process owner calls `gspo_core.platform.prepare_process` with them first)."""
+    tr = Trainer(spec, callbacks, engine, grader_policy, runtime)
     try:
         if resume_from:
             tr.resume(resume_from)

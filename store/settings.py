@@ -5,6 +5,8 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -90,6 +92,14 @@ class Settings(BaseSettings):
     grader_pool_memory_mb: int = Field(1024, ge=64, validation_alias=_env("GRADER_POOL_MEMORY_MB"),
                                        description="Address space of a grader pool process beyond its start")
 
+    # How this machine runs jobs (see gspo_core.platform.RuntimeOptions): the operator's, never a tenant's.
+    rollout_engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", validation_alias=_env("ROLLOUT_ENGINE"), description="auto = vLLM when installed, else transformers")
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95,
+                                               validation_alias=_env("VLLM_GPU_MEMORY_UTILIZATION"))
+    keep_freed_memory: bool = Field(True, validation_alias=_env("KEEP_FREED_MEMORY"),
+                                    description="CPU training: freed memory stays in the job process's heap")
+
     # Worker leases and retries.
     lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))
     heartbeat_seconds: float = Field(5.0, validation_alias=_env("HEARTBEAT_SECONDS"))
@@ -130,6 +140,11 @@ class Settings(BaseSettings):
                 "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip()),
                 "local_timeout_s": self.grader_local_timeout_s, "local_budget_s": self.grader_local_budget_s,
                 "pool_size": self.grader_pool_size, "pool_memory_mb": self.grader_pool_memory_mb}
+
+    def runtime_options(self) -> dict:
+        """How jobs run on this machine, as plain values (``RuntimeOptions.from_mapping`` in the worker)."""
+        return {"rollout_engine": self.rollout_engine, "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization,
+                "keep_freed_memory": self.keep_freed_memory}
 
     def broker_is_embedded(self) -> bool:
         return not self.redis_url

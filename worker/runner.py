@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
+from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
 from store import jobs
 from store.model_refs import resolve_model
@@ -131,7 +132,8 @@ def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None 
     return "failed"
 
 
-def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path) -> str:
+def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path,
+           runtime: RuntimeOptions) -> str:
     """Fetch the claimed job's inputs, train it (resuming from its checkpoint) and settle its status."""
     with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds, usage) as hb:
         # torch & co. load here, under the lease's heartbeat: a message that finds no job leaves without them.
@@ -147,12 +149,13 @@ def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: 
                                                  "left without a record")
         reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
         spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
-                       hyperparameters=GSPOConfig(**{**hp, "seed": seed}), output_dir=str(work / "output"))
+                       hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}), output_dir=str(work / "output"))
         cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
         if status == "cancelling":
             cb.stop_reason = "cancel"
         else:
-            train(spec, cb, resume_from=resume, grader_policy=GraderPolicy.from_mapping(settings.grader_policy()))
+            train(spec, cb, resume_from=resume, grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
+                  runtime=runtime)
         return _settle(db, job_id, worker_id, cb, settings)
 
 
@@ -160,6 +163,8 @@ def run_job(job_id: str) -> str:
     """The body of the Celery task: run the job a free slot is given (see `_claim`). Returns what
     happened (for logs and tests)."""
     settings = get_settings()
+    runtime = RuntimeOptions.from_mapping(settings.runtime_options())
+    prepare_process(runtime)  # this process runs one job (a fresh pool child per task): its owner prepares it
     db, objects = get_db(settings), get_store(settings)
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     with db.session() as s:
@@ -176,7 +181,7 @@ def run_job(job_id: str) -> str:
     shutil.rmtree(work, ignore_errors=True)
     private_dir(work)
     try:
-        return _train(db, objects, settings, job_id, worker_id, usage, work)
+        return _train(db, objects, settings, job_id, worker_id, usage, work, runtime)
     except jobs.LeaseLost as exc:
         log.warning("%s: stopped without writing further", exc)
         return "lease_lost"

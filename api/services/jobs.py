@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from api.schemas import JobCreate, JobOut, JobUsage
 from api.services.rewards import build_checked
-from gspo_core.config import GSPOConfig
+from gspo_core.config import RETIRED_FIELDS, GSPOConfig
 from gspo_core.rewards import redact_secrets
 from store import jobs as job_state
 from store.model_refs import ModelRefError, check_local_or_hub
@@ -123,8 +123,9 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
     a key reused for a different job would otherwise silently answer with a job the caller did not ask for."""
     asked = (req.model, req.training_file, req.validation_file, req.reward, req.name, req.metadata, req.seed,
              cfg.model_dump(mode="json", exclude={"seed"}), req.max_wall_seconds)
+    stored = {k: v for k, v in prior.hyperparameters.items() if k not in RETIRED_FIELDS}  # an earlier version's keys
     made = (prior.model, prior.training_file_id, prior.validation_file_id, prior.reward, prior.name,
-            prior.job_metadata or {}, prior.seed, prior.hyperparameters, prior.max_wall_seconds)
+            prior.job_metadata or {}, prior.seed, stored, prior.max_wall_seconds)
     if asked != made:
         raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key was already used for job {prior.id} with "
                        "a different request; use a new key for a different job", "Idempotency-Key")

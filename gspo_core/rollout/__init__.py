@@ -56,7 +56,7 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
     ``max_num_seqs``: the most sequences (prompts x samples) one call asks for, with ``max_model_len``
     the most tokens of each: vLLM on CPU sizes its KV cache to exactly that.
     ``max_new_tokens``: the most tokens a call usually samples (None: unknown). vLLM on CPU picks its KV
-    block by it (`vllm_engine.cpu_kv_block`); a call may sample more, only not at the speed it chose for.
+    block by it (`gspo_core.platform.cpu.cpu_kv_block`); a call may sample more, only not at the speed it chose for.
     """
     return ENGINES[engine_kind(kind)](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
                          max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,

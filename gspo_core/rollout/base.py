@@ -12,8 +12,8 @@ import torch
 class SamplingSpec:
     """How to sample: ``n`` completions per prompt of at most ``max_tokens`` tokens.
 
-    ``logprobs``: return the sampler's per-token logprobs. Asking costs vLLM 5-10 % of its tokens/s
-    on CPU (measured on the 55 M model), so the trainer asks only when it uses them.
+    ``logprobs``: return the sampler's per-token logprobs. Asking slows vLLM's sampling (docs/bench.md),
+    so the trainer asks only when it uses them.
     """
 
     n: int

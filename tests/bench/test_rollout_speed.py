@@ -31,8 +31,7 @@ def test_engines_take_turns_after_one_warm_up_each():
 @pytest.mark.vllm
 def test_a_real_run_reports_both_engines_and_the_push(tiny_model_dir):
     pytest.importorskip("vllm")
-    out = measure_rollout("toy", prompts=2, group=2, tokens=4, reps=2, model_dir=str(tiny_model_dir),
-                          keep_freed_memory=False)
+    out = measure_rollout("toy", prompts=2, group=2, tokens=4, reps=2, model_dir=str(tiny_model_dir))
     for suffix in ("", "_with_logprobs"):
         assert out[f"transformers_tokens_per_s{suffix}"] > 0 and out[f"vllm_tokens_per_s{suffix}"] > 0
         assert len(out[f"vllm_over_transformers_per_pair{suffix}"]) == 2
@@ -44,6 +43,6 @@ def test_a_real_run_reports_both_engines_and_the_push(tiny_model_dir):
         assert out[f"gemm_bound_block_shared_over_transformers{suffix}"] > 0
     assert out["weight_push_s"] > 0
     # 4-token completions: the engine's short-completion block, which the block-shared bound counts by
-    from gspo_core.rollout.vllm_engine import cpu_kv_block
+    from gspo_core.platform.cpu import cpu_kv_block
 
     assert out["vllm_kv_block"] == cpu_kv_block(4, "float32")

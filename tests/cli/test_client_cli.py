@@ -50,8 +50,7 @@ def test_jobs_create_from_file_with_set_and_cancel(service, tmp_path):  # noqa: 
     file_id = json.loads(gspo(service, "files", "upload", str(data)).stdout)["id"]
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump({"model": "toy", "training_file": file_id, "reward": TOY_REWARD,
-                                    "hyperparameters": {"steps": 500, "group_size": 4, "prompts_per_step": 2,
-                                                        "rollout_engine": "transformers"}}))
+                                    "hyperparameters": {"steps": 500, "group_size": 4, "prompts_per_step": 2}}))
     created = gspo(service, "jobs", "create", str(spec), "--set", "group_size=8", "--name", "from-file")
     assert created.returncode == 0, created.stderr
     job = json.loads(created.stdout)

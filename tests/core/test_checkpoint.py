@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from gspo_core.checkpoint import latest_checkpoint, load_trainer_state
-from gspo_core.trainer import train
-from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec
+from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, train
 
 
 @pytest.fixture(autouse=True)

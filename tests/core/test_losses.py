@@ -245,3 +245,42 @@ def test_loss_works_in_float32_and_returns_scalar():
                                      torch.ones(2, 5, dtype=torch.long), EL, EH)
         assert loss.dim() == 0 and loss.dtype == torch.float32 and torch.isfinite(loss)
         assert set(m) == {"clip/low_frac", "clip/high_frac", "ratio/mean", "ratio/min", "ratio/max"}
+
+
+def test_the_names_a_job_may_give_are_the_registered_ones():
+    from typing import get_args
+
+    from gspo_core import advantages  # noqa: F401  (registers the estimators)
+    from gspo_core.config import AdvantageName, LossName
+    from gspo_core.registry import ADVANTAGES
+
+    assert sorted(get_args(LossName)) == LOSSES.names() and sorted(get_args(AdvantageName)) == ADVANTAGES.names()
+    assert {n: LOSSES.get(n).ratio_unit for n in LOSSES.names()} == {"gspo": "sequence", "gspo_token": "token",
+                                                                    "grpo": "token"}
+
+
+@pytest.mark.parametrize("name", LOSSES.names())
+def test_metrics_added_over_micro_batches_are_the_whole_batchs(name):
+    """LossMetrics over parts of a mini-batch (as the update's micro-batches) gives the metrics of one
+    evaluation over all its rows: the loss, ratio mean and extremes, clip fractions, entropy."""
+    from gspo_core.losses import LossMetrics
+
+    g = torch.Generator().manual_seed(3)
+    new_BT = -torch.rand(6, 5, generator=g)
+    old_BT = new_BT + 0.01 * torch.randn(6, 5, generator=g)
+    adv_B = torch.randn(6, generator=g)
+    mask_BT = torch.ones(6, 5)
+    mask_BT[1, 3:] = 0
+    mask_BT[4, 1:] = 0
+    fn = LOSSES.get(name)
+    loss, want = fn(new_BT, old_BT, adv_B, mask_BT, 3e-3, 4e-3)
+    whole = LossMetrics(fn, 6)
+    whole.add(loss, want, 0.5, mask_BT, 6)
+    parts = LossMetrics(fn, 6)
+    for s in (slice(0, 2), slice(2, 5), slice(5, 6)):
+        part_loss, m = fn(new_BT[s], old_BT[s], adv_B[s], mask_BT[s], 3e-3, 4e-3)
+        parts.add(part_loss, m, 0.5, mask_BT[s], s.stop - s.start)
+    got = parts.result()
+    assert want["clip/low_frac"] + want["clip/high_frac"] > 0  # the fractions are exercised
+    for key, value in whole.result().items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 # and go every pass. Prints whether the policy was applied and the page faults of passes 2..10.
 _PROBE = """
 import resource, sys, torch
-from gspo_core.memory import keep_freed_memory
+from gspo_core.platform.heap import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 torch.manual_seed(0)
 head = torch.nn.Linear(512, 32000, bias=False)

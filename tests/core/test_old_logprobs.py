@@ -9,10 +9,10 @@ import torch
 
 from gspo_core import step as S
 from gspo_core import trainer as T
+from gspo_core.platform import RuntimeOptions
 from gspo_core.rollout import vllm_available
-from gspo_core.trainer import train
 from tests.core.trainer_support import UPDATE_CFG as CFG
-from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, update_step
+from tests.core.trainer_support import Recorder, Trainer, one_torch_thread, toy_spec, train, update_step
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ class BiasedSampler:
 
 def test_auto_turns_to_recompute_for_the_rest_of_the_job(tiny_model_dir, tmp_path):
     rec = Recorder()
-    tr = T.Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
+    tr = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
     tr.engine = engine = BiasedSampler(tr.engine, 1e-3)
     try:
         T._loop(tr)
@@ -127,8 +127,8 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
     if engine == "vllm" and not vllm_available():
         pytest.skip("vllm not installed")
     rec = Recorder()
-    tr = T.Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2, precision="bf16", rollout_engine=engine,
-                            logprob_gap_every=0), rec)
+    tr = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2, precision="bf16", logprob_gap_every=0), rec,
+                 runtime=RuntimeOptions(rollout_engine=engine))
     try:
         built = tr.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else tr.engine.amp_dtype
         assert built == torch.bfloat16

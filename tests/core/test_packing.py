@@ -99,7 +99,7 @@ def test_sharing_is_chosen_where_it_saves_tokens():
 
 
 def test_a_training_step_is_the_same_with_and_without_sharing(tiny_model_dir, tmp_path, monkeypatch):
-    from gspo_core.trainer import train
+    from tests.core.trainer_support import train
     from tests.core.trainer_support import Recorder, toy_spec
 
     calls: list[str] = []

@@ -25,7 +25,7 @@ def engine(request, tiny_model_dir, policy):
     runs "vec" at 32: `vllm_engine.cpu_kv_block`)."""
     if not vllm_available():
         pytest.skip("vllm not installed")
-    from gspo_core.rollout.vllm_engine import cpu_kv_block
+    from gspo_core.platform.cpu import cpu_kv_block
 
     model, tok = policy
     eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=128,

@@ -13,8 +13,8 @@ from gspo_core.data import DataError
 from gspo_core.registry import LOSSES
 from gspo_core.rewards import RewardSpecError
 from gspo_core.toy import write_toy_dataset
-from gspo_core.trainer import Trainer, batch_indices, make_optimizer, train
-from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec
+from gspo_core.trainer import batch_indices, make_optimizer
+from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, train
 
 
 @pytest.fixture(autouse=True)
@@ -168,11 +168,3 @@ def test_lora_with_gradient_checkpointing_trains_the_adapter(tiny_model_dir, tmp
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at zero: it moved
     assert all("lora_" in k for k in state["trainable"])  # only the adapter is trained
     assert rec.steps[0][1]["grad_norm"] > 0
-
-
-@pytest.mark.parametrize("keep", [True, False])
-def test_trainer_applies_the_heap_policy_when_configured(tiny_model_dir, tmp_path, monkeypatch, keep):
-    calls = []
-    monkeypatch.setattr("gspo_core.trainer.keep_freed_memory", lambda: calls.append(1) or True)
-    Trainer(toy_spec(tiny_model_dir, tmp_path, keep_freed_memory=keep), None).close()
-    assert calls == ([1] if keep else [])

@@ -1,18 +1,26 @@
-"""Shared helpers of the trainer tests: a recording callbacks object, toy job specs, one torch thread."""
+"""Shared helpers of the trainer tests: a recording callbacks object, toy job specs run on the transformers
+engine, one torch thread, one step's update."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 from gspo_core import step as S
+from gspo_core import trainer as T
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import GSPOConfig, JobSpec
+from gspo_core.platform import RuntimeOptions
 from gspo_core.toy import TOY_REWARD, write_toy_dataset
 from gspo_core.trainer import make_optimizer
+
+#: The toy jobs' runtime: the transformers engine (vLLM's start costs seconds a test).
+TOY_RUNTIME = RuntimeOptions(rollout_engine="transformers")
+VLLM_RUNTIME = RuntimeOptions(rollout_engine="vllm")
 
 # The toy model is tiny: with several torch threads on a busy 2-core machine, thread hand-offs cost
 # far more than the arithmetic (measured: 12 steps in 1.6 s with 1 thread, 50 s with 2 under load).
@@ -56,11 +64,20 @@ class Recorder(Callbacks):
         return [m[name] for _, m in self.steps]
 
 
+def train(spec: JobSpec, callbacks=None, **kw):
+    """`gspo_core.trainer.train` with the toy runtime unless ``runtime`` is given."""
+    return T.train(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
+
+
+def Trainer(spec: JobSpec, callbacks=None, **kw) -> T.Trainer:  # noqa: N802 (stands in for the class)
+    """`gspo_core.trainer.Trainer` with the toy runtime unless ``runtime`` is given."""
+    return T.Trainer(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
+
+
 def toy_spec(model_dir, tmp_path, **hp) -> JobSpec:
-    """The toy task ("say a:" -> "aaaa") on the tiny model with the transformers engine."""
+    """The toy task ("say a:" -> "aaaa") on the tiny model (run with `TOY_RUNTIME`: the transformers engine)."""
     data = write_toy_dataset(tmp_path / "toy.jsonl", n=64)
-    base = dict(steps=3, prompts_per_step=8, group_size=8, max_new_tokens=4, learning_rate=3e-3,
-                rollout_engine="transformers")
+    base = dict(steps=3, prompts_per_step=8, group_size=8, max_new_tokens=4, learning_rate=3e-3)
     return JobSpec(model=str(model_dir), training_file=str(data), reward=TOY_REWARD,
                    hyperparameters=GSPOConfig(**{**base, **hp}), output_dir=str(tmp_path / "out"))
 
@@ -70,13 +87,22 @@ UPDATE_CFG = GSPOConfig(group_size=4, max_new_tokens=6, mini_batches=4, learning
 
 
 def update_step(sampled, cfg: GSPOConfig, logprob_bias: float = 0.0):
-    """old_logprobs + update of a fresh copy of the ``sampled`` fixture's policy (tests/core/conftest.py)
-    under ``cfg``, the sampler's logprobs off by ``logprob_bias``; returns (rollout, metrics, model)."""
+    """Advantages, mini-batch plan, old logprobs and update of a fresh copy of the ``sampled`` fixture's
+    policy (tests/core/conftest.py) under ``cfg``, the sampler's logprobs off by ``logprob_bias``, as the
+    trainer's step runs them; returns ``(view, metrics, model)``. ``view`` holds the step's values by the
+    names the tests read: ``completions``, ``batches`` (the plan's), ``old_logp_NT`` (the old logprobs the
+    update used), ``verify_sampler``, ``first_batch_on_policy`` and ``recomputed`` (the check failed)."""
     model0, pad_id, comps, rewards_N = sampled
     model = copy.deepcopy(model0)
     comps = [replace(c, logprobs=[lp + logprob_bias for lp in c.logprobs]) for c in comps]
-    ro = S.Rollout(rows=[{}] * 4, prompts=[""] * 4, completions=comps, rewards_N=rewards_N)
+    ro = S.Rollout(rows=[{}] * 4, prompts=[""] * 4, completions=comps)
     opt, sched = make_optimizer(model, cfg)
-    gen = torch.Generator().manual_seed(1)
-    S.old_logprobs(model, ro, pad_id, cfg, None, gen)
-    return ro, S.update(model, opt, sched, ro, pad_id, cfg, None, gen), model
+    policy = S.PolicyState(model, opt, sched, None, pad_id)
+    adv_N, adv_metrics = S.advantages(rewards_N, cfg)
+    plan = S.plan_minibatches(ro, adv_N, cfg, torch.Generator().manual_seed(1))
+    old = S.old_logprobs(policy, ro, plan, cfg)
+    result = S.update(policy, ro, old, adv_N, plan, cfg)
+    view = SimpleNamespace(completions=comps, batches=list(plan.batches), old_logp_NT=result.old.logp_NT,
+                           verify_sampler=old.verify, first_batch_on_policy=old.first_on_policy,
+                           recomputed=result.sampler_rejected)
+    return view, {**result.metrics, **adv_metrics}, model

@@ -32,7 +32,7 @@ def service(tmp_path_factory):
     from store.tenants import create_tenant_and_key
 
     tmp = tmp_path_factory.mktemp("dash")
-    env_vals = {"GSPO_DATA_DIR": str(tmp), "GSPO_MODELS_DIR": str(tmp / "models")}
+    env_vals = {"GSPO_DATA_DIR": str(tmp), "GSPO_MODELS_DIR": str(tmp / "models"), "GSPO_ROLLOUT_ENGINE": "transformers"}
     settings = Settings(data_dir=tmp, models_dir=tmp / "models")
     run_migrations(settings.resolved_database_url())
     build_tiny_model(settings.models_dir / "toy")
@@ -54,10 +54,9 @@ def service(tmp_path_factory):
         f = c.upload_file(write_toy_dataset(tmp / "toy.jsonl", n=32))
         job = c.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="dashboard-demo",
                            hyperparameters={"steps": 12, "prompts_per_step": 4, "group_size": 8, "max_new_tokens": 4,
-                                            "learning_rate": 3e-3, "rollout_engine": "transformers", "save_every": 6})
+                                            "learning_rate": 3e-3, "save_every": 6})
         second = c.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="second",
-                              hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4,
-                                               "rollout_engine": "transformers"})
+                              hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4})
         for j in (job, second):
             for _ in c.events(j["id"]):
                 pass

@@ -29,7 +29,7 @@ def service(pg_database, tmp_path):
 
     truncate_all(pg_database)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"
-    rig = build_rig(tmp_path, pg_database, redis_url)
+    rig = build_rig(tmp_path, pg_database, redis_url, GSPO_ROLLOUT_ENGINE="vllm")
     port = free_port()
     api = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
                            env=rig.env, cwd=ROOT, stdout=open(tmp_path / "api.log", "w"), stderr=subprocess.STDOUT)
@@ -61,7 +61,7 @@ def test_upload_train_follow_download_load(service, tmp_path):
         f = client.upload_file(write_toy_dataset(tmp_path / "toy.jsonl", n=64))
         job = client.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="e2e",
                                 hyperparameters={"steps": 70, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4,
-                                                 "learning_rate": 2e-3, "rollout_engine": "vllm", "save_every": 35})
+                                                 "learning_rate": 2e-3, "save_every": 35})
         kinds, steps = [], []
         t0 = time.monotonic()
         for event, data, _ in client.events(job["id"]):

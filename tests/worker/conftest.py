@@ -88,7 +88,7 @@ class Rig:
                   "calculate_output": "match + 0*slow"} if slow else TOY_REWARD
         body = {"model": "toy", "training_file": file_id, "reward": reward, **(job or {}),
                 "hyperparameters": {"steps": steps, "prompts_per_step": 2, "group_size": 8, "max_new_tokens": 4,
-                                    "learning_rate": 3e-3, "rollout_engine": "transformers", **hp}}
+                                    "learning_rate": 3e-3, **hp}}
         r = self.client.post("/v1/jobs", json=body, headers=headers)
         assert r.status_code == 201, r.text
         return r.json()["id"]
@@ -135,6 +135,7 @@ def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 6, *
     env_vals = {"GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": db_url, "REDIS_URL": redis_url,
                 "GSPO_MODELS_DIR": str(tmp_path / "models"), "GSPO_LEASE_SECONDS": str(lease_s),
                 "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3",
+                "GSPO_ROLLOUT_ENGINE": "transformers",  # the operator's setting (vLLM's start costs seconds a job)
                 # A queue of its own: suites running at the same time on the same Redis never share messages.
                 "GSPO_WORKER_QUEUE": f"gpu-{uuid.uuid4().hex[:8]}", **extra_env}
     settings = Settings(**{k.removeprefix("GSPO_").lower(): v for k, v in env_vals.items()})

@@ -32,8 +32,7 @@ def test_job_runs_to_success(rig):
                                           "rm": {"type": "reward_model", "model": "rm"}}}
     r = rig.client.post("/v1/jobs", headers=rig.h, json={
         "model": f"ckpt:{ckpts[-1]['id']}", "training_file": rig.file_id, "reward": reward,
-        "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4,
-                            "rollout_engine": "transformers"}})
+        "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4}})
     assert r.status_code == 201, r.text
     job = rig.wait_status(r.json()["id"], {"succeeded", "failed"}, timeout=120)
     assert job["status"] == "succeeded", (job, rig.logs())

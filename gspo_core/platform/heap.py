@@ -1,4 +1,4 @@
-"""Process heap policy for training: freed tensor memory stays with the process for the next step."""
+"""The training process's heap policy (glibc): freed tensor memory stays with the process for the next step."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ _TRIM_NEVER = 2**31 - 1  # the largest int mallopt takes: a free top of the heap
 
 
 def keep_freed_memory() -> bool:
-    """Make glibc's malloc serve every allocation from its heap and keep freed heap memory mapped.
+    """Make glibc's malloc serve every allocation from its heap and keep freed heap memory mapped
+    (``mallopt``, glibc's documented tuning call). Process-wide: only the process owner calls it,
+    through :func:`gspo_core.platform.prepare_process`.
 
     Why: by default glibc maps each block over 32 MiB (and, adaptively, smaller ones) afresh with
     ``mmap`` and unmaps it on free, so a training step's large tensors -- the gradients, the
     ``[N, V]`` logits and their gradient, the embedding's zero-filled gradient -- come back every
-    step as new pages, each one a page fault on first touch (~70 k faults, ~15 % of a mini-batch of
-    the 55 M model on CPU). Kept in the heap, the next step reuses warm pages. The cost: RSS stays
-    at its high-water mark until the process exits (the worker runs one job per process).
+    step as new pages, each one a page fault on first touch (docs/bench.md measures what that costs).
+    Kept in the heap, the next step reuses warm pages. The cost: RSS stays at its high-water mark
+    until the process exits (the worker runs one job per process).
 
     Returns False (and changes nothing) where the C library is not glibc.
     """

@@ -1,0 +1,101 @@
+"""The one seam for platform tuning: the operator's `RuntimeOptions` and the `Platform` chosen at start.
+
+Everything specific to a processor or a kind of machine lives in this package and reaches the rest
+of gspo_core only through the small interface below, chosen once per process (:func:`current`):
+
+* ``prepare_process(options)``: what the *process owner* (the worker's job process, ``gspo train``, a
+  benchmark's ``main``) does once at start, before any model is loaded. Library code never changes
+  process-wide state itself.
+* ``vllm_engine_args(...)``: the vLLM constructor arguments this platform wants (KV block size and
+  cache sizing, eager mode, chunked prefill, sleep mode), passed through vLLM's public ``LLM(...)``.
+
+Every tuning here goes through public extension points (documented torch, glibc and vLLM APIs, vLLM's
+attention-backend registry). Tunings that needed private ops or swapped methods were removed; their
+measured cost is in docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+#: How a rollout engine may be named in `RuntimeOptions.rollout_engine`.
+ENGINE_KINDS = ("auto", "vllm", "transformers")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How this machine runs jobs: the operator's choice, never a tenant's (the service maps its
+    ``Settings.runtime_options()`` here; ``gspo train`` takes flags or the job YAML's ``runtime:``).
+
+    ``rollout_engine``: ``auto`` = vLLM when installed, else transformers ``generate``.
+    ``vllm_gpu_memory_utilization``: the share of GPU memory vLLM takes (of host memory on CPU, where
+    only its start-up check reads it; the KV cache is sized to the job there).
+    ``keep_freed_memory``: CPU training keeps freed memory in the process's heap (see
+    :mod:`gspo_core.platform.heap`); applied by :func:`prepare_process`.
+    """
+
+    rollout_engine: str = "auto"
+    vllm_gpu_memory_utilization: float = 0.3
+    keep_freed_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rollout_engine not in ENGINE_KINDS:
+            raise ValueError(f"rollout_engine: {self.rollout_engine!r} is not one of {', '.join(ENGINE_KINDS)}")
+        u = self.vllm_gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 0.95:
+            raise ValueError(f"vllm_gpu_memory_utilization: {u!r} must be a number in (0, 0.95]")
+        if not isinstance(self.keep_freed_memory, bool):
+            raise ValueError(f"keep_freed_memory: {self.keep_freed_memory!r} must be true or false")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "RuntimeOptions":
+        """From plain values (``Settings.runtime_options()``, a YAML section); unknown keys are refused."""
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(values) - known):
+            raise ValueError(f"unknown runtime option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**dict(values))
+
+
+class Platform:
+    """A machine kind with an accelerator (CUDA or ROCm): vLLM's own defaults, sleep mode where it has it."""
+
+    name = "accelerator"
+
+    def prepare_process(self, options: RuntimeOptions) -> list[str]:
+        """Once, by the process owner, before any model or engine is built. Returns what it applied.
+
+        vLLM runs in this process (the weight push hands it tensors, not a path): its multiprocessing
+        switch is an environment variable only, read when an engine starts. An explicit setting by the
+        operator is kept (`VLLMEngine` then refuses to start, naming it)."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return ["vllm_in_process"]
+
+    def vllm_engine_args(self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None,
+                         max_new_tokens: int | None) -> dict[str, Any]:
+        """Platform-specific arguments of ``vllm.LLM(...)`` (the engine adds the model, seed, dtype...)."""
+        from vllm.platforms import current_platform
+
+        args: dict[str, Any] = {"enforce_eager": not current_platform.is_cuda_alike()}
+        if current_platform.is_sleep_mode_available():
+            args["enable_sleep_mode"] = True  # frees the KV cache and weights during the update
+        return args
+
+
+@functools.cache
+def current() -> Platform:
+    """The platform of this process: an accelerator where torch sees CUDA, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Platform()
+    from gspo_core.platform.cpu import CpuPlatform
+
+    return CpuPlatform()
+
+
+def prepare_process(options: RuntimeOptions | None = None) -> list[str]:
+    """:meth:`Platform.prepare_process` of :func:`current` (call once, at the start of the process)."""
+    return current().prepare_process(options or RuntimeOptions())

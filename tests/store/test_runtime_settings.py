@@ -1,0 +1,24 @@
+"""The operator's runtime settings (rollout engine, vLLM memory share, heap policy) as gspo_core reads them."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from gspo_core.platform import RuntimeOptions
+from store.settings import Settings
+
+
+def test_settings_map_to_runtime_options(monkeypatch):
+    assert RuntimeOptions.from_mapping(Settings().runtime_options()) == RuntimeOptions()
+    monkeypatch.setenv("GSPO_ROLLOUT_ENGINE", "transformers")
+    monkeypatch.setenv("GSPO_VLLM_GPU_MEMORY_UTILIZATION", "0.5")
+    monkeypatch.setenv("GSPO_KEEP_FREED_MEMORY", "false")
+    assert RuntimeOptions.from_mapping(Settings().runtime_options()) == RuntimeOptions(
+        rollout_engine="transformers", vllm_gpu_memory_utilization=0.5, keep_freed_memory=False)
+
+
+def test_a_bad_runtime_setting_fails_at_start(monkeypatch):
+    monkeypatch.setenv("GSPO_ROLLOUT_ENGINE", "tgi")
+    with pytest.raises(ValidationError, match="ROLLOUT_ENGINE"):
+        Settings()
