@@ -42,7 +42,7 @@ def test_attacks_in_a_training_job_score_zero_and_the_worker_carries_on(rig):
     r = rig.client.post("/v1/jobs", headers=rig.h, json={
         "model": "toy", "training_file": file_id, "reward": reward,
         "hyperparameters": {"steps": 2, "prompts_per_step": 1, "group_size": 2, "max_new_tokens": 4,
-                            "mini_batches": 1, "samples_per_step": 1, "rollout_engine": "transformers"}})
+                            "mini_batches": 1, "samples_per_step": 1}})
     assert r.status_code == 201, r.text
     try:
         job = rig.wait_status(r.json()["id"], {"succeeded", "failed"}, timeout=240)
