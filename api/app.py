@@ -52,8 +52,10 @@ def _instrument(app: FastAPI) -> None:
     app.state.registry, app.state.observe_jobs = reg, observe_jobs
     settings = app.state.settings
     # Starlette wraps the last added outermost: metrics see the body limit's 413s.
-    app.add_middleware(BodyLimitMiddleware, limit_for=lambda path: settings.max_upload_bytes + 65536
-                       if path == "/v1/files" else settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit_for=lambda path: settings.max_upload_bytes + 65536 if path == "/v1/files" else settings.max_request_bytes,
+    )
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 
 
@@ -62,8 +64,9 @@ def _per_lifespan(app: FastAPI) -> None:
     streams' polls and of dry runs (their own, so neither can take the threads other requests need)."""
     app.state.limits = Limits(app.state.settings.redis_url)
     app.state.stream_pool = ThreadPoolExecutor(max_workers=STREAM_POLL_THREADS, thread_name_prefix="sse-poll")
-    app.state.grading_pool = ThreadPoolExecutor(max_workers=app.state.settings.max_reward_runs_per_process,
-                                                thread_name_prefix="dry-run")
+    app.state.grading_pool = ThreadPoolExecutor(
+        max_workers=app.state.settings.max_reward_runs_per_process, thread_name_prefix="dry-run"
+    )
 
 
 def _purge_leftovers(app: FastAPI) -> None:
@@ -92,16 +95,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
     common = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503)}
-    app = FastAPI(title="GSPO training service", version="0.1.0", responses=common, lifespan=_lifespan,
-                  description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.")
+    app = FastAPI(
+        title="GSPO training service",
+        version="0.1.0",
+        responses=common,
+        lifespan=_lifespan,
+        description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.",
+    )
     app.state.settings = settings
     app.state.db = Database(settings.resolved_database_url())
     app.state.objects = get_object_store(settings)
     _per_lifespan(app)  # again at each start of the lifespan
     errors.install(app)
     _instrument(app)
-    for router in (files.router, jobs.router, metrics.router, checkpoints.router, rewards.router, usage.router,
-                   health.router):
+    for router in (
+        files.router,
+        jobs.router,
+        metrics.router,
+        checkpoints.router,
+        rewards.router,
+        usage.router,
+        health.router,
+    ):
         app.include_router(router)
     app.include_router(ui.router)
     app.mount("/static", ui.static_app, name="static")

@@ -5,7 +5,8 @@ use. Routers with JSON bodies use ``StrictJsonRoute``."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute

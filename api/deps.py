@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Annotated
 
 from fastapi import Depends, Header, Path, Request
 from sqlalchemy.orm import Session
@@ -14,7 +15,6 @@ from api.limits import Limits
 from store.models import Checkpoint, File, Job, Tenant
 from store.settings import Settings
 from store.tenants import authenticate, owned_by_key
-
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -69,8 +69,12 @@ def _bearer(authorization: str | None) -> str:
 
 
 def _unauthorized() -> ApiError:
-    return ApiError(401, "unauthorized", "missing or invalid API key (Authorization: Bearer <key>)",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401,
+        "unauthorized",
+        "missing or invalid API key (Authorization: Bearer <key>)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def current_tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> Tenant:
@@ -94,8 +98,12 @@ async def metrics_auth(settings: SettingsDep, authorization: Annotated[str | Non
     if not settings.metrics_token:
         raise ApiError(404, "not_found", "/metrics is off; the operator turns it on with GSPO_METRICS_TOKEN")
     if not hmac.compare_digest(_bearer(authorization).encode(), settings.metrics_token.encode()):
-        raise ApiError(401, "unauthorized", "GET /metrics needs Authorization: Bearer <GSPO_METRICS_TOKEN>",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "unauthorized",
+            "GET /metrics needs Authorization: Bearer <GSPO_METRICS_TOKEN>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 MetricsAuthDep = Annotated[None, Depends(metrics_auth)]
@@ -113,18 +121,23 @@ def _owned(s: Session, model, kind: str, row_id: str, authorization: str | None)
     raise not_found(kind, row_id)
 
 
-def owned_job(s: SessionDep, job_id: Annotated[str, Path(max_length=64)],
-              authorization: Annotated[str | None, Header()] = None) -> Job:
+def owned_job(
+    s: SessionDep, job_id: Annotated[str, Path(max_length=64)], authorization: Annotated[str | None, Header()] = None
+) -> Job:
     return _owned(s, Job, "job", job_id, authorization)
 
 
-def owned_file(s: SessionDep, file_id: Annotated[str, Path(max_length=64)],
-               authorization: Annotated[str | None, Header()] = None) -> File:
+def owned_file(
+    s: SessionDep, file_id: Annotated[str, Path(max_length=64)], authorization: Annotated[str | None, Header()] = None
+) -> File:
     return _owned(s, File, "file", file_id, authorization)
 
 
-def owned_checkpoint(s: SessionDep, checkpoint_id: Annotated[str, Path(max_length=64)],
-                     authorization: Annotated[str | None, Header()] = None) -> Checkpoint:
+def owned_checkpoint(
+    s: SessionDep,
+    checkpoint_id: Annotated[str, Path(max_length=64)],
+    authorization: Annotated[str | None, Header()] = None,
+) -> Checkpoint:
     return _owned(s, Checkpoint, "checkpoint", checkpoint_id, authorization)
 
 
@@ -136,8 +149,9 @@ CheckpointDep = Annotated[Checkpoint, Depends(owned_checkpoint)]
 async def stream_slot(request: Request, job: JobDep, settings: SettingsDep, limits: LimitsDep) -> AsyncIterator[None]:
     """One of the tenant's event-stream slots, held until the response has been sent (or the client
     left): a request-scoped dependency's exit runs after the stream, whichever way it ends."""
-    async with limits.slot("event streams", job.tenant_id, settings.max_streams_per_tenant,
-                           settings.max_streams_per_process):
+    async with limits.slot(
+        "event streams", job.tenant_id, settings.max_streams_per_tenant, settings.max_streams_per_process
+    ):
         yield
 
 

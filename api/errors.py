@@ -14,8 +14,15 @@ from store.objects import BadKey
 class ApiError(Exception):
     """Raise from anywhere in a request: becomes ``status`` with the error body."""
 
-    def __init__(self, status: int, type_: str, message: str, field: str | None = None,
-                 line: int | None = None, headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        field: str | None = None,
+        line: int | None = None,
+        headers: dict | None = None,
+    ) -> None:
         self.status, self.type, self.message, self.field, self.line = status, type_, message, field, line
         self.headers = headers
         super().__init__(message)
@@ -47,8 +54,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(body(getattr(exc, "error_type", "http_error"), str(exc.detail), getattr(exc, "field", None)),
-                            exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            body(getattr(exc, "error_type", "http_error"), str(exc.detail), getattr(exc, "field", None)),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(BadKey)
     async def _bad_key(_: Request, exc: BadKey):  # a stored key that would leave its prefix: never served
@@ -56,5 +66,6 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError):
-        return JSONResponse(body("unavailable", "the database is unreachable; retry shortly"), 503,
-                            headers={"Retry-After": "5"})
+        return JSONResponse(
+            body("unavailable", "the database is unreachable; retry shortly"), 503, headers={"Retry-After": "5"}
+        )

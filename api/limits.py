@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 
@@ -145,13 +145,21 @@ class Limits:
         local_key, shared_key = f"process:{what}", f"gspo:limits:slots:{what}:{tenant_id}"
         local = await self.process.acquire(local_key, per_process)
         if local is None:
-            raise ApiError(503, "server_busy", f"this server runs {per_process} {what} at once; retry shortly",
-                           headers={"Retry-After": str(RETRY_SLOT_S)})
+            raise ApiError(
+                503,
+                "server_busy",
+                f"this server runs {per_process} {what} at once; retry shortly",
+                headers={"Retry-After": str(RETRY_SLOT_S)},
+            )
         try:
             counters, token = await self._counters("acquire", shared_key, per_tenant)
             if token is None:
-                raise ApiError(429, "too_many_requests", f"at most {per_tenant} concurrent {what} per tenant; "
-                               "retry when one has finished", headers={"Retry-After": str(RETRY_SLOT_S)})
+                raise ApiError(
+                    429,
+                    "too_many_requests",
+                    f"at most {per_tenant} concurrent {what} per tenant; retry when one has finished",
+                    headers={"Retry-After": str(RETRY_SLOT_S)},
+                )
             try:
                 yield
             finally:
@@ -173,8 +181,12 @@ class Limits:
         window, left = self._window(window_s)
         _, used = await self._counters("used", f"gspo:limits:budget:{what}:{tenant_id}", window)
         if used >= budget_s:
-            raise ApiError(429, "budget_exhausted", f"{what} used {used:.0f} of the {budget_s:g} s allowed per "
-                           f"{window_s:g} s; retry after the window ends", headers={"Retry-After": str(int(left) + 1)})
+            raise ApiError(
+                429,
+                "budget_exhausted",
+                f"{what} used {used:.0f} of the {budget_s:g} s allowed per {window_s:g} s; retry after the window ends",
+                headers={"Retry-After": str(int(left) + 1)},
+            )
 
     async def charge(self, what: str, tenant_id: str, seconds: float, window_s: float) -> None:
         window, _ = self._window(window_s)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram
-
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -70,17 +69,28 @@ class BodyLimitMiddleware:
 
 async def _send_413(send: Send, limit: int) -> None:
     payload = json.dumps(errors.body(BodyTooLarge.error_type, f"request body exceeds {limit} bytes")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})
 
 
 def _ungated(method: str, path: str) -> bool:
     """Event streams, dry runs and uploads: bounded per tenant and per process by api.limits, and
     they hold no pooled connection while they last (they would hold a slot here for minutes)."""
-    return path == "/healthz" or path.endswith("/events") or (method == "POST" and path in ("/v1/rewards/run",
-                                                                                            "/v1/files"))
+    return (
+        path == "/healthz"
+        or path.endswith("/events")
+        or (method == "POST" and path in ("/v1/rewards/run", "/v1/files"))
+    )
 
 
 class MetricsMiddleware:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
@@ -14,12 +14,17 @@ T = TypeVar("T")
 
 def as_utc(value: datetime) -> datetime:
     """SQLite hands back naive datetimes (stored as UTC); RFC 3339 needs the offset spelled out."""
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
-EXAMPLE_REWARD = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
-                  "reference": "{{item.answer}}", "operation": "eq"}
+EXAMPLE_REWARD = {
+    "type": "string_check",
+    "name": "exact",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "eq",
+}
 JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
 
@@ -70,25 +75,50 @@ def hyperparameters_schema() -> dict[str, Any]:
 class JobCreate(BaseModel):
     """``POST /v1/jobs``. ``hyperparameters`` are gspo_core's GSPOConfig fields (unknown = 422)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
-        "model": "Qwen/Qwen2.5-0.5B-Instruct", "training_file": "file_0123456789abcdef01234567",
-        "reward": EXAMPLE_REWARD, "hyperparameters": {"steps": 20, "group_size": 8},
-        "name": "exact-answers", "metadata": {"team": "rl"}, "seed": 1}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "Qwen/Qwen2.5-0.5B-Instruct",
+                    "training_file": "file_0123456789abcdef01234567",
+                    "reward": EXAMPLE_REWARD,
+                    "hyperparameters": {"steps": 20, "group_size": 8},
+                    "name": "exact-answers",
+                    "metadata": {"team": "rl"},
+                    "seed": 1,
+                }
+            ]
+        },
+    )
 
-    model: str = Field(..., min_length=1, max_length=512,
-                       description="HF id (org/name), a directory under the models dir, or ckpt:<id>.")
+    model: str = Field(
+        ...,
+        min_length=1,
+        max_length=512,
+        description="HF id (org/name), a directory under the models dir, or ckpt:<id>.",
+    )
     training_file: str = Field(..., min_length=1, max_length=64)
     validation_file: str | None = Field(None, max_length=64)
     reward: dict[str, Any] = Field(..., description="Grader spec (see README: reward spec).")
     hyperparameters: Annotated[dict[str, Any], WithJsonSchema(hyperparameters_schema())] = Field(
-        default_factory=dict, description="The algorithm's settings (GSPOConfig); how the machine runs the job "
-        "(rollout engine, memory) is the operator's, not the job's.")
+        default_factory=dict,
+        description="The algorithm's settings (GSPOConfig); how the machine runs the job "
+        "(rollout engine, memory) is the operator's, not the job's.",
+    )
     name: str | None = Field(None, max_length=200)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
     seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)  # strict: `true` is not a seed
-    max_wall_seconds: int | None = Field(None, gt=0, le=2**31 - 1, strict=True, description=(
-        "Device time (seconds, summed over attempts) after which the job stops at its next step, "
-        "checkpoints and fails; at most the operator's limit, which applies when unset."))
+    max_wall_seconds: int | None = Field(
+        None,
+        gt=0,
+        le=2**31 - 1,
+        strict=True,
+        description=(
+            "Device time (seconds, summed over attempts) after which the job stops at its next step, "
+            "checkpoints and fails; at most the operator's limit, which applies when unset."
+        ),
+    )
 
 
 class JobUsage(BaseModel):
@@ -107,8 +137,9 @@ class JobOut(BaseModel):
     status: JobStatus
     step: int
     total_steps: int
-    queue_position: int | None = Field(description="While queued: its place among this tenant's own queued "
-                                                   "jobs (1: the tenant's next)")
+    queue_position: int | None = Field(
+        description="While queued: its place among this tenant's own queued jobs (1: the tenant's next)"
+    )
     waiting_reason: str | None = Field(None, description="While queued: why it has not started")
     error: str | None
     created_at: UtcDatetime
@@ -151,7 +182,8 @@ class UsageOut(BaseModel):
     current: UsagePeriod
     budget_left_device_hours: float | None
     budget_exhausted_until: UtcDatetime | None = Field(
-        description="While the budget of the current period is used: when queued jobs may start again")
+        description="While the budget of the current period is used: when queued jobs may start again"
+    )
     periods: list[UsagePeriod]
     total: UsageTotals
 
@@ -181,13 +213,21 @@ class CheckpointOut(BaseModel):
 
 
 class RewardRunIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"reward": EXAMPLE_REWARD, "item": {"prompt": "2+2=", "answer": "4"}, "samples": ["4", "5"]}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"reward": EXAMPLE_REWARD, "item": {"prompt": "2+2=", "answer": "4"}, "samples": ["4", "5"]}]
+        },
+    )
 
     reward: dict[str, Any]
     item: dict[str, Any] = Field(default_factory=dict)
-    samples: list[str] = Field(..., min_length=1, max_length=64,
-                               description="Completion texts to grade (GSPO_MAX_REWARD_RUN_SAMPLES, at most 64).")
+    samples: list[str] = Field(
+        ...,
+        min_length=1,
+        max_length=64,
+        description="Completion texts to grade (GSPO_MAX_REWARD_RUN_SAMPLES, at most 64).",
+    )
 
 
 class RewardRunResult(BaseModel):

@@ -27,15 +27,24 @@ import httpx
 
 from bench.load_api import _Conn, _drop_db, _event_loop_run, _serve, _setup_db, _writer
 
-BURN = {"type": "python", "name": "burn", "timeout_s": 1.0,
-        "source": "def grade(sample, item):\n    x = 0\n    while True:\n        x += 1\n"}
+BURN = {
+    "type": "python",
+    "name": "burn",
+    "timeout_s": 1.0,
+    "source": "def grade(sample, item):\n    x = 0\n    while True:\n        x += 1\n",
+}
 
 
 def _quantiles(lat: list[float], errors: list) -> dict:
     q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
-    return {"n": len(lat), "errors": len(errors), "error_kinds": sorted({str(e) for e in errors}),
-            "p50_ms": round(q[49] * 1000, 1), "p99_ms": round(q[98] * 1000, 1),
-            "max_ms": round(max(lat, default=float("nan")) * 1000, 1)}
+    return {
+        "n": len(lat),
+        "errors": len(errors),
+        "error_kinds": sorted({str(e) for e in errors}),
+        "p50_ms": round(q[49] * 1000, 1),
+        "p99_ms": round(q[98] * 1000, 1),
+        "max_ms": round(max(lat, default=float("nan")) * 1000, 1),
+    }
 
 
 async def _poller(conn: _Conn, path: str, until: float, interval: float, lat: list, errors: list) -> None:
@@ -47,7 +56,7 @@ async def _poller(conn: _Conn, path: str, until: float, interval: float, lat: li
         try:
             status = await asyncio.wait_for(conn.get(path), 30)
             (lat.append(time.perf_counter() - t0) if status == 200 else errors.append(status))
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             errors.append(type(exc).__name__)
             conn.close()
         await asyncio.sleep(interval)
@@ -109,29 +118,39 @@ async def _hostile_uploads(http: httpx.AsyncClient, h: dict, path: str, until: f
             seen[f"upload {type(exc).__name__}"] += 1
 
 
-async def _hostile(url: str, key: str, job_id: str, upload_path: str, until: float, caps: dict,
-                   kinds: set[str], samples: int) -> dict:
+async def _hostile(
+    url: str, key: str, job_id: str, upload_path: str, until: float, caps: dict, kinds: set[str], samples: int
+) -> dict:
     """One more client of each kind than the tenant's cap allows, so that the cap is always full."""
     seen: Counter = Counter()
     h = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=url, limits=limits) as http:
         tasks = [_hostile_runs(http, h, until, seen, samples) for _ in range(caps["runs"] + 1) if "runs" in kinds]
-        tasks += [_hostile_stream(http, h, job_id, until, seen) for _ in range(caps["streams"] + 2) if "streams" in kinds]
-        tasks += [_hostile_uploads(http, h, upload_path, until, seen) for _ in range(caps["uploads"] + 1)
-                  if "uploads" in kinds]
+        tasks += [
+            _hostile_stream(http, h, job_id, until, seen) for _ in range(caps["streams"] + 2) if "streams" in kinds
+        ]
+        tasks += [
+            _hostile_uploads(http, h, upload_path, until, seen)
+            for _ in range(caps["uploads"] + 1)
+            if "uploads" in kinds
+        ]
         await asyncio.gather(*tasks)
     return dict(sorted(seen.items()))
 
 
-def _hostile_process(url: str, key: str, job_id: str, upload_path: str, seconds: float, kinds: str, samples: int,
-                     out) -> None:
+def _hostile_process(
+    url: str, key: str, job_id: str, upload_path: str, seconds: float, kinds: str, samples: int, out
+) -> None:
     """The hostile tenant in a process of its own: its client work must not delay the victim's timer."""
     from store.settings import Settings
 
     defaults = {name: f.default for name, f in Settings.model_fields.items()}  # what the server runs with
-    caps = {"runs": defaults["max_reward_runs_per_tenant"], "streams": defaults["max_streams_per_tenant"],
-            "uploads": defaults["max_uploads_per_tenant"]}
+    caps = {
+        "runs": defaults["max_reward_runs_per_tenant"],
+        "streams": defaults["max_streams_per_tenant"],
+        "uploads": defaults["max_uploads_per_tenant"],
+    }
     until = time.monotonic() + seconds
     out.put(_event_loop_run(_hostile(url, key, job_id, upload_path, until, caps, set(kinds.split(",")), samples)))
 
@@ -143,13 +162,25 @@ def _phase(url: str, keys: dict, jobs: dict, args, upload_path: str, hostile: bo
     out = ctx.Queue()
     proc = None
     if hostile:
-        proc = ctx.Process(target=_hostile_process, args=(url, keys["hostile"], jobs["hostile"], upload_path,
-                                                          args.seconds + 2, args.hostile, args.run_samples, out))
+        proc = ctx.Process(
+            target=_hostile_process,
+            args=(
+                url,
+                keys["hostile"],
+                jobs["hostile"],
+                upload_path,
+                args.seconds + 2,
+                args.hostile,
+                args.run_samples,
+                out,
+            ),
+        )
         proc.start()
         time.sleep(2)  # it opens its streams and starts its first runs and uploads
     until = time.monotonic() + args.seconds
-    report = {"victim": _event_loop_run(_victim(url, keys["victim"], jobs["victim"], args.victims, args.interval,
-                                                until))}
+    report = {
+        "victim": _event_loop_run(_victim(url, keys["victim"], jobs["victim"], args.victims, args.interval, until))
+    }
     if proc is not None:
         report["hostile_requests"] = out.get(timeout=600)
         proc.join(60)
@@ -167,12 +198,25 @@ def _prepare(db, tmp: str, upload_mb: int) -> tuple[dict, dict, str]:
     with db.session() as s:
         for name in ("victim", "hostile"):
             tenant, keys[name] = create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")
-            f = File(tenant_id=tenant.id, filename="t.jsonl", bytes=1, rows=1, object_key=f"tenants/{tenant.id}/x",
-                     item_fields=["prompt", "answer"])
+            f = File(
+                tenant_id=tenant.id,
+                filename="t.jsonl",
+                bytes=1,
+                rows=1,
+                object_key=f"tenants/{tenant.id}/x",
+                item_fields=["prompt", "answer"],
+            )
             s.add(f)
             s.flush()
-            job = jobs.create_job(s, tenant_id=tenant.id, model="org/model", training_file_id=f.id,
-                                  reward=TOY_REWARD, hyperparameters={}, total_steps=100_000)
+            job = jobs.create_job(
+                s,
+                tenant_id=tenant.id,
+                model="org/model",
+                training_file_id=f.id,
+                reward=TOY_REWARD,
+                hyperparameters={},
+                total_steps=100_000,
+            )
             job.status, job.started_at = "running", utcnow()
             job_ids[name] = job.id
     path = os.path.join(tmp, "big.jsonl")
@@ -186,8 +230,12 @@ def run(db_url: str, tmp: str, args) -> list[dict]:
     from store.db import Database
 
     db = Database(db_url)
-    env = {"GSPO_DATA_DIR": tmp, "DATABASE_URL": db_url, "GSPO_MODELS_DIR": f"{tmp}/models",
-           "GSPO_MAX_UPLOAD_BYTES": str((args.upload_mb + 1) * 2**20)}
+    env = {
+        "GSPO_DATA_DIR": tmp,
+        "DATABASE_URL": db_url,
+        "GSPO_MODELS_DIR": f"{tmp}/models",
+        "GSPO_MAX_UPLOAD_BYTES": str((args.upload_mb + 1) * 2**20),
+    }
     if args.redis_url:
         env["REDIS_URL"] = args.redis_url
     keys, job_ids, upload_path = _prepare(db, tmp, args.upload_mb)
@@ -199,11 +247,15 @@ def run(db_url: str, tmp: str, args) -> list[dict]:
         for w in writers:
             w.start()
         for hostile in (False, True):
-            report = {"phase": f"hostile tenant at its caps ({args.hostile})" if hostile else "baseline",
-                      "seconds": args.seconds,
-                      "victim_clients": args.victims, "poll_interval_s": args.interval, "api_workers": args.api_workers,
-                      "limiter": "redis" if args.redis_url else "per process",
-                      **_phase(url, keys, job_ids, args, upload_path, hostile)}
+            report = {
+                "phase": f"hostile tenant at its caps ({args.hostile})" if hostile else "baseline",
+                "seconds": args.seconds,
+                "victim_clients": args.victims,
+                "poll_interval_s": args.interval,
+                "api_workers": args.api_workers,
+                "limiter": "redis" if args.redis_url else "per process",
+                **_phase(url, keys, job_ids, args, upload_path, hostile),
+            }
             reports.append(report)
             print(json.dumps(report), flush=True)
     finally:
@@ -226,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--victims", type=int, default=20, help="the other tenant's polling clients")
     ap.add_argument("--interval", type=float, default=0.5, help="each victim client's think time between polls")
     ap.add_argument("--api-workers", type=int, default=2, help="`gspo api --workers`")
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                    help="Redis for the limiter (caps shared by the server processes); default per process")
+    ap.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="Redis for the limiter (caps shared by the server processes); default per process",
+    )
     ap.add_argument("--upload-mb", type=int, default=32, help="size of each of the hostile tenant's uploads")
     ap.add_argument("--run-samples", type=int, default=64, help="samples per hostile dry run (each burns 1 s)")
     ap.add_argument("--hostile", default="runs,streams,uploads", help="what the hostile tenant does (a subset)")

@@ -25,7 +25,7 @@ from gspo_core.platform.cpu import CPU_KV_BLOCK
 def _vllm_onednn(w: torch.Tensor):
     """vLLM's CPU product (a oneDNN matmul on a weight it prepacked), or None where vLLM lacks it."""
     try:
-        from vllm import _custom_ops as ops  # noqa: PLC0415 - optional; the bench runs without vLLM too
+        from vllm import _custom_ops as ops
     except ImportError:
         return None
     if w.device.type != "cpu" or not getattr(ops, "_supports_onednn", False):
@@ -68,12 +68,25 @@ def _seconds(product, x: torch.Tensor, reps: int) -> float:
 
 def _fastest(weights: list[torch.Tensor], m: int, reps: int) -> float:
     """Seconds of ``x[m, K] @ w.T`` over each of ``weights``, each by its fastest product here."""
-    return sum(min(_seconds(p, torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device), reps)
-                   for p in _products(w)) for w in weights) if m else 0.0
+    return (
+        sum(
+            min(_seconds(p, torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device), reps) for p in _products(w))
+            for w in weights
+        )
+        if m
+        else 0.0
+    )
 
 
-def gemm_bound(model: torch.nn.Module, prompt_lengths: list[int], group: int, tokens: int,
-               dtype: torch.dtype = torch.float32, reps: int = 5, kv_block: int = CPU_KV_BLOCK) -> dict:
+def gemm_bound(
+    model: torch.nn.Module,
+    prompt_lengths: list[int],
+    group: int,
+    tokens: int,
+    dtype: torch.dtype = torch.float32,
+    reps: int = 5,
+    kv_block: int = CPU_KV_BLOCK,
+) -> dict:
     """The GEMM-only completion tokens/s of sampling ``group`` x ``tokens`` tokens from each prompt.
 
     ``prompt_lengths``: one length per prompt. Returns ``{"gemm_bound_tokens_per_s", "gemm_decode_step_s"
@@ -95,8 +108,14 @@ def gemm_bound(model: torch.nn.Module, prompt_lengths: list[int], group: int, to
     private = sum(p - (p - 1) // kv_block * kv_block for p in prompt_lengths)
     blocked_s = _fastest(body, n_prompt + private * (group - 1), reps) + _fastest(head_w, seqs, reps)
     total_s = prefill_s + (tokens - 1) * decode_s
-    flops = 2 * (sum(w.numel() for w in body) * (n_prompt + seqs * (tokens - 1))
-                 + sum(w.numel() for w in head_w) * (len(prompt_lengths) + seqs * (tokens - 1)))
-    return {"gemm_bound_tokens_per_s": seqs * tokens / total_s, "gemm_decode_step_s": decode_s,
-            "gemm_prefill_s": prefill_s, "gemm_gflops": flops / total_s / 1e9,
-            "gemm_bound_block_shared_tokens_per_s": seqs * tokens / (blocked_s + (tokens - 1) * decode_s)}
+    flops = 2 * (
+        sum(w.numel() for w in body) * (n_prompt + seqs * (tokens - 1))
+        + sum(w.numel() for w in head_w) * (len(prompt_lengths) + seqs * (tokens - 1))
+    )
+    return {
+        "gemm_bound_tokens_per_s": seqs * tokens / total_s,
+        "gemm_decode_step_s": decode_s,
+        "gemm_prefill_s": prefill_s,
+        "gemm_gflops": flops / total_s / 1e9,
+        "gemm_bound_block_shared_tokens_per_s": seqs * tokens / (blocked_s + (tokens - 1) * decode_s),
+    }

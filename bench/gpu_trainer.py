@@ -80,8 +80,9 @@ class Env:
 def make_model(shape: str, device: torch.device, attn: str = "sdpa"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**QWEN_SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
-                      attn_implementation=attn)
+    cfg = Qwen2Config(
+        **QWEN_SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True, attn_implementation=attn
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
@@ -96,14 +97,27 @@ def make_rollout(prompts: int, group: int, prompt_len: int, lengths: list[int], 
         ids = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         for g in range(group):
             n = lengths[p * group + g]
-            comps.append(Completion(prompt_index=p, prompt_ids=ids, completion_ids=[rng.randrange(3, vocab)
-                                    for _ in range(n)], logprobs=[-10.0] * n, text="", finish_reason="length"))
+            comps.append(
+                Completion(
+                    prompt_index=p,
+                    prompt_ids=ids,
+                    completion_ids=[rng.randrange(3, vocab) for _ in range(n)],
+                    logprobs=[-10.0] * n,
+                    text="",
+                    finish_reason="length",
+                )
+            )
     return S.Rollout(rows=[{}] * prompts, prompts=[""] * prompts, completions=comps)
 
 
 def cfg_for(ro: S.Rollout, group: int) -> GSPOConfig:
-    return GSPOConfig(prompts_per_step=len(ro.completions) // group, group_size=group, mini_batches=4,
-                      learning_rate=1e-6, max_new_tokens=max(len(c.completion_ids) for c in ro.completions))
+    return GSPOConfig(
+        prompts_per_step=len(ro.completions) // group,
+        group_size=group,
+        mini_batches=4,
+        learning_rate=1e-6,
+        max_new_tokens=max(len(c.completion_ids) for c in ro.completions),
+    )
 
 
 def _policy(env: Env, amp) -> S.PolicyState:
@@ -143,8 +157,13 @@ def bench_update(env: Env, ro: S.Rollout, cfg: GSPOConfig, amp, checkpointing: b
         del policy
     flops = env.fwd_flops(ro) * (4 if checkpointing else 3)  # fwd + 2x bwd (+ recomputed fwd)
     tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in ro.completions)
-    return {"s": t, "mfu_model_flops": env.fwd_flops(ro) * 3 / t / env.peak, "mfu_hardware_flops": flops / t / env.peak,
-            "tokens_per_s": tokens / t, "peak_gib": env.mem_peak_gib()}
+    return {
+        "s": t,
+        "mfu_model_flops": env.fwd_flops(ro) * 3 / t / env.peak,
+        "mfu_hardware_flops": flops / t / env.peak,
+        "tokens_per_s": tokens / t,
+        "peak_gib": env.mem_peak_gib(),
+    }
 
 
 def packed_logprobs(model, comps: list[Completion], device, amp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,8 +179,11 @@ def packed_logprobs(model, comps: list[Completion], device, amp) -> tuple[torch.
         targets += c.completion_ids
     base = base_model(model)
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-        hid_1LH = base.get_decoder()(input_ids=torch.tensor([ids], device=device),
-                                     position_ids=torch.tensor([pos], device=device), use_cache=False).last_hidden_state
+        hid_1LH = base.get_decoder()(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([pos], device=device),
+            use_cache=False,
+        ).last_hidden_state
         logits_KV = base.get_output_embeddings()(hid_1LH[0, torch.cat(where).to(device)]).float()
     logp_K = torch.log_softmax(logits_KV, -1).gather(-1, torch.tensor(targets, device=device)[:, None])[:, 0]
     lens = [len(c.completion_ids) for c in comps]
@@ -180,8 +202,9 @@ def _layout_pass(env: Env, ro: S.Rollout, groups: list[list[int]], amp, packed: 
         else:
             batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], 0).to(env.device)
             logp_BT, mask_BT = completion_logprobs(env.model, batch, 1.0, amp), batch.mask_BT
-        loss, _ = loss_fn(logp_BT, logp_BT.detach() - 0.01, torch.randn(len(idx), device=env.device), mask_BT,
-                          3e-4, 4e-4)
+        loss, _ = loss_fn(
+            logp_BT, logp_BT.detach() - 0.01, torch.randn(len(idx), device=env.device), mask_BT, 3e-4, 4e-4
+        )
         loss.backward()
     env.model.zero_grad(set_to_none=True)
 
@@ -192,20 +215,25 @@ def bench_layouts(env: Env, ro: S.Rollout, amp) -> dict:
     lens = [len(c.completion_ids) for c in ro.completions]
     rand = [t.tolist() for t in torch.randperm(n, generator=torch.Generator().manual_seed(0)).chunk(4)]
     order = sorted(range(n), key=lens.__getitem__)
-    buckets = [order[k:k + n // 4] for k in range(0, n, n // 4)]
+    buckets = [order[k : k + n // 4] for k in range(0, n, n // 4)]
     real = sum(lens)
-    out: dict = {"completion_tokens": real,
-                 "padding_waste_random": 1 - real / sum(max(lens[i] for i in g) * len(g) for g in rand),
-                 "padding_waste_buckets": 1 - real / sum(max(lens[i] for i in g) * len(g) for g in buckets)}
+    out: dict = {
+        "completion_tokens": real,
+        "padding_waste_random": 1 - real / sum(max(lens[i] for i in g) * len(g) for g in rand),
+        "padding_waste_buckets": 1 - real / sum(max(lens[i] for i in g) * len(g) for g in buckets),
+    }
     with torch.no_grad():  # correctness first: packing must give the padded logprobs
         comps = [ro.completions[i] for i in rand[0]]
         a_BT, m_BT = packed_logprobs(env.model, comps, env.device, amp)
         batch = pack([c.prompt_ids for c in comps], [c.completion_ids for c in comps], 0).to(env.device)
         b_BT = completion_logprobs(env.model, batch, 1.0, amp)
         out["packed_vs_padded_max_abs_diff"] = float(((a_BT - b_BT[:, : a_BT.size(1)]).abs() * m_BT).max())
-    for name, groups, packed, attn in (("padded_random_order", rand, False, "sdpa"),
-                                       ("padded_length_buckets", buckets, False, "sdpa"),
-                                       ("packed_sdpa", rand, True, "sdpa"), ("packed_flex", rand, True, "flex_attention")):
+    for name, groups, packed, attn in (
+        ("padded_random_order", rand, False, "sdpa"),
+        ("padded_length_buckets", buckets, False, "sdpa"),
+        ("packed_sdpa", rand, True, "sdpa"),
+        ("packed_flex", rand, True, "flex_attention"),
+    ):
         try:
             env.model.set_attn_implementation(attn)
             env.mem_reset()
@@ -244,8 +272,15 @@ def bench_rollout(env: Env, prompts: int, group: int, prompt_len: int, tokens: i
 
     def bare():
         with torch.inference_mode(), torch.autocast(env.device.type, dtype=torch.bfloat16):
-            env.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=True, top_k=0,
-                               max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+            env.model.generate(
+                input_ids=inp,
+                attention_mask=torch.ones_like(inp),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                pad_token_id=0,
+            )
 
     out["bare_generate_bf16_tokens_per_s"] = n_tok / env.timed(bare, reps=1)
     out["peak_gib"] = env.mem_peak_gib()
@@ -283,8 +318,15 @@ def main(argv: list[str] | None = None) -> None:
     env = Env(device, model)
     amp = torch.bfloat16
     V, G, P = model.config.vocab_size, a.group, a.prompts
-    res: dict = {"device": env.name, "torch": torch.__version__, "params": env.params, "prompts": P, "group": G,
-                 "prompt_tokens": a.prompt_len, "completion_tokens": a.completion}
+    res: dict = {
+        "device": env.name,
+        "torch": torch.__version__,
+        "params": env.params,
+        "prompts": P,
+        "group": G,
+        "prompt_tokens": a.prompt_len,
+        "completion_tokens": a.completion,
+    }
     fixed = make_rollout(P, G, a.prompt_len, [a.completion] * (P * G), V)
     rng = random.Random(2)
     varied = make_rollout(P, G, a.prompt_len, [rng.randint(16, a.completion) for _ in range(P * G)], V)

@@ -11,8 +11,14 @@ import json
 import statistics
 import time
 
-SHAPES = [("so \\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{\\frac{1}{\\sqrt{4}}}", "1/2"), ("the answer is 42", "42"),
-          ("\\boxed{x^2+2x+1}", "(x+1)^2"), ("\\boxed{3\\pi}", "3\\pi"), ("\\boxed{2}", "3")]
+SHAPES = [
+    ("so \\boxed{\\frac{1}{2}}", "0.5"),
+    ("\\boxed{\\frac{1}{\\sqrt{4}}}", "1/2"),
+    ("the answer is 42", "42"),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2"),
+    ("\\boxed{3\\pi}", "3\\pi"),
+    ("\\boxed{2}", "3"),
+]
 
 
 def main() -> None:
@@ -35,10 +41,18 @@ def main() -> None:
         res = fn.score_batch(items, samples)
         times.append(time.perf_counter() - t0)
     fn.close()
-    print(json.dumps({"n": args.n, "first_batch_s": round(first, 3), "batch_s": [round(t, 3) for t in times],
-                      "median_s": round(statistics.median(times), 3),
-                      "mean_reward": round(sum(r.reward for r in res) / len(res), 4),
-                      "errors": sum(bool(r.errors) for r in res)}))
+    print(
+        json.dumps(
+            {
+                "n": args.n,
+                "first_batch_s": round(first, 3),
+                "batch_s": [round(t, 3) for t in times],
+                "median_s": round(statistics.median(times), 3),
+                "mean_reward": round(sum(r.reward for r in res) / len(res), 4),
+                "errors": sum(bool(r.errors) for r in res),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

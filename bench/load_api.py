@@ -32,9 +32,21 @@ def _serve(env: dict, workers: int):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", str(workers)],
-                            env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gspo_cli.main",
+            "api",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+        ],
+        env={**os.environ, **env},
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -71,8 +83,9 @@ class _Conn:
     async def get(self, path: str) -> int:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.key}\r\n\r\n"
-                          .encode())
+        self.writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.key}\r\n\r\n".encode()
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         length = 0
@@ -102,8 +115,7 @@ async def _client(conn: _Conn, job_id: str, until: float, interval: float, lat: 
         try:
             status = await asyncio.wait_for(conn.get(path), 30)
             (lat.append(time.perf_counter() - t0) if status == 200 else errors.append(status))
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ValueError) as exc:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             errors.append(type(exc).__name__)
             conn.close()
         i += 1
@@ -117,8 +129,9 @@ async def _load(url: str, key: str, job_id: str, clients: int, seconds: float, i
     lat: list[float] = []
     errors: list = []
     until = time.monotonic() + seconds
-    await asyncio.gather(*(_client(_Conn(host, int(port), key), job_id, until, interval, lat, errors)
-                           for _ in range(clients)))
+    await asyncio.gather(
+        *(_client(_Conn(host, int(port), key), job_id, until, interval, lat, errors) for _ in range(clients))
+    )
     return lat, errors
 
 
@@ -144,10 +157,19 @@ def _drop_db(name: str | None) -> None:
 
 def _summary(lat: list, errors: list, clients: int, seconds: float, interval: float, steps: int) -> dict:
     q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
-    return {"clients": clients, "poll_interval_s": interval, "seconds": seconds, "requests": len(lat) + len(errors),
-            "errors": len(errors), "error_kinds": sorted({str(e) for e in errors}),
-            "rps": round(len(lat) / seconds, 1), "p50_ms": round(q[49] * 1000, 1), "p99_ms": round(q[98] * 1000, 1),
-            "max_ms": round(max(lat, default=float("nan")) * 1000, 1), "steps_written_meanwhile": steps}
+    return {
+        "clients": clients,
+        "poll_interval_s": interval,
+        "seconds": seconds,
+        "requests": len(lat) + len(errors),
+        "errors": len(errors),
+        "error_kinds": sorted({str(e) for e in errors}),
+        "rps": round(len(lat) / seconds, 1),
+        "p50_ms": round(q[49] * 1000, 1),
+        "p99_ms": round(q[98] * 1000, 1),
+        "max_ms": round(max(lat, default=float("nan")) * 1000, 1),
+        "steps_written_meanwhile": steps,
+    }
 
 
 def _mark_running(db, job_id: str) -> None:
@@ -182,8 +204,9 @@ def _run(db_url: str, tmp: str, clients: int, seconds: float, intervals: list[fl
         h = {"Authorization": f"Bearer {key}"}
         data = write_toy_dataset(f"{tmp}/t.jsonl").read_bytes()
         fid = httpx.post(url + "/v1/files", headers=h, files={"file": ("t.jsonl", data)}).json()["id"]
-        job_id = httpx.post(url + "/v1/jobs", headers=h,
-                            json={"model": "org/model", "training_file": fid, "reward": TOY_REWARD}).json()["id"]
+        job_id = httpx.post(
+            url + "/v1/jobs", headers=h, json={"model": "org/model", "training_file": fid, "reward": TOY_REWARD}
+        ).json()["id"]
         _mark_running(db, job_id)  # no worker runs here: the writer thread plays a training job
         writer = threading.Thread(target=_writer, args=(db, job_id, stop, 0.2), daemon=True)
         writer.start()
@@ -219,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.load_api")
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=20, help="length of each load phase")
-    ap.add_argument("--interval", type=float, nargs="+", default=[1.0, 0.0],
-                    help="each client's think time between polls, one phase per value (0 = closed loop, "
-                         "no think time: a saturation test, not a polling client)")
+    ap.add_argument(
+        "--interval",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.0],
+        help="each client's think time between polls, one phase per value (0 = closed loop, "
+        "no think time: a saturation test, not a polling client)",
+    )
     ap.add_argument("--api-workers", type=int, default=2, help="`gspo api --workers` (server processes)")
     ap.add_argument("--json", help="also write the reports here")
     a = ap.parse_args(argv)

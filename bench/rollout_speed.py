@@ -29,14 +29,17 @@ from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
 from gspo_core.toy import build_tiny_model
 
 
-def _alternated_seconds(engines: dict, prompts: list[list[int]], spec: SamplingSpec,
-                        reps: int) -> tuple[dict[str, int], dict[str, list[float]]]:
+def _alternated_seconds(
+    engines: dict, prompts: list[list[int]], spec: SamplingSpec, reps: int
+) -> tuple[dict[str, int], dict[str, list[float]]]:
     """Completion tokens of one call and seconds of ``reps`` calls, per engine; the engines take turns
     call by call (A B A B ...), so the machine's drift (+-20 % within minutes on some of these VMs)
     falls on both alike."""
     # Warm-up (first-call allocations, kernel selection), which also counts the tokens of a call.
-    n_tokens = {kind: sum(len(c.completion_ids) for g in eng.generate(prompts, spec) for c in g)
-                for kind, eng in engines.items()}
+    n_tokens = {
+        kind: sum(len(c.completion_ids) for g in eng.generate(prompts, spec) for c in g)
+        for kind, eng in engines.items()
+    }
     times: dict[str, list[float]] = {kind: [] for kind in engines}
     for _ in range(reps):
         for kind, eng in engines.items():
@@ -55,9 +58,17 @@ def _push_seconds(engine, policy, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tokens: int = 32, reps: int = 3,
-                    engines: tuple[str, ...] = ("transformers", "vllm"), model_dir: str | None = None,
-                    prompt_tokens: int = 0, dtype: str = "float32") -> dict:
+def measure_rollout(
+    shape: str = "small",
+    prompts: int = 32,
+    group: int = 8,
+    tokens: int = 32,
+    reps: int = 3,
+    engines: tuple[str, ...] = ("transformers", "vllm"),
+    model_dir: str | None = None,
+    prompt_tokens: int = 0,
+    dtype: str = "float32",
+) -> dict:
     """Tokens/s of each engine in ``engines`` (and the vLLM weight-push seconds) on ``shape``'s model.
 
     Returns ``{"<engine>_tokens_per_s": float, "<engine>_tokens_per_s_with_logprobs": float,
@@ -77,19 +88,39 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     ``dtype``: both engines' precision, as a trainer of that precision builds them (``bfloat16``: vLLM's
     weights, the transformers engine's autocast over the fp32 policy).
     """
-    model_dir = model_dir or str(build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape))
+    model_dir = model_dir or str(
+        build_tiny_model(Path(tempfile.gettempdir()) / f"gspo-bench-model-{shape}", shape=shape)
+    )
     policy, tok = load_policy(model_dir, GSPOConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    prompt_ids = [tok(instructions(prompt_tokens) + f"say {chr(97 + i % 5)}: question {i}")["input_ids"]
-                  for i in range(prompts)]
-    out: dict = {"shape": shape, "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
-                 "prompts": prompts, "group": group, "tokens": tokens,
-                 "dtype": dtype,
-                 "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
-                 "loadavg_1m_before": os.getloadavg()[0]}
-    built = {kind: make_engine(kind, model_dir=model_dir, policy=policy, tokenizer=tok, seed=0, plain_sampling=True,
-                               dtype=dtype, max_model_len=max(len(p) for p in prompt_ids) + tokens + 16,
-                               max_num_seqs=prompts * group, max_new_tokens=tokens)
-             for kind in engines if kind != "vllm" or vllm_available()}
+    prompt_ids = [
+        tok(instructions(prompt_tokens) + f"say {chr(97 + i % 5)}: question {i}")["input_ids"] for i in range(prompts)
+    ]
+    out: dict = {
+        "shape": shape,
+        "params_m": sum(p.numel() for p in policy.parameters()) / 1e6,
+        "prompts": prompts,
+        "group": group,
+        "tokens": tokens,
+        "dtype": dtype,
+        "prompt_lengths": [min(map(len, prompt_ids)), max(map(len, prompt_ids))],
+        "loadavg_1m_before": os.getloadavg()[0],
+    }
+    built = {
+        kind: make_engine(
+            kind,
+            model_dir=model_dir,
+            policy=policy,
+            tokenizer=tok,
+            seed=0,
+            plain_sampling=True,
+            dtype=dtype,
+            max_model_len=max(len(p) for p in prompt_ids) + tokens + 16,
+            max_num_seqs=prompts * group,
+            max_new_tokens=tokens,
+        )
+        for kind in engines
+        if kind != "vllm" or vllm_available()
+    }
     try:
         # Without sampler logprobs (old_logprobs=recompute, but for its gap-check steps) and with them
         # (the default old_logprobs=auto and old_logprobs=rollout ask for them at every step).
@@ -117,14 +148,14 @@ def measure_rollout(shape: str = "small", prompts: int = 32, group: int = 8, tok
     return out
 
 
-def _against_gemm_bound(out: dict, policy, prompt_ids: list[list[int]], group: int, tokens: int,
-                        dtype: str, block: int) -> dict:
+def _against_gemm_bound(
+    out: dict, policy, prompt_ids: list[list[int]], group: int, tokens: int, dtype: str, block: int
+) -> dict:
     """:func:`bench.gemm_bound.gemm_bound` of this rollout, each engine's tokens/s as a share of it, and
     the bounds over the transformers engine's tokens/s: the most any engine could gain over that one here,
     and the most one could that shares prompts between samples only by whole ``block``-token KV blocks, as
     vLLM does."""
-    bound = gemm_bound(policy, [len(p) for p in prompt_ids], group, tokens, getattr(torch, dtype),
-                       kv_block=block)
+    bound = gemm_bound(policy, [len(p) for p in prompt_ids], group, tokens, getattr(torch, dtype), kv_block=block)
     top = bound["gemm_bound_tokens_per_s"]
     for key in [k for k in out if "_tokens_per_s" in k]:
         bound[key.replace("_tokens_per_s", "_share_of_gemm_bound")] = out[key] / top
@@ -133,7 +164,8 @@ def _against_gemm_bound(out: dict, policy, prompt_ids: list[list[int]], group: i
             hf = out[f"transformers_tokens_per_s{suffix}"]
             bound[f"gemm_bound_over_transformers{suffix}"] = top / hf
             bound[f"gemm_bound_block_shared_over_transformers{suffix}"] = (
-                bound["gemm_bound_block_shared_tokens_per_s"] / hf)
+                bound["gemm_bound_block_shared_tokens_per_s"] / hf
+            )
     return bound
 
 
@@ -145,17 +177,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="tokens of instructions opening every prompt")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="both engines' precision (a bf16 trainer samples in bf16)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="both engines' precision (a bf16 trainer samples in bf16)",
+    )
     ap.add_argument("--engines", default="transformers,vllm", help="comma-separated: transformers, vllm")
-    ap.add_argument("--return-freed-memory", action="store_true",
-                    help="leave glibc's default heap policy (a job's process keeps freed memory: "
-                    "gspo_core.platform.heap)")
+    ap.add_argument(
+        "--return-freed-memory",
+        action="store_true",
+        help="leave glibc's default heap policy (a job's process keeps freed memory: gspo_core.platform.heap)",
+    )
     a = ap.parse_args(argv)
     # This command owns its process: it prepares it as a job's process is.
     applied = prepare_process(RuntimeOptions(keep_freed_memory=not a.return_freed_memory))
-    out = measure_rollout(a.shape, a.prompts, a.group, a.tokens, a.reps, tuple(a.engines.split(",")),
-                          prompt_tokens=a.prompt_tokens, dtype=a.dtype)
+    out = measure_rollout(
+        a.shape,
+        a.prompts,
+        a.group,
+        a.tokens,
+        a.reps,
+        tuple(a.engines.split(",")),
+        prompt_tokens=a.prompt_tokens,
+        dtype=a.dtype,
+    )
     out["keep_freed_memory"] = "keep_freed_memory" in applied
     print(json.dumps(out, indent=2))
     return 0

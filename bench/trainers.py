@@ -40,20 +40,41 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
         def on_step(self, step, metrics):
             steps.append(metrics)
 
-    cfg = GSPOConfig(steps=w.steps, prompts_per_step=w.prompts, group_size=w.group, max_new_tokens=w.tokens,
-                     ignore_eos=w.fixed_length, mini_batches=w.updates, learning_rate=w.lr, seed=w.seed,
-                     samples_per_step=0, **{k: v for k, v in overrides.items() if k not in runtime_keys})
-    spec = JobSpec(model=str(model), training_file=str(data), reward=TOY_REWARD, hyperparameters=cfg,
-                   output_dir=str(root / f"out-ours-{engine}"))
+    cfg = GSPOConfig(
+        steps=w.steps,
+        prompts_per_step=w.prompts,
+        group_size=w.group,
+        max_new_tokens=w.tokens,
+        ignore_eos=w.fixed_length,
+        mini_batches=w.updates,
+        learning_rate=w.lr,
+        seed=w.seed,
+        samples_per_step=0,
+        **{k: v for k, v in overrides.items() if k not in runtime_keys},
+    )
+    spec = JobSpec(
+        model=str(model),
+        training_file=str(data),
+        reward=TOY_REWARD,
+        hyperparameters=cfg,
+        output_dir=str(root / f"out-ours-{engine}"),
+    )
     t0 = time.perf_counter()
     train(spec, Rec(), runtime=runtime)
     phases = {k[5:]: [m[k] for m in steps] for k in steps[0] if k.startswith("time/")}
-    return {"trainer": "ours", "engine": engine, "overrides": overrides, "step_s": phases.pop("step"),
-            "phases": phases, "reward": [m["reward/mean"] for m in steps], "wall_s": time.perf_counter() - t0,
-            "peak_rss_mb": peak_rss_mb(),
-            # the update leaves zero-advantage rows (tied groups) out of mini-batches 2..k: say how many
-            "rows_skipped_frac": [m["update/rows_skipped_frac"] for m in steps],
-            "tied_groups_frac": [m["reward/frac_zero_std"] for m in steps]}
+    return {
+        "trainer": "ours",
+        "engine": engine,
+        "overrides": overrides,
+        "step_s": phases.pop("step"),
+        "phases": phases,
+        "reward": [m["reward/mean"] for m in steps],
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss_mb": peak_rss_mb(),
+        # the update leaves zero-advantage rows (tied groups) out of mini-batches 2..k: say how many
+        "rows_skipped_frac": [m["update/rows_skipped_frac"] for m in steps],
+        "tied_groups_frac": [m["reward/frac_zero_std"] for m in steps],
+    }
 
 
 def _timed(obj, name: str, sink: list[float]) -> None:
@@ -81,22 +102,50 @@ def trl_args(w: Workload, out_dir: Path, engine: str, bf16: bool = False):
 
     gpu = torch.cuda.is_available()
     n = w.prompts * w.group
-    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
-                vllm_max_model_length=512) if engine == "vllm" else {}
+    vllm = (
+        dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=512)
+        if engine == "vllm"
+        else {}
+    )
     return GRPOConfig(
-        output_dir=str(out_dir), importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4,
-        epsilon_high=4e-4, beta=0.0, num_generations=w.group,
-        per_device_train_batch_size=n // w.updates, steps_per_generation=w.updates, gradient_accumulation_steps=1,
-        max_completion_length=w.tokens, learning_rate=w.lr, max_steps=w.steps * w.updates, use_cpu=not gpu,
-        bf16=gpu or bf16, gradient_checkpointing=False,
-        logging_steps=1, save_strategy="no", report_to="none", seed=w.seed, temperature=1.0, top_p=1.0,
+        output_dir=str(out_dir),
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        epsilon=3e-4,
+        epsilon_high=4e-4,
+        beta=0.0,
+        num_generations=w.group,
+        per_device_train_batch_size=n // w.updates,
+        steps_per_generation=w.updates,
+        gradient_accumulation_steps=1,
+        max_completion_length=w.tokens,
+        learning_rate=w.lr,
+        max_steps=w.steps * w.updates,
+        use_cpu=not gpu,
+        bf16=gpu or bf16,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=w.seed,
+        temperature=1.0,
+        top_p=1.0,
         generation_kwargs=({"ignore_eos": True} if engine == "vllm" else {"min_new_tokens": w.tokens})
-        if w.fixed_length else None, disable_tqdm=True,
-        max_grad_norm=1.0, adam_beta2=0.99, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, **vllm)
+        if w.fixed_length
+        else None,
+        disable_tqdm=True,
+        max_grad_norm=1.0,
+        adam_beta2=0.99,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        **vllm,
+    )
 
 
-def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_memory: bool = False,
-            bf16: bool = False) -> dict:
+def run_trl(
+    w: Workload, root: Path, engine: str = "transformers", keep_freed_memory: bool = False, bf16: bool = False
+) -> dict:
     """TRL GRPOTrainer in GSPO mode; ``engine`` "transformers" (HF generate) or "vllm" (colocate);
     ``keep_freed_memory``: our trainer's heap policy applied to TRL's process too; ``bf16``: bf16 autocast."""
     import torch
@@ -122,8 +171,14 @@ def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_me
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_args(w, root / "out-trl", engine, bf16),
-                          train_dataset=ds, processing_class=tok, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=trl_args(w, root / "out-trl", engine, bf16),
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[Clock()],
+    )
     gen: list[float] = []
     rew: list[float] = []
     prep: list[float] = []
@@ -137,11 +192,21 @@ def run_trl(w: Workload, root: Path, engine: str = "transformers", keep_freed_me
     t0 = time.perf_counter()
     trainer.train()
     # One GSPO step = one generation + `updates` optimizer updates: group the update timestamps.
-    ends = [t0] + marks[w.updates - 1::w.updates]
+    ends = [t0] + marks[w.updates - 1 :: w.updates]
     step_s = [b - a for a, b in zip(ends, ends[1:])]
     # _generate_and_score_completions = rollout (+ weight push with vLLM) + rewards + old-logprob forward.
-    phases = {"rollout": gen, "reward": rew,
-              "old_logprobs": [p - g - r for p, g, r in zip(prep, gen, rew)],
-              "train": [s - p for s, p in zip(step_s, prep)]}
-    return {"trainer": "trl", "engine": engine, "step_s": step_s, "phases": phases, "reward": rewards,
-            "wall_s": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
+    phases = {
+        "rollout": gen,
+        "reward": rew,
+        "old_logprobs": [p - g - r for p, g, r in zip(prep, gen, rew)],
+        "train": [s - p for s, p in zip(step_s, prep)],
+    }
+    return {
+        "trainer": "trl",
+        "engine": engine,
+        "step_s": step_s,
+        "phases": phases,
+        "reward": rewards,
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss_mb": peak_rss_mb(),
+    }

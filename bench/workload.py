@@ -12,10 +12,22 @@ from gspo_core.toy import build_tiny_model, build_tokenizer, write_toy_dataset
 
 #: Qwen2-architecture shapes for GPU runs (random init; the toy tokenizer padded to the vocabulary).
 QWEN_SHAPES = {
-    "qwen0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, vocab_size=151936),
-    "qwen-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=2000),
+    "qwen0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=2000,
+    ),
 }
 SHAPE_NAMES = (*TOY_SHAPES, *QWEN_SHAPES)
 
@@ -54,12 +66,20 @@ def build_qwen(out: Path, shape: str) -> Path:
         return out
     dims = dict(QWEN_SHAPES[shape])
     tok = build_tokenizer(out, dims.pop("vocab_size"))
-    cfg = Qwen2Config(**dims, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        **dims,
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
+    GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    ).save_pretrained(str(out))
     return out
 
 
@@ -70,14 +90,17 @@ def prepare(w: Workload, root: Path) -> tuple[Path, Path]:
     data = write_toy_dataset(root / f"toy-p{w.prompt_tokens}.jsonl", n=256, seed=w.seed)
     if w.prompt_tokens:
         rows = [json.loads(line) for line in data.read_text().splitlines()]
-        data.write_text("".join(json.dumps({**r, "prompt": instructions(w.prompt_tokens) + r["prompt"]}) + "\n"
-                                for r in rows))
+        data.write_text(
+            "".join(json.dumps({**r, "prompt": instructions(w.prompt_tokens) + r["prompt"]}) + "\n" for r in rows)
+        )
     return model, data
 
 
 def instructions(n: int) -> str:
     """``n`` characters of a fixed instruction text (one token each with the toy tokenizers): RL prompts
     carry hundreds of tokens of task statement and format rules, where the toy task's are 9 tokens."""
-    text = ("You are a careful assistant. Read the request below and answer with the requested letter, "
-            "repeated, and nothing else: no spaces, no punctuation, no explanation. ")
+    text = (
+        "You are a careful assistant. Read the request below and answer with the requested letter, "
+        "repeated, and nothing else: no spaces, no punctuation, no explanation. "
+    )
     return (text * (n // len(text) + 1))[:n]

@@ -41,7 +41,9 @@ def jobs_create(c: Client, args):
         if getattr(args, key):
             body[key] = getattr(args, key)
     if args.reward:
-        body["reward"] = json.loads(Path(args.reward).read_text()) if Path(args.reward).exists() else json.loads(args.reward)
+        body["reward"] = (
+            json.loads(Path(args.reward).read_text()) if Path(args.reward).exists() else json.loads(args.reward)
+        )
     body["hyperparameters"] = {**(body.get("hyperparameters") or {}), **parse_set(args.set)}
     missing = [k for k in ("model", "training_file", "reward") if not body.get(k)]
     if missing:
@@ -52,8 +54,10 @@ def jobs_create(c: Client, args):
 def jobs_list(c: Client, args):
     for j in c.list_jobs(status=args.status, limit=args.limit)["data"]:
         reward = (j["latest_metrics"] or {}).get("reward/mean")
-        print(f"{j['id']}  {j['status']:<10} {j['step']:>5}/{j['total_steps']:<5} "
-              f"reward={'-' if reward is None else f'{reward:.3f}'}  {j['name'] or ''}")
+        print(
+            f"{j['id']}  {j['status']:<10} {j['step']:>5}/{j['total_steps']:<5} "
+            f"reward={'-' if reward is None else f'{reward:.3f}'}  {j['name'] or ''}"
+        )
 
 
 def jobs_get(c: Client, args):
@@ -101,8 +105,10 @@ def jobs_watch(c: Client, args):
 
 def ckpt_list(c: Client, args):
     for k in c.list_checkpoints(args.job_id):
-        print(f"{k['id']}  step {k['step']:>6}  {k['size_bytes'] / 1e6:8.2f} MB  "
-              f"reward={k['metrics'].get('reward/mean', float('nan')):.3f}{'  final' if k['final'] else ''}")
+        print(
+            f"{k['id']}  step {k['step']:>6}  {k['size_bytes'] / 1e6:8.2f} MB  "
+            f"reward={k['metrics'].get('reward/mean', float('nan')):.3f}{'  final' if k['final'] else ''}"
+        )
 
 
 def ckpt_download(c: Client, args):
@@ -154,9 +160,12 @@ def register(sub) -> None:
     p = cmd(jobs, "list", jobs_list, "list jobs")
     p.add_argument("--status")
     p.add_argument("--limit", type=int, default=50)
-    for name, fn, help_ in (("get", jobs_get, "show a job"), ("cancel", jobs_cancel, "cancel a job"),
-                            ("delete", jobs_delete, "delete a finished job and everything it made"),
-                            ("watch", jobs_watch, "follow a job live")):
+    for name, fn, help_ in (
+        ("get", jobs_get, "show a job"),
+        ("cancel", jobs_cancel, "cancel a job"),
+        ("delete", jobs_delete, "delete a finished job and everything it made"),
+        ("watch", jobs_watch, "follow a job live"),
+    ):
         cmd(jobs, name, fn, help_).add_argument("job_id")
     p = cmd(jobs, "metrics", jobs_metrics, "a job's step metrics")
     p.add_argument("job_id")

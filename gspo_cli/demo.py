@@ -56,10 +56,20 @@ def run_demo(args) -> int:
         with Client(url, create_key("demo")) as client:
             print(f"service up at {url} (dashboard: {url}/)")
             f = client.upload_file(data)
-            job = client.create_job(model=model_dir.name, training_file=f["id"], reward=TOY_REWARD, name="demo",
-                                    hyperparameters={"steps": args.steps, "prompts_per_step": 8, "group_size": 8,
-                                                     "max_new_tokens": 4, "learning_rate": 3e-3,
-                                                     "save_every": 20})
+            job = client.create_job(
+                model=model_dir.name,
+                training_file=f["id"],
+                reward=TOY_REWARD,
+                name="demo",
+                hyperparameters={
+                    "steps": args.steps,
+                    "prompts_per_step": 8,
+                    "group_size": 8,
+                    "max_new_tokens": 4,
+                    "learning_rate": 3e-3,
+                    "save_every": 20,
+                },
+            )
             print(f"job {job['id']} queued; dashboard: {url}/jobs/{job['id']}")
             rewards = _watch(client, job["id"], args.steps)
             job = client.get_job(job["id"])
@@ -67,7 +77,9 @@ def run_demo(args) -> int:
                 print(f"job ended {job['status']}: {job['error']}")
                 return 1
             k = max(1, len(rewards) // 5)
-            print(f"mean reward: first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} steps {sum(rewards[-k:]) / k:.3f}")
+            print(
+                f"mean reward: first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} steps {sum(rewards[-k:]) / k:.3f}"
+            )
             return _download_and_load(client, job["id"], settings.data_dir / "demo")
     finally:
         server.should_exit = True
@@ -90,7 +102,7 @@ def _download_and_load(client, job_id: str, out: Path) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = tok("say c:", return_tensors="pt", add_special_tokens=False)
     gen = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-    answer = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"downloaded {archive} ({archive.stat().st_size} bytes), loaded with transformers from {model_dir}")
     print(f"the trained model answers 'say c:' with {answer!r}")
     return 0

@@ -8,9 +8,9 @@ import sys
 
 # Each module exposes register(subparsers); a command sets `func(args) -> int` on its parser.
 COMMAND_MODULES = [
-    "gspo_cli.train_cmd",    # gspo train job.yaml (local, no service)
+    "gspo_cli.train_cmd",  # gspo train job.yaml (local, no service)
     "gspo_cli.service_cmd",  # gspo up | gspo api | gspo worker | gspo admin ...
-    "gspo_cli.client_cmd",   # gspo files|jobs|checkpoints ... (talks to the API)
+    "gspo_cli.client_cmd",  # gspo files|jobs|checkpoints ... (talks to the API)
 ]
 
 

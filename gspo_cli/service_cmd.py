@@ -17,7 +17,6 @@ def _settings():
 
 def migrate(_args=None) -> int:
     from store.db import run_migrations
-
     from store.private import private_dir
 
     s = _settings()
@@ -43,9 +42,29 @@ def worker_command(loglevel: str = "INFO", name: str | None = None, queue: str |
     """Prefork, one job at a time, a fresh child process per job (its exit frees GPU memory); on
     SIGTERM the running job checkpoints and is requeued (worker.celery_app)."""
     quiet = ["--quiet"] if loglevel.upper() in ("WARNING", "ERROR") else []
-    return [sys.executable, "-m", "celery", *quiet, "-A", "worker.celery_app", "worker", "--pool", "prefork",
-            "--concurrency", "1", "--max-tasks-per-child", "1", "-Q", queue or _settings().worker_queue,
-            "--without-gossip", "--without-mingle", "-n", name or f"gspo-{os.getpid()}@%h", "--loglevel", loglevel]
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        *quiet,
+        "-A",
+        "worker.celery_app",
+        "worker",
+        "--pool",
+        "prefork",
+        "--concurrency",
+        "1",
+        "--max-tasks-per-child",
+        "1",
+        "-Q",
+        queue or _settings().worker_queue,
+        "--without-gossip",
+        "--without-mingle",
+        "-n",
+        name or f"gspo-{os.getpid()}@%h",
+        "--loglevel",
+        loglevel,
+    ]
 
 
 def start_worker(loglevel: str = "WARNING", rollout_engine: str | None = None) -> subprocess.Popen:
@@ -142,14 +161,21 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tenant", default="default")
-    p.add_argument("--rollout-engine", choices=["auto", "vllm", "transformers"],
-                   help="the worker's rollout engine (default: GSPO_ROLLOUT_ENGINE, else auto)")
+    p.add_argument(
+        "--rollout-engine",
+        choices=["auto", "vllm", "transformers"],
+        help="the worker's rollout engine (default: GSPO_ROLLOUT_ENGINE, else auto)",
+    )
     p.set_defaults(func=up)
     p = sub.add_parser("api", help="run the API server only")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", type=int, default=1,
-                   help="server processes (one core each: Python serves a request on one core at a time)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes (one core each: Python serves a request on one core at a time)",
+    )
     p.set_defaults(func=api_cmd)
     p = sub.add_parser("worker", help="run a GPU worker (Celery, one job at a time)")
     p.add_argument("--loglevel", default="INFO")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 import tarfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 
@@ -30,7 +31,7 @@ class Client:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -42,8 +43,9 @@ class Client:
             return resp
         try:
             err = resp.json()["error"]
-            raise ApiError(resp.status_code, err.get("type", "error"), err.get("message", ""), err.get("field"),
-                           err.get("line"))
+            raise ApiError(
+                resp.status_code, err.get("type", "error"), err.get("message", ""), err.get("field"), err.get("line")
+            )
         except (ValueError, KeyError, TypeError):
             raise ApiError(resp.status_code, "http_error", resp.text[:500] or resp.reason_phrase) from None
 
@@ -63,11 +65,28 @@ class Client:
         self._check(self.http.delete(f"/v1/files/{file_id}"))
 
     # --- jobs ----------------------------------------------------------------------------
-    def create_job(self, *, model: str, training_file: str, reward: dict, hyperparameters: dict | None = None,
-                   validation_file: str | None = None, name: str | None = None, metadata: dict | None = None,
-                   seed: int = 0, idempotency_key: str | None = None, max_wall_seconds: int | None = None) -> dict:
-        body = {"model": model, "training_file": training_file, "reward": reward,
-                "hyperparameters": hyperparameters or {}, "seed": seed, "metadata": metadata or {}}
+    def create_job(
+        self,
+        *,
+        model: str,
+        training_file: str,
+        reward: dict,
+        hyperparameters: dict | None = None,
+        validation_file: str | None = None,
+        name: str | None = None,
+        metadata: dict | None = None,
+        seed: int = 0,
+        idempotency_key: str | None = None,
+        max_wall_seconds: int | None = None,
+    ) -> dict:
+        body = {
+            "model": model,
+            "training_file": training_file,
+            "reward": reward,
+            "hyperparameters": hyperparameters or {},
+            "seed": seed,
+            "metadata": metadata or {},
+        }
         if validation_file:
             body["validation_file"] = validation_file
         if name:
@@ -141,14 +160,16 @@ class Client:
     def delete_checkpoint(self, checkpoint_id: str) -> None:
         self._check(self.http.delete(f"/v1/checkpoints/{checkpoint_id}"))
 
-    def download_checkpoint(self, checkpoint_id: str, dest: str | Path,
-                            progress: Callable[[int], None] | None = None) -> Path:
+    def download_checkpoint(
+        self, checkpoint_id: str, dest: str | Path, progress: Callable[[int], None] | None = None
+    ) -> Path:
         """Save the .tar.gz to ``dest`` (a file path) and verify it: a readable archive whose files
         add up to the size the server announced."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with self.http.stream("GET", f"/v1/checkpoints/{checkpoint_id}/download", follow_redirects=True,
-                              timeout=None) as resp:
+        with self.http.stream(
+            "GET", f"/v1/checkpoints/{checkpoint_id}/download", follow_redirects=True, timeout=None
+        ) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 self._check(resp)
@@ -166,4 +187,6 @@ class Client:
 
     # --- rewards -------------------------------------------------------------------------
     def run_reward(self, reward: dict, item: dict, samples: list[str]) -> dict:
-        return self._check(self.http.post("/v1/rewards/run", json={"reward": reward, "item": item, "samples": samples})).json()
+        return self._check(
+            self.http.post("/v1/rewards/run", json={"reward": reward, "item": item, "samples": samples})
+        ).json()

@@ -19,7 +19,9 @@ def group_norm(rewards_B: torch.Tensor, group_size: int, scale: bool = True, eps
     arbitrary direction; exact zeros also let the update skip those rows).
     """
     if rewards_B.dim() != 1 or rewards_B.numel() % group_size:
-        raise ValueError(f"rewards_B: expected a flat tensor of groups of {group_size}, got shape {tuple(rewards_B.shape)}")
+        raise ValueError(
+            f"rewards_B: expected a flat tensor of groups of {group_size}, got shape {tuple(rewards_B.shape)}"
+        )
     r_GN = rewards_B.float().view(-1, group_size)
     mean_G1 = r_GN.mean(-1, keepdim=True)
     std_G1 = r_GN.std(-1, keepdim=True, unbiased=False)

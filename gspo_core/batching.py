@@ -14,8 +14,9 @@ def lengths_N(comps: list[Completion]) -> torch.Tensor:
     return torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in comps])
 
 
-def minibatches(lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator, group_size: int = 1
-                ) -> list[torch.Tensor]:
+def minibatches(
+    lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator, group_size: int = 1
+) -> list[torch.Tensor]:
     """Split ``N`` rollout rows (groups of ``group_size`` contiguous) into ``k`` mini-batches of
     indices, each row exactly once.
 
@@ -55,6 +56,9 @@ def micro_batches(comps: list[Completion], idx: torch.Tensor, budget: int) -> li
 def pack(comps: list[Completion], idx, pad_id: int, cfg: GSPOConfig):
     """Rows ``idx`` as one forward batch; rows of one prompt share its pass where that pays
     (``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
-    return pack_rows([comps[i].prompt_ids for i in idx], [comps[i].completion_ids for i in idx], pad_id,
-                     share=cfg.share_prompts and not cfg.gradient_checkpointing)
-
+    return pack_rows(
+        [comps[i].prompt_ids for i in idx],
+        [comps[i].completion_ids for i in idx],
+        pad_id,
+        share=cfg.share_prompts and not cfg.gradient_checkpointing,
+    )

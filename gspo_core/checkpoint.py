@@ -43,8 +43,9 @@ def _is_lora(model) -> bool:
     return hasattr(model, "merge_and_unload")
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
-                    extra: dict | None = None) -> Path:
+def save_checkpoint(
+    output_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None = None
+) -> Path:
     """Write model + trainer state for ``step`` atomically; returns the step directory.
 
     Full fine-tuning resumes its weights from ``model/`` itself (fp32 safetensors, no second copy);
@@ -54,8 +55,13 @@ def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, optimiz
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(model, tokenizer, tmp / "model")
-    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": rng_state(), **(extra or {})}
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+        **(extra or {}),
+    }
     if _is_lora(model):
         state["trainable"] = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     torch.save(state, tmp / "trainer_state.pt")
@@ -91,8 +97,10 @@ def restore(model, optimizer, scheduler, state: dict, ckpt_dir: str | Path) -> i
     wanted = [n for n, p in params.items() if p.requires_grad]
     missing = [n for n in wanted if n not in weights]
     if missing:
-        raise ValueError(f"resume_from: checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]!r} "
-                         "(was it saved from another model or LoRA setting?)")
+        raise ValueError(
+            f"resume_from: checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]!r} "
+            "(was it saved from another model or LoRA setting?)"
+        )
     with torch.no_grad():
         for name in wanted:
             params[name].copy_(weights[name].to(params[name].device, params[name].dtype))
@@ -107,6 +115,9 @@ def latest_checkpoint(output_dir: str | Path) -> str | None:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return None
-    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))
-             and (p / "trainer_state.pt").exists()]
+    steps = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / "trainer_state.pt").exists()
+    ]
     return str(max(steps)[1]) if steps else None

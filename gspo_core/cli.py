@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo_core.callbacks import Callbacks, CallbackList
+from gspo_core.callbacks import CallbackList, Callbacks
 from gspo_core.config import JobSpec
 from gspo_core.platform import ENGINE_KINDS, RuntimeOptions
 
@@ -40,8 +40,11 @@ class MetricsFile(Callbacks):
 
     def on_step(self, step, metrics):
         if self.f is None:
-            kept = [ln for ln in (self.path.read_text().splitlines() if self.path.exists() else [])
-                    if ln.strip() and json.loads(ln).get("step", 0) < step]
+            kept = [
+                ln
+                for ln in (self.path.read_text().splitlines() if self.path.exists() else [])
+                if ln.strip() and json.loads(ln).get("step", 0) < step
+            ]
             self.path.write_text("".join(ln + "\n" for ln in kept))
             self.f = open(self.path, "a", buffering=1)
         self.f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -65,8 +68,9 @@ class ProgressBar(Callbacks):
             self.bar.initial = self.bar.n = step - 1
             self.bar.start_t = self.bar.last_print_t = self.bar._time()
         self.started = True
-        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}",
-                             refresh=False)
+        self.bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}", refresh=False
+        )
         self.bar.update(step - self.bar.n)
 
     def on_checkpoint(self, step, path, final):
@@ -107,8 +111,9 @@ def apply_overrides(raw: dict, overrides: dict) -> dict:
     return raw
 
 
-def load_job(path: str, output_dir: str | None, overrides: dict,
-             runtime_flags: dict | None = None) -> tuple[JobSpec, RuntimeOptions]:
+def load_job(
+    path: str, output_dir: str | None, overrides: dict, runtime_flags: dict | None = None
+) -> tuple[JobSpec, RuntimeOptions]:
     """The job YAML as a JobSpec (see :func:`_spec`) and its ``runtime:`` section as RuntimeOptions,
     ``runtime_flags`` (the command's flags that were given) over it."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -125,8 +130,11 @@ def load_job(path: str, output_dir: str | None, overrides: dict,
 
 
 #: The flag of each runtime option.
-RUNTIME_FLAGS = {"rollout_engine": "--rollout-engine", "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization",
-                 "keep_freed_memory": "--return-freed-memory"}
+RUNTIME_FLAGS = {
+    "rollout_engine": "--rollout-engine",
+    "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization",
+    "keep_freed_memory": "--return-freed-memory",
+}
 
 
 def _spec(raw: dict, output_dir: str | None, overrides: dict) -> JobSpec:
@@ -134,8 +142,10 @@ def _spec(raw: dict, output_dir: str | None, overrides: dict) -> JobSpec:
     local model and ``training_file: toy`` writes the toy dataset (both under the output dir)."""
     raw = apply_overrides(raw, overrides)
     if moved := sorted(set(raw["hyperparameters"]) & set(RUNTIME_FLAGS)):  # earlier versions took them there
-        raise ValueError(f"hyperparameters.{moved[0]}: how this machine runs jobs is not a hyperparameter; set it "
-                         f"in the job's runtime: section or with {RUNTIME_FLAGS[moved[0]]}")
+        raise ValueError(
+            f"hyperparameters.{moved[0]}: how this machine runs jobs is not a hyperparameter; set it "
+            f"in the job's runtime: section or with {RUNTIME_FLAGS[moved[0]]}"
+        )
     if output_dir:
         raw["output_dir"] = output_dir
     out = Path(raw.get("output_dir", "runs/job"))
@@ -168,11 +178,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", help="overrides output_dir")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a hyperparameter")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
-    p.add_argument("--rollout-engine", choices=ENGINE_KINDS, help="auto (default) = vLLM when installed, else "
-                   "transformers generate")
+    p.add_argument(
+        "--rollout-engine",
+        choices=ENGINE_KINDS,
+        help="auto (default) = vLLM when installed, else transformers generate",
+    )
     p.add_argument("--vllm-gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default 0.3)")
-    p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false", default=None,
-                   help="CPU: let glibc return freed memory to the OS (default: the process keeps it, faster steps)")
+    p.add_argument(
+        "--return-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        default=None,
+        help="CPU: let glibc return freed memory to the OS (default: the process keeps it, faster steps)",
+    )
 
 
 def runtime_flags(args: argparse.Namespace) -> dict:
@@ -202,8 +220,16 @@ def run_train(args: argparse.Namespace) -> int:
     finally:
         bar.close()
         metrics_file.close()
-    print(json.dumps({"final_step": result.final_step, "checkpoint": result.final_checkpoint,
-                      "stopped": result.stopped, "reward/mean": result.metrics.get("reward/mean")}))
+    print(
+        json.dumps(
+            {
+                "final_step": result.final_step,
+                "checkpoint": result.final_checkpoint,
+                "stopped": result.stopped,
+                "reward/mean": result.metrics.get("reward/mean"),
+            }
+        )
+    )
     return 0
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -15,8 +16,17 @@ AdvantageName = Literal["group_norm"]
 #: Keys earlier versions stored in a job's hyperparameters that are no longer the tenant's: the operator's
 #: settings (rollout engine, vLLM memory share, heap policy, CPU GEMM library) and fields that could take
 #: only one value or were read nowhere (beta, lora_dropout, save_merged). `GSPOConfig.from_stored` drops them.
-RETIRED_FIELDS = frozenset({"rollout_engine", "vllm_gpu_memory_utilization", "keep_freed_memory", "cpu_gemm",
-                            "beta", "lora_dropout", "save_merged"})
+RETIRED_FIELDS = frozenset(
+    {
+        "rollout_engine",
+        "vllm_gpu_memory_utilization",
+        "keep_freed_memory",
+        "cpu_gemm",
+        "beta",
+        "lora_dropout",
+        "save_merged",
+    }
+)
 
 
 class GSPOConfig(BaseModel):
@@ -36,76 +46,110 @@ class GSPOConfig(BaseModel):
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     max_new_tokens: int = Field(64, ge=1, le=32768, description="Completion length cap.")
     max_prompt_tokens: int = Field(512, ge=8, le=131072, description="Prompts longer are left-truncated.")
-    temperature: float = Field(1.0, gt=0.0, le=5.0, description="Sampling temperature; the loss scores the same "
-                               "log_softmax(logits / temperature).")
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        le=5.0,
+        description="Sampling temperature; the loss scores the same log_softmax(logits / temperature).",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = the full distribution).")
     ignore_eos: bool = Field(False, description="Always generate max_new_tokens (benchmarks).")
 
     # --- objective ---
-    loss: LossName = Field("gspo", description="gspo: sequence-level ratio and clip (GSPO); gspo_token: GSPO with "
-                           "per-token advantages allowed; grpo: token-level ratio and clip (baseline).")
-    advantage: AdvantageName = Field("group_norm", description="group_norm: each reward minus its group's mean, "
-                                     "divided by the group's std when scale_rewards.")
+    loss: LossName = Field(
+        "gspo",
+        description="gspo: sequence-level ratio and clip (GSPO); gspo_token: GSPO with "
+        "per-token advantages allowed; grpo: token-level ratio and clip (baseline).",
+    )
+    advantage: AdvantageName = Field(
+        "group_norm",
+        description="group_norm: each reward minus its group's mean, divided by the group's std when scale_rewards.",
+    )
     scale_rewards: bool = Field(True, description="Divide group-centred rewards by the group std.")
     clip_eps_low: float = Field(3e-4, ge=0.0, le=1.0, description="Clip range below 1 of the importance ratio.")
     clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0, description="Clip range above 1 of the importance ratio.")
     mini_batches: int = Field(4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
     minibatch_order: Literal["length", "group", "random"] = Field(
-        "length", description="length = rows of similar length share a mini-batch (less padding; ties keep "
+        "length",
+        description="length = rows of similar length share a mini-batch (less padding; ties keep "
         "a group's rows together, see share_prompts; batch order still random); group = whole groups, in "
-        "random order; random = a random split.")
+        "random order; random = a random split.",
+    )
     share_prompts: bool = Field(
-        True, description="In the trainer's forwards, run each prompt once for all its rows in a mini-batch "
+        True,
+        description="In the trainer's forwards, run each prompt once for all its rows in a mini-batch "
         "(its KV cache indexed out to them) instead of once per row; same values, fewer FLOPs (the prompt "
-        "share of tokens x (G-1)/G). Off with gradient_checkpointing.")
+        "share of tokens x (G-1)/G). Off with gradient_checkpointing.",
+    )
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
-        "auto", description="Old-policy logprobs. recompute: a trainer forward before the updates. rollout: the "
+        "auto",
+        description="Old-policy logprobs. recompute: a trainer forward before the updates. rollout: the "
         "sampler's, unchecked. auto: the sampler's, checked every step against the first update's own on-policy "
         "forward; a step where some sequence's mean logprob differs by more than rollout_logprob_tol recomputes "
-        "them before its first optimizer step, and the later steps recompute.")
+        "them before its first optimizer step, and the later steps recompute.",
+    )
     rollout_logprob_tol: float = Field(
-        1e-5, ge=0.0, le=1.0, description="old_logprobs=auto: the largest accepted |mean over a sequence's "
+        1e-5,
+        ge=0.0,
+        le=1.0,
+        description="old_logprobs=auto: the largest accepted |mean over a sequence's "
         "tokens of (trainer - sampler) logprob|, i.e. error in log s_i; 30x under the 3e-4 clip range. Same-"
-        "precision (fp32) samplers measure ~1e-7, bf16 ones ~1e-3.")
+        "precision (fp32) samplers measure ~1e-7, bf16 ones ~1e-3.",
+    )
     logprob_gap_every: int = Field(
-        10, ge=0, le=1_000_000, description="With old_logprobs=recompute, ask the sampler for its logprobs on "
+        10,
+        ge=0,
+        le=1_000_000,
+        description="With old_logprobs=recompute, ask the sampler for its logprobs on "
         "step 1 and every N steps to report logprob_gap/* (a stale or broken weight push shows there); 0 = never. "
-        "Asking slows vLLM sampling.")
+        "Asking slows vLLM sampling.",
+    )
 
     # --- optimisation ---
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW's peak learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="After warmup: constant, or a cosine decay to 0 over the remaining updates.")
-    warmup_steps: int = Field(0, ge=0, le=1_000_000,
-                              description="Steps of linear warmup (each of mini_batches updates).")
+        "constant", description="After warmup: constant, or a cosine decay to 0 over the remaining updates."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=1_000_000, description="Steps of linear warmup (each of mini_batches updates)."
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW's decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW's first-moment decay.")
     adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW's second-moment decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradients are clipped to this global norm.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward: less memory, "
-                                         "more time.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward: less memory, more time."
+    )
     micro_batch_tokens: int = Field(
-        0, ge=0, le=10_000_000, description="Most tokens (prompt + completion) one forward + backward holds: a "
+        0,
+        ge=0,
+        le=10_000_000,
+        description="Most tokens (prompt + completion) one forward + backward holds: a "
         "mini-batch over it runs as micro-batches whose gradients add up to the same update (gradient "
         "accumulation), so memory, not the number of optimizer updates, is what it trades. 0 = the whole "
-        "mini-batch at once.")
+        "mini-batch at once.",
+    )
 
     # --- LoRA (full fine-tuning when lora_rank == 0) ---
     lora_rank: int = Field(0, ge=0, le=1024, description="LoRA rank; 0 = full fine-tuning.")
     lora_alpha: float = Field(32.0, gt=0.0, le=4096.0, description="LoRA scaling numerator (scale = alpha / rank).")
     lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=64,
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        max_length=64,
         description="Module names LoRA adapts. No LoRA dropout: GSPO compares two forwards' log-probs within "
         "its clip range, and a random mask would make that ratio noise (the model's own dropout is off too). "
-        "Checkpoints hold the adapter and the merged full model.")
+        "Checkpoints hold the adapter and the merged full model.",
+    )
 
     # --- bookkeeping ---
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and mini-batch splits.")
     save_every: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end).")
     eval_every: int = Field(0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
-    eval_prompts: int = Field(32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one "
-                              "completion each).")
+    eval_prompts: int = Field(
+        32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one completion each)."
+    )
     samples_per_step: int = Field(4, ge=0, le=4096, description="Prompts whose rollouts are stored per step.")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (else file order).")
 
@@ -121,22 +165,22 @@ class GSPOConfig(BaseModel):
         return value
 
     @classmethod
-    def from_stored(cls, values: Mapping[str, Any]) -> "GSPOConfig":
+    def from_stored(cls, values: Mapping[str, Any]) -> GSPOConfig:
         """A job's stored hyperparameters, less the `RETIRED_FIELDS` an earlier version stored with them."""
         return cls(**{k: v for k, v in values.items() if k not in RETIRED_FIELDS})
 
     @model_validator(mode="after")
-    def _check(self) -> "GSPOConfig":
+    def _check(self) -> GSPOConfig:
         total = self.prompts_per_step * self.group_size
         if total % self.mini_batches != 0:
-            raise ValueError(
-                f"mini_batches ({self.mini_batches}) must divide prompts_per_step*group_size ({total})"
-            )
+            raise ValueError(f"mini_batches ({self.mini_batches}) must divide prompts_per_step*group_size ({total})")
         if self.old_logprobs == "rollout" and self.top_p < 1.0:
             # The sampler's log-probs are of the nucleus renormalised, the trainer's of the full softmax:
             # unchecked, every ratio would start below 1 and clip the negative-advantage rows.
-            raise ValueError(f"old_logprobs='rollout' needs top_p == 1 (got {self.top_p}): with top-p the "
-                             f"sampler's log-probs are of another distribution; use 'auto' or 'recompute'")
+            raise ValueError(
+                f"old_logprobs='rollout' needs top_p == 1 (got {self.top_p}): with top-p the "
+                f"sampler's log-probs are of another distribution; use 'auto' or 'recompute'"
+            )
         return self
 
 

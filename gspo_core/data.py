@@ -9,8 +9,9 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 #: Deepest JSON nesting accepted in a dataset row or a request body (chat rows use 3).
 MAX_DEPTH = 32
@@ -110,8 +111,9 @@ def _not_unicode(value: Any) -> bool:
 
 def _parse_int(text: str):
     digits = len(text) - text.startswith("-")
-    return int(text) if digits <= MAX_INT_DIGITS else _Refused(f"an integer of {digits} digits (at most "
-                                                                f"{MAX_INT_DIGITS})")
+    return (
+        int(text) if digits <= MAX_INT_DIGITS else _Refused(f"an integer of {digits} digits (at most {MAX_INT_DIGITS})")
+    )
 
 
 def _parse_float(text: str):
@@ -138,8 +140,12 @@ def loads_strict(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         return value
 
     try:
-        obj = json.loads(raw, parse_int=lambda t: note(_parse_int(t)), parse_float=lambda t: note(_parse_float(t)),
-                         parse_constant=lambda t: note(_parse_constant(t)))
+        obj = json.loads(
+            raw,
+            parse_int=lambda t: note(_parse_int(t)),
+            parse_float=lambda t: note(_parse_float(t)),
+            parse_constant=lambda t: note(_parse_constant(t)),
+        )
     except RecursionError:  # unbalanced brackets can open deeper than the byte check counts
         raise JsonValueError(f"nested deeper than {max_depth} levels") from None
     if refused:
@@ -208,8 +214,9 @@ def iter_jsonl(f: BinaryIO, *, max_rows: int = 1_000_000, max_row_bytes: int | N
         raise DataError(None, None, "file is empty: it needs at least one JSON object line")
 
 
-def jsonl_summary(f: BinaryIO, *, max_rows: int = 1_000_000, max_row_bytes: int | None = MAX_ROW_BYTES
-                  ) -> tuple[int, list[str]]:
+def jsonl_summary(
+    f: BinaryIO, *, max_rows: int = 1_000_000, max_row_bytes: int | None = MAX_ROW_BYTES
+) -> tuple[int, list[str]]:
     """``(rows, fields every row has)`` of a JSONL stream validated by :func:`iter_jsonl`, keeping no row."""
     rows, common = 0, None
     for row in iter_jsonl(f, max_rows=max_rows, max_row_bytes=max_row_bytes):

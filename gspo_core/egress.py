@@ -16,7 +16,7 @@ import ipaddress
 import re
 import socket
 import ssl
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import httpcore
 import httpx
@@ -26,18 +26,44 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Sequence[str]]
 
 #: Cloud metadata and host-agent endpoints (AWS IMDS v4/v6 and ECS, GCP, Azure wireserver, Alibaba).
-METADATA = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254", "169.254.170.2", "169.254.169.123", "fd00:ec2::254", "168.63.129.16", "100.100.100.200"))
+METADATA = frozenset(
+    ipaddress.ip_address(a)
+    for a in (
+        "169.254.169.254",
+        "169.254.170.2",
+        "169.254.169.123",
+        "fd00:ec2::254",
+        "168.63.129.16",
+        "100.100.100.200",
+    )
+)
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
 NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 SIIT = ipaddress.ip_network("::ffff:0:0:0/96")
 #: Names that mean this host without asking DNS (RFC 6761).
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 #: Request headers a tenant may not set: they steer routing or framing, not the endpoint's logic.
-FORBIDDEN_HEADERS = frozenset({
-    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer",
-    "proxy-authorization", "proxy-connection", "proxy-authenticate", "expect", "forwarded", "x-forwarded-for",
-    "x-forwarded-host", "x-forwarded-proto", "x-real-ip"})
+FORBIDDEN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "proxy-connection",
+        "proxy-authenticate",
+        "expect",
+        "forwarded",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-real-ip",
+    }
+)
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _IPV4_SPELLING = re.compile(r"^[0-9a-fA-FxX.]+$")
 
@@ -81,9 +107,15 @@ def address_refusal(ip: IPAddress) -> str | None:
             return None
         if ip in NAT64_LOCAL:
             return "a local NAT64 address"
-    for prop, words in (("is_unspecified", "an unspecified"), ("is_loopback", "a loopback"),
-                        ("is_link_local", "a link-local"), ("is_multicast", "a multicast"),
-                        ("is_private", "a private"), ("is_reserved", "a reserved"), ("is_site_local", "a site-local")):
+    for prop, words in (
+        ("is_unspecified", "an unspecified"),
+        ("is_loopback", "a loopback"),
+        ("is_link_local", "a link-local"),
+        ("is_multicast", "a multicast"),
+        ("is_private", "a private"),
+        ("is_reserved", "a reserved"),
+        ("is_site_local", "a site-local"),
+    ):
         if getattr(ip, prop, False):
             return f"{words} address"
     if not ip.is_global:
@@ -235,13 +267,21 @@ class _PinnedBackend(httpcore.NetworkBackend):
 
 
 #: httpcore's exceptions as httpx raises them (most specific first).
-_EXC = ((httpcore.ConnectTimeout, httpx.ConnectTimeout), (httpcore.ReadTimeout, httpx.ReadTimeout),
-        (httpcore.WriteTimeout, httpx.WriteTimeout), (httpcore.PoolTimeout, httpx.PoolTimeout),
-        (httpcore.ConnectError, httpx.ConnectError), (httpcore.ReadError, httpx.ReadError),
-        (httpcore.WriteError, httpx.WriteError), (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-        (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-        (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol), (httpcore.TimeoutException, httpx.TimeoutException),
-        (httpcore.NetworkError, httpx.NetworkError), (httpcore.ProtocolError, httpx.ProtocolError))
+_EXC = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+)
 
 
 def _as_httpx(exc: Exception) -> Exception:
@@ -270,25 +310,40 @@ class _Body(httpx.SyncByteStream):
 class PinnedTransport(httpx.BaseTransport):
     """An httpx transport whose connections go only to checked, pinned addresses (see module doc)."""
 
-    def __init__(self, policy: EgressPolicy, verify: ssl.SSLContext | None = None, max_connections: int = 64,
-                 resolver: Resolver | None = None) -> None:
-        self._pool = httpcore.ConnectionPool(ssl_context=verify or ssl.create_default_context(),
-                                             max_connections=max_connections,
-                                             network_backend=_PinnedBackend(policy, resolver))
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        verify: ssl.SSLContext | None = None,
+        max_connections: int = 64,
+        resolver: Resolver | None = None,
+    ) -> None:
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=verify or ssl.create_default_context(),
+            max_connections=max_connections,
+            network_backend=_PinnedBackend(policy, resolver),
+        )
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        core = httpcore.Request(method=request.method, headers=request.headers.raw, content=request.stream,
-                                url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
-                                                 target=url.raw_path),
-                                extensions=request.extensions)
+        core = httpcore.Request(
+            method=request.method,
+            headers=request.headers.raw,
+            content=request.stream,
+            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            extensions=request.extensions,
+        )
         try:
             resp = self._pool.handle_request(core)
-        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
-                httpcore.UnsupportedProtocol) as exc:
+        except (
+            httpcore.TimeoutException,
+            httpcore.NetworkError,
+            httpcore.ProtocolError,
+            httpcore.UnsupportedProtocol,
+        ) as exc:
             raise _as_httpx(exc) from None
-        return httpx.Response(status_code=resp.status, headers=resp.headers, stream=_Body(resp.stream),
-                              extensions=resp.extensions)
+        return httpx.Response(
+            status_code=resp.status, headers=resp.headers, stream=_Body(resp.stream), extensions=resp.extensions
+        )
 
     def close(self) -> None:
         self._pool.close()
@@ -305,13 +360,25 @@ class EgressClient:
     Every failure is an :class:`EgressRefused` or an :class:`EgressError` whose text tells neither
     the remote body nor whether a port was open."""
 
-    def __init__(self, policy: EgressPolicy, timeout: float, headers: dict[str, str] | None = None,
-                 verify: ssl.SSLContext | None = None, max_redirects: int = 3, max_body: int = 1 << 20,
-                 max_connections: int = 64, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+        verify: ssl.SSLContext | None = None,
+        max_redirects: int = 3,
+        max_body: int = 1 << 20,
+        max_connections: int = 64,
+        resolver: Resolver | None = None,
+    ) -> None:
         self.timeout, self.headers = timeout, dict(headers or {})
         self.max_redirects, self.max_body = max_redirects, max_body
-        self._client = httpx.Client(transport=PinnedTransport(policy, verify, max_connections, resolver),
-                                    timeout=timeout, follow_redirects=False, trust_env=False)
+        self._client = httpx.Client(
+            transport=PinnedTransport(policy, verify, max_connections, resolver),
+            timeout=timeout,
+            follow_redirects=False,
+            trust_env=False,
+        )
 
     def request(self, method: str, url: str, json: object = None) -> tuple[int, bytes]:
         """``(status, body)`` of the final answer after redirects."""

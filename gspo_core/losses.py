@@ -66,8 +66,9 @@ def _token_clipped(ratio_BT, adv_BT, mask_BT, eps_low: float, eps_high: float):
     with torch.no_grad():
         valid = mask_BT.bool()
         r, a = ratio_BT.detach()[valid], adv_BT[valid]
-        metrics = _ratio_metrics(r, (r < 1 - eps_low) & (a < 0), (r > 1 + eps_high) & (a > 0),
-                                 torch.tensor(float(r.numel())))
+        metrics = _ratio_metrics(
+            r, (r < 1 - eps_low) & (a < 0), (r > 1 + eps_high) & (a > 0), torch.tensor(float(r.numel()))
+        )
     return loss, metrics
 
 
@@ -136,5 +137,10 @@ class LossMetrics:
             out = {name: v / self.weight for name, v in self.weighted.items()}
         else:  # no ratio at all (every row without a valid token): what _ratio_metrics reports for none
             out = {"clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 1.0}
-        return {**out, "ratio/min": self.low, "ratio/max": self.high, "loss": self.loss,
-                "entropy": self.entropy / max(self.tokens, 1.0)}
+        return {
+            **out,
+            "ratio/min": self.low,
+            "ratio/max": self.high,
+            "loss": self.loss,
+            "entropy": self.entropy / max(self.tokens, 1.0),
+        }

@@ -39,7 +39,7 @@ class PackedBatch:
     target_BT: torch.Tensor
     mask_BT: torch.Tensor
 
-    def to(self, device) -> "PackedBatch":
+    def to(self, device) -> PackedBatch:
         return _to(self, device)
 
     def hidden_BTH(self, trunk) -> torch.Tensor:
@@ -66,7 +66,7 @@ class SharedPrefixBatch:
     target_BT: torch.Tensor
     mask_BT: torch.Tensor
 
-    def to(self, device) -> "SharedPrefixBatch":
+    def to(self, device) -> SharedPrefixBatch:
         return _to(self, device)
 
     def hidden_BTH(self, trunk) -> torch.Tensor:
@@ -75,16 +75,22 @@ class SharedPrefixBatch:
         from transformers import DynamicCache
 
         pos_PL = (self.prompt_attn_PL.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
-        out = trunk(input_ids=self.prompt_PL, attention_mask=self.prompt_attn_PL, position_ids=pos_PL,
-                    past_key_values=DynamicCache(config=trunk.config), use_cache=True)
+        out = trunk(
+            input_ids=self.prompt_PL,
+            attention_mask=self.prompt_attn_PL,
+            position_ids=pos_PL,
+            past_key_values=DynamicCache(config=trunk.config),
+            use_cache=True,
+        )
         cache = out.past_key_values
         cache.reorder_cache(self.row_prompt_B)  # [P, ...] -> [B, ...], differentiable (index_select)
         last_PH = out.last_hidden_state[:, -1]
         T = self.target_BT.size(1)
         pos_BT = self.plen_P[self.row_prompt_B].unsqueeze(1) + torch.arange(T, device=self.plen_P.device)
         attn = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.mask_BT.long()], dim=1)
-        comp_BTH = trunk(input_ids=self.target_BT, attention_mask=attn, position_ids=pos_BT,
-                         past_key_values=cache, use_cache=True).last_hidden_state
+        comp_BTH = trunk(
+            input_ids=self.target_BT, attention_mask=attn, position_ids=pos_BT, past_key_values=cache, use_cache=True
+        ).last_hidden_state
         return torch.cat([last_PH[self.row_prompt_B].unsqueeze(1), comp_BTH[:, :-1]], dim=1)
 
 
@@ -116,12 +122,19 @@ def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_id: 
     distinct = [list(k) for k in index]
     prompt_PL, prompt_attn_PL = _pad_rows(distinct, pad_id, left=True)
     target_BT, mask_BT = _pad_rows(completions, pad_id)
-    return SharedPrefixBatch(prompt_PL, prompt_attn_PL, torch.tensor([len(p) for p in distinct]),
-                             torch.tensor(row_prompt), target_BT, mask_BT.float())
+    return SharedPrefixBatch(
+        prompt_PL,
+        prompt_attn_PL,
+        torch.tensor([len(p) for p in distinct]),
+        torch.tensor(row_prompt),
+        target_BT,
+        mask_BT.float(),
+    )
 
 
-def pack_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int, share: bool = True
-              ) -> PackedBatch | SharedPrefixBatch:
+def pack_rows(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, share: bool = True
+) -> PackedBatch | SharedPrefixBatch:
     """:func:`pack_shared` where sharing saves at least :data:`SHARE_MIN_SAVED` of the tokens (and every
     row has a prompt and a completion), else :func:`pack`."""
     total = sum(len(p) + len(c) for p, c in zip(prompts, completions))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -39,8 +39,10 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     except (OSError, ValueError) as exc:
-        raise OSError(f"cannot load model {model_path!r} (a Hugging Face id the machine can download, or a "
-                      f"local directory with config.json and weights): {str(exc).splitlines()[0][:300]}") from exc
+        raise OSError(
+            f"cannot load model {model_path!r} (a Hugging Face id the machine can download, or a "
+            f"local directory with config.json and weights): {str(exc).splitlines()[0][:300]}"
+        ) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if cfg.gradient_checkpointing:
@@ -51,9 +53,16 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
     if cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-            target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=list(cfg.lora_target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
     disable_dropout(model)
     check_logit_head(model)
     model.train()
@@ -102,9 +111,11 @@ def check_logit_head(model, tol: float = 1e-3) -> None:
         base.train(was_training)
     err = float((got - want).abs().max())
     if not err <= tol:
-        raise ValueError(f"{type(base).__name__}: its forward post-processes the LM head's logits in a way the "
-                         f"trainer does not reproduce (log-probs differ by up to {err:.3g}); this model family "
-                         f"is not supported yet")
+        raise ValueError(
+            f"{type(base).__name__}: its forward post-processes the LM head's logits in a way the "
+            f"trainer does not reproduce (log-probs differ by up to {err:.3g}); this model family "
+            f"is not supported yet"
+        )
 
 
 def _postprocessed(z_NV: torch.Tensor, config) -> torch.Tensor:
@@ -126,8 +137,13 @@ def _trunk_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperature: float,
-                        amp_dtype: torch.dtype | None = None, with_entropy: bool = False):
+def completion_logprobs(
+    model,
+    batch: PackedBatch | SharedPrefixBatch,
+    temperature: float,
+    amp_dtype: torch.dtype | None = None,
+    with_entropy: bool = False,
+):
     """Log-probs ``[B, T]`` of the completion tokens under ``log_softmax(logits / temperature)``, where
     ``logits`` are the model's own (its family's scaling or soft-capping applied: :func:`logit_postprocess`).
 
@@ -149,8 +165,9 @@ def completion_logprobs(model, batch: PackedBatch | SharedPrefixBatch, temperatu
     scale, softcap = logit_postprocess(config)
     # softmax(scale * z / t) is softmax(z / (t / scale)): a constant scale is a temperature.
     if type(head) is torch.nn.Linear and softcap is None:
-        logp_N, ent_N = head_logprobs(h_BTH.reshape(B * T, H), head, target_N, temperature / scale,
-                                      with_entropy, amp_dtype)
+        logp_N, ent_N = head_logprobs(
+            h_BTH.reshape(B * T, H), head, target_N, temperature / scale, with_entropy, amp_dtype
+        )
     else:
         with autocast:
             z_NV = head(h_BTH.reshape(B * T, H)).float()

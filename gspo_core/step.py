@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
-from gspo_core.config import GSPOConfig
 from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
-from gspo_core.policy import completion_logprobs, export_weights
+from gspo_core.config import GSPOConfig
 from gspo_core.losses import LossMetrics
+from gspo_core.policy import completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rollout.base import Completion, SamplingSpec
 
@@ -154,8 +154,11 @@ def sampler_logprobs_needed(cfg: GSPOConfig, step: int, mode: str | None = None)
     ``logprob_gap_every`` steps, for the gap metrics. (With one mini-batch ``auto`` needs none: every
     row's old logprobs come from its on-policy forward.)"""
     mode, every = mode or cfg.old_logprobs, cfg.logprob_gap_every
-    return (mode == "rollout" or (mode == "auto" and cfg.mini_batches > 1)
-            or (every > 0 and (step == 1 or step % every == 0)))
+    return (
+        mode == "rollout"
+        or (mode == "auto" and cfg.mini_batches > 1)
+        or (every > 0 and (step == 1 or step % every == 0))
+    )
 
 
 def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
@@ -164,13 +167,21 @@ def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_tokens: int) -> l
     return [x[-max_prompt_tokens:] or [tokenizer.bos_token_id or 0] for x in ids]
 
 
-def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None,
-           logprobs: bool = True) -> Rollout:
+def sample(
+    engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None, logprobs: bool = True
+) -> Rollout:
     """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``;
     ``logprobs``: also the sampler's per-token logprobs."""
     prompt_ids = prompt_token_ids(tokenizer, prompts, cfg.max_prompt_tokens)
-    spec = SamplingSpec(n=n or cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                        top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, seed=seed, logprobs=logprobs)
+    spec = SamplingSpec(
+        n=n or cfg.group_size,
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        ignore_eos=cfg.ignore_eos,
+        seed=seed,
+        logprobs=logprobs,
+    )
     groups = engine.generate(prompt_ids, spec)
     return Rollout(rows=rows, prompts=prompts, completions=[c for g in groups for c in g])
 
@@ -181,8 +192,10 @@ def sample(engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int 
 def score(reward_fn, ro: Rollout) -> Scores:
     """Rewards of every completion, with reward and grader-error metrics."""
     items = [ro.rows[c.prompt_index] for c in ro.completions]
-    samples = [{"output_text": c.text, "output_tokens": len(c.completion_ids), "finish_reason": c.finish_reason}
-               for c in ro.completions]
+    samples = [
+        {"output_text": c.text, "output_tokens": len(c.completion_ids), "finish_reason": c.finish_reason}
+        for c in ro.completions
+    ]
     grades = reward_fn.score_batch(items, samples)
     rewards_N = torch.tensor([g.reward for g in grades], dtype=torch.float32)
     m = {"reward/mean": float(rewards_N.mean()), "reward/std": float(rewards_N.std(unbiased=False))}
@@ -220,8 +233,9 @@ def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
 OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
 
 
-def old_logprobs(policy: PolicyState, ro: Rollout, plan: MinibatchPlan, cfg: GSPOConfig,
-                 mode: str | None = None) -> OldLogprobs:
+def old_logprobs(
+    policy: PolicyState, ro: Rollout, plan: MinibatchPlan, cfg: GSPOConfig, mode: str | None = None
+) -> OldLogprobs:
     """The old policy's log-probs of the rows the update reads, by ``mode`` (default ``cfg.old_logprobs``;
     the trainer passes :func:`old_logprob_mode`).
 
@@ -267,8 +281,9 @@ def _has_sampler_logprobs(comps: list[Completion]) -> bool:
 # --- 5. train -----------------------------------------------------------------------------------------------
 
 
-def update(policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tensor, plan: MinibatchPlan,
-           cfg: GSPOConfig) -> UpdateResult:
+def update(
+    policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tensor, plan: MinibatchPlan, cfg: GSPOConfig
+) -> UpdateResult:
     """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss, one per mini-batch
     of ``plan`` (a mini-batch over ``cfg.micro_batch_tokens`` accumulates its gradient over micro-batches;
     a mini-batch left empty still steps AdamW, with zero gradients).
@@ -311,8 +326,16 @@ def update(policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tens
     return UpdateResult(metrics={**out, **extra}, old=old, sampler_rejected=rejected)
 
 
-def _minibatch_grads(policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tensor, rows: torch.Tensor,
-                     n_rows: int, cfg: GSPOConfig, first: bool):
+def _minibatch_grads(
+    policy: PolicyState,
+    ro: Rollout,
+    old: OldLogprobs,
+    adv_N: torch.Tensor,
+    rows: torch.Tensor,
+    n_rows: int,
+    cfg: GSPOConfig,
+    first: bool,
+):
     """Forward and backward of the live ``rows`` of a mini-batch of ``n_rows`` rows, a micro-batch of
     ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all ``n_rows`` rows
     (left-out rows add 0), so the gradients add up to the one-batch ones. The metrics come from these same
@@ -328,8 +351,9 @@ def _minibatch_grads(policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: 
         batch = pack(ro.completions, part, policy.pad_id, cfg).to(policy.device)
         lp_BT, entropy = completion_logprobs(policy.model, batch, cfg.temperature, policy.amp, with_entropy=True)
         old_BT = lp_BT.detach() if on_policy else old.logp_NT[part][:, : lp_BT.size(1)].to(lp_BT.device)
-        loss, m = loss_fn(lp_BT, old_BT, adv_N[part].to(lp_BT.device), batch.mask_BT, cfg.clip_eps_low,
-                          cfg.clip_eps_high)
+        loss, m = loss_fn(
+            lp_BT, old_BT, adv_N[part].to(lp_BT.device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
+        )
         (loss * (len(part) / n_rows)).backward()
         metrics.add(loss, m, entropy, batch.mask_BT, len(part))
         if first:
@@ -355,8 +379,10 @@ def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.
     for b, c in enumerate(comps):
         samp_BT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=samp_BT.dtype)
     gap_BT = (logp_BT - samp_BT).abs() * mask_BT
-    return {"logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)),
-            "logprob_gap/max": float(gap_BT.max())}
+    return {
+        "logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)),
+        "logprob_gap/max": float(gap_BT.max()),
+    }
 
 
 # --- 6. weight sync, and what a step reports ----------------------------------------------------------------
@@ -383,8 +409,16 @@ def sample_rows(ro: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]:
     G = cfg.group_size
     for p in range(min(cfg.samples_per_step, len(ro.prompts))):
         comps = []
-        for c, g in zip(ro.completions[p * G:(p + 1) * G], scores.grades[p * G:(p + 1) * G]):
-            comps.append({"text": c.text, "reward": g.reward, "scores": g.scores, "errors": g.errors,
-                          "tokens": len(c.completion_ids), "finish_reason": c.finish_reason})
+        for c, g in zip(ro.completions[p * G : (p + 1) * G], scores.grades[p * G : (p + 1) * G]):
+            comps.append(
+                {
+                    "text": c.text,
+                    "reward": g.reward,
+                    "scores": g.scores,
+                    "errors": g.errors,
+                    "tokens": len(c.completion_ids),
+                    "finish_reason": c.finish_reason,
+                }
+            )
         rows.append({"prompt": ro.prompts[p], "item": ro.rows[p], "completions": comps})
     return rows

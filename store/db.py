@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
@@ -47,8 +47,9 @@ class Database:
         self.engine = make_engine(url)
         self._factory = sessionmaker(self.engine, expire_on_commit=False)
         # Same pool; each statement commits by itself, so a read costs no BEGIN/COMMIT round trips.
-        self._read_factory = sessionmaker(self.engine.execution_options(isolation_level="AUTOCOMMIT"),
-                                          expire_on_commit=False, autoflush=False)
+        self._read_factory = sessionmaker(
+            self.engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False, autoflush=False
+        )
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -29,7 +29,7 @@ class LeaseLost(RuntimeError):
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def add_event(s: Session, job_id: str, kind: str, message: str, data: dict | None = None) -> JobEvent:
@@ -54,14 +54,32 @@ def lock_tenant(s: Session, tenant_id: str) -> None:
     if s.get_bind().dialect.name == "postgresql":
         s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
     else:
-        s.execute(update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name)
-                  .execution_options(synchronize_session=False))
+        s.execute(
+            update(Tenant)
+            .where(Tenant.id == tenant_id)
+            .values(name=Tenant.name)
+            .execution_options(synchronize_session=False)
+        )
 
 
-def create_job(s: Session, *, tenant_id: str, model: str, training_file_id: str, reward: dict,
-               hyperparameters: dict, total_steps: int, validation_file_id: str | None = None, name: str | None = None,
-               metadata: dict | None = None, seed: int = 0, idempotency_key: str | None = None,
-               max_attempts: int = 3, max_wall_seconds: int | None = None, max_active: int | None = None) -> Job:
+def create_job(
+    s: Session,
+    *,
+    tenant_id: str,
+    model: str,
+    training_file_id: str,
+    reward: dict,
+    hyperparameters: dict,
+    total_steps: int,
+    validation_file_id: str | None = None,
+    name: str | None = None,
+    metadata: dict | None = None,
+    seed: int = 0,
+    idempotency_key: str | None = None,
+    max_attempts: int = 3,
+    max_wall_seconds: int | None = None,
+    max_active: int | None = None,
+) -> Job:
     """Insert a ``queued`` job and its first status event (the caller enqueues it after commit).
 
     With ``max_active``, the tenant's active jobs are counted under `lock_tenant` in this transaction,
@@ -71,10 +89,22 @@ def create_job(s: Session, *, tenant_id: str, model: str, training_file_id: str,
         lock_tenant(s, tenant_id)
         if count_active(s, tenant_id) >= max_active:
             raise TooManyActiveJobs(max_active)
-    job = Job(tenant_id=tenant_id, name=name, model=model, training_file_id=training_file_id,
-              validation_file_id=validation_file_id, reward=reward, hyperparameters=hyperparameters,
-              job_metadata=metadata or {}, seed=seed, status="queued", total_steps=total_steps,
-              idempotency_key=idempotency_key, max_attempts=max_attempts, max_wall_seconds=max_wall_seconds)
+    job = Job(
+        tenant_id=tenant_id,
+        name=name,
+        model=model,
+        training_file_id=training_file_id,
+        validation_file_id=validation_file_id,
+        reward=reward,
+        hyperparameters=hyperparameters,
+        job_metadata=metadata or {},
+        seed=seed,
+        status="queued",
+        total_steps=total_steps,
+        idempotency_key=idempotency_key,
+        max_attempts=max_attempts,
+        max_wall_seconds=max_wall_seconds,
+    )
     s.add(job)
     s.flush()
     add_event(s, job.id, "status", "queued", {"status": "queued"})
@@ -101,8 +131,11 @@ def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Jo
 
 def _stale(now: datetime):
     """A running job whose holder's lease expired, still within its retry budget."""
-    return and_(Job.status.in_(("running", "cancelling")), or_(Job.lease_until.is_(None), Job.lease_until < now),
-                Job.attempts < Job.max_attempts)
+    return and_(
+        Job.status.in_(("running", "cancelling")),
+        or_(Job.lease_until.is_(None), Job.lease_until < now),
+        Job.attempts < Job.max_attempts,
+    )
 
 
 def _take(s: Session, job_id: str, worker_id: str, lease_seconds: float, runnable) -> Job | None:
@@ -113,8 +146,12 @@ def _take(s: Session, job_id: str, worker_id: str, lease_seconds: float, runnabl
         update(Job)
         .where(Job.id == job_id)
         .where(runnable(now))
-        .values(worker_id=worker_id, lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now,
-                attempts=Job.attempts + 1)
+        .values(
+            worker_id=worker_id,
+            lease_until=now + timedelta(seconds=lease_seconds),
+            heartbeat_at=now,
+            attempts=Job.attempts + 1,
+        )
         .execution_options(synchronize_session=False)
     )
     if res.rowcount != 1:
@@ -152,9 +189,11 @@ def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> 
     """Renew the lease; False when this worker no longer holds it (it must stop)."""
     now = _now()
     res = s.execute(
-        update(Job).where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
         .values(lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
-        .execution_options(synchronize_session=False))
+        .execution_options(synchronize_session=False)
+    )
     return res.rowcount == 1
 
 
@@ -168,8 +207,11 @@ def hold(s: Session, job_id: str, worker_id: str) -> None:
     once the job has been taken over.
     """
     res = s.execute(
-        update(Job).where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
-        .values(heartbeat_at=_now()).execution_options(synchronize_session=False))
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .values(heartbeat_at=_now())
+        .execution_options(synchronize_session=False)
+    )
     if res.rowcount != 1:
         raise LeaseLost(f"job {job_id}: worker {worker_id} no longer holds it")
 
@@ -182,10 +224,19 @@ def _upsert(s: Session, table, values: dict, keys: list[str], update_cols: list[
 
 def record_step(s: Session, job_id: str, step: int, metrics: dict) -> None:
     """Store a step's metrics (idempotent on (job, step): a resumed job rewrites, never duplicates)."""
-    _upsert(s, StepMetric.__table__, {"job_id": job_id, "step": step, "metrics": metrics, "created_at": utcnow()},
-            ["job_id", "step"], ["metrics"])
-    s.execute(update(Job).where(Job.id == job_id).values(step=step, latest_metrics=metrics)
-              .execution_options(synchronize_session=False))
+    _upsert(
+        s,
+        StepMetric.__table__,
+        {"job_id": job_id, "step": step, "metrics": metrics, "created_at": utcnow()},
+        ["job_id", "step"],
+        ["metrics"],
+    )
+    s.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(step=step, latest_metrics=metrics)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def record_samples(s: Session, job_id: str, step: int, rows: list[dict]) -> None:
@@ -221,8 +272,11 @@ def request_cancel(s: Session, job: Job) -> Job:
 def stale_jobs(s: Session) -> list[Job]:
     """Running/cancelling jobs whose lease expired (their worker died or hung), row-locked so that
     concurrent reapers (one per worker) on PostgreSQL never handle the same job twice."""
-    q = (select(Job).where(Job.status.in_(("running", "cancelling")), Job.lease_until < _now())
-         .with_for_update(skip_locked=True))
+    q = (
+        select(Job)
+        .where(Job.status.in_(("running", "cancelling")), Job.lease_until < _now())
+        .with_for_update(skip_locked=True)
+    )
     return list(s.scalars(q))
 
 
@@ -233,7 +287,9 @@ def reap(s: Session) -> tuple[list[str], list[str]]:
         if job.status == "cancelling":
             transition(s, job, "cancelled")
         elif job.attempts >= job.max_attempts:
-            transition(s, job, "failed", error=f"worker lost {job.attempts} times (lease expired); retry budget exhausted")
+            transition(
+                s, job, "failed", error=f"worker lost {job.attempts} times (lease expired); retry budget exhausted"
+            )
             failed.append(job.id)
         else:
             add_event(s, job.id, "log", f"lease of {job.worker_id} expired; requeued")
@@ -248,10 +304,17 @@ def queued_without_message(s: Session, older_than_s: float) -> list[str]:
     restarted without persistence, a publish that failed after the commit) or dropped while the job could
     not run (its tenant's budget was used). The reaper sends tokens again (`store.scheduling`)."""
     cutoff = _now() - timedelta(seconds=older_than_s)
-    q = select(Job.id).where(Job.status == "queued", Job.created_at < cutoff,
-                             or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff)).order_by(Job.created_at)
+    q = (
+        select(Job.id)
+        .where(
+            Job.status == "queued", Job.created_at < cutoff, or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff)
+        )
+        .order_by(Job.created_at)
+    )
     return list(s.scalars(q))
 
 
 def count_active(s: Session, tenant_id: str) -> int:
-    return int(s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))) or 0)
+    return int(
+        s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))) or 0
+    )

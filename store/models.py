@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def new_id(prefix: str) -> str:
@@ -141,8 +141,10 @@ class UsageRecord(Base):
     """
 
     __tablename__ = "usage_records"
-    __table_args__ = (UniqueConstraint("job_id", "run_id", "period_start", name="uq_usage_records_run_period"),
-                      Index("ix_usage_records_tenant_period", "tenant_id", "period_start"))
+    __table_args__ = (
+        UniqueConstraint("job_id", "run_id", "period_start", name="uq_usage_records_run_period"),
+        Index("ix_usage_records_tenant_period", "tenant_id", "period_start"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     job_id: Mapped[str] = mapped_column(String(40), index=True)

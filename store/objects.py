@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from store.private import open_private, private_dir
 from store.settings import Settings
@@ -75,8 +76,11 @@ class LocalObjectStore:
         base = self._path(prefix.rstrip("/"))
         if not base.is_dir():
             return []
-        return sorted((str(p.relative_to(self.root)), p.stat().st_size) for p in base.rglob("*")
-                      if p.is_file() and not p.name.endswith(".part"))
+        return sorted(
+            (str(p.relative_to(self.root)), p.stat().st_size)
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.endswith(".part")
+        )
 
     def delete_prefix(self, prefix: str) -> None:
         path = self._path(prefix.rstrip("/"))
@@ -98,9 +102,13 @@ class S3ObjectStore:
         self.bucket = settings.s3_bucket
 
         def client(endpoint: str | None):
-            return boto3.client("s3", endpoint_url=endpoint, region_name=settings.s3_region,
-                                aws_access_key_id=settings.s3_access_key_id,
-                                aws_secret_access_key=settings.s3_secret_access_key)
+            return boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name=settings.s3_region,
+                aws_access_key_id=settings.s3_access_key_id,
+                aws_secret_access_key=settings.s3_secret_access_key,
+            )
 
         self.client = client(settings.s3_endpoint_url)
         # Presigned URLs are signed for the host the user's client will reach (e.g. localhost:9000,
@@ -143,14 +151,16 @@ class S3ObjectStore:
     def delete_prefix(self, prefix: str) -> None:
         keys = [k for k, _ in self.list(prefix)] or [check_key(prefix)]
         for k in range(0, len(keys), 1000):
-            self.client.delete_objects(Bucket=self.bucket,
-                                       Delete={"Objects": [{"Key": key} for key in keys[k:k + 1000]]})
+            self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": key} for key in keys[k : k + 1000]]}
+            )
 
     def presigned_url(self, key: str, expires: int = 3600) -> str | None:
         if not self.presign:
             return None
-        return self.public_client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": check_key(key)},
-                                                  ExpiresIn=expires)
+        return self.public_client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": check_key(key)}, ExpiresIn=expires
+        )
 
 
 def get_object_store(settings: Settings):
@@ -175,7 +185,7 @@ def get_dir(store, prefix: str, dest: Path) -> Path:
     """Download every object under ``prefix`` into ``dest`` (relative layout kept)."""
     dest = Path(dest)
     for key, _ in store.list(prefix):
-        rel = key[len(prefix.rstrip("/")) + 1:]
+        rel = key[len(prefix.rstrip("/")) + 1 :]
         target = (dest / check_key(rel)).resolve()
         private_dir(target.parent)
         with open_private(target) as f:

@@ -22,9 +22,14 @@ def broker_options(settings: Settings) -> dict:
     folder = (settings.data_dir / "broker").resolve()
     for sub in ("queue", "control", "processed"):
         private_dir(folder / sub)
-    return {"data_folder_in": str(folder / "queue"), "data_folder_out": str(folder / "queue"),
-            "control_folder": str(folder / "control"), "processed_folder": str(folder / "processed"),
-            "store_processed": False, "polling_interval": 0.2}
+    return {
+        "data_folder_in": str(folder / "queue"),
+        "data_folder_out": str(folder / "queue"),
+        "control_folder": str(folder / "control"),
+        "processed_folder": str(folder / "processed"),
+        "store_processed": False,
+        "polling_interval": 0.2,
+    }
 
 
 @lru_cache(maxsize=4)

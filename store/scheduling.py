@@ -13,9 +13,9 @@ whose oldest queued job is oldest; within a tenant, its oldest job.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Sequence
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -38,31 +38,47 @@ class Candidate:
     used_s: float
 
 
-def candidates(s: Session, policy: QueuePolicy, job_filter: Sequence = (), now: datetime | None = None) -> list[Candidate]:
+def candidates(
+    s: Session, policy: QueuePolicy, job_filter: Sequence = (), now: datetime | None = None
+) -> list[Candidate]:
     """Each tenant's oldest queued job, fairest first; tenants over their budget are left out.
 
     ``job_filter``: extra WHERE clauses on `Job` a worker applies to what it may run (the hook for
     workers that only run jobs whose resources they have)."""
-    ranked = (select(Job.id, Job.tenant_id, Job.created_at,
-                     func.row_number().over(partition_by=Job.tenant_id, order_by=(Job.created_at, Job.id)).label("rn"))
-              .where(Job.status == "queued", *job_filter).subquery())
+    ranked = (
+        select(
+            Job.id,
+            Job.tenant_id,
+            Job.created_at,
+            func.row_number().over(partition_by=Job.tenant_id, order_by=(Job.created_at, Job.id)).label("rn"),
+        )
+        .where(Job.status == "queued", *job_filter)
+        .subquery()
+    )
     heads = s.execute(select(ranked.c.id, ranked.c.tenant_id, ranked.c.created_at).where(ranked.c.rn == 1)).all()
     if not heads:
         return []
     tenants = {t for _, t, _ in heads}
-    running = dict(s.execute(select(Job.tenant_id, func.count()).where(Job.tenant_id.in_(tenants),
-                                                                       Job.status.in_(RUNNING))
-                             .group_by(Job.tenant_id)).all())
+    running = dict(
+        s.execute(
+            select(Job.tenant_id, func.count())
+            .where(Job.tenant_id.in_(tenants), Job.status.in_(RUNNING))
+            .group_by(Job.tenant_id)
+        ).all()
+    )
     used = period_device_seconds(s, tenants, policy.period_start(now or now_utc()))
-    out = [Candidate(jid, tid, as_utc(created), int(running.get(tid, 0)), used.get(tid, 0.0))
-           for jid, tid, created in heads]
+    out = [
+        Candidate(jid, tid, as_utc(created), int(running.get(tid, 0)), used.get(tid, 0.0))
+        for jid, tid, created in heads
+    ]
     if policy.budget_s > 0:
         out = [c for c in out if c.used_s < policy.budget_s]
     return sorted(out, key=lambda c: (c.running, c.used_s, c.created_at, c.job_id))
 
 
-def claim_next(s: Session, worker_id: str, lease_seconds: float, policy: QueuePolicy,
-               job_filter: Sequence = ()) -> Job | None:
+def claim_next(
+    s: Session, worker_id: str, lease_seconds: float, policy: QueuePolicy, job_filter: Sequence = ()
+) -> Job | None:
     """Take the fairest runnable queued job for ``worker_id`` (atomic per job: safe with any number of
     workers on PostgreSQL and SQLite); None when nothing may run now."""
     for _ in range(CLAIM_TRIES):
@@ -105,8 +121,11 @@ class TenantQueue:
         self._budget = None
 
     def _load(self) -> None:
-        ids = self.s.scalars(select(Job.id).where(Job.tenant_id == self.tenant_id, Job.status == "queued")
-                             .order_by(Job.created_at, Job.id))
+        ids = self.s.scalars(
+            select(Job.id)
+            .where(Job.tenant_id == self.tenant_id, Job.status == "queued")
+            .order_by(Job.created_at, Job.id)
+        )
         self._order = {jid: i for i, jid in enumerate(ids)}
         self._budget = budget(self.s, self.policy, self.tenant_id)
 
@@ -119,8 +138,10 @@ class TenantQueue:
         ahead = self._order.get(job.id, 0)
         b = self._budget
         if b.exhausted:
-            reason = (f"tenant device-hour budget used ({b.used_s / 3600:.3g} of {b.budget_s / 3600:.3g} h this "
-                      f"period) until {b.period_end.isoformat()}")
+            reason = (
+                f"tenant device-hour budget used ({b.used_s / 3600:.3g} of {b.budget_s / 3600:.3g} h this "
+                f"period) until {b.period_end.isoformat()}"
+            )
         elif ahead:
             reason = f"queued: {ahead} of your jobs ahead"
         else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-
 from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
@@ -22,10 +21,14 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_file=None, extra="ignore", populate_by_name=True)
 
     data_dir: Path = Field(Path(".data"), validation_alias=_env("DATA_DIR"))
-    database_url: str | None = Field(None, validation_alias=_env("DATABASE_URL"),
-                                     description="SQLAlchemy URL; default sqlite:///<data_dir>/gspo.db")
-    redis_url: str | None = Field(None, validation_alias=_env("REDIS_URL"),
-                                  description="Celery broker; default a filesystem broker under data_dir")
+    database_url: str | None = Field(
+        None, validation_alias=_env("DATABASE_URL"), description="SQLAlchemy URL; default sqlite:///<data_dir>/gspo.db"
+    )
+    redis_url: str | None = Field(
+        None,
+        validation_alias=_env("REDIS_URL"),
+        description="Celery broker; default a filesystem broker under data_dir",
+    )
     # Object storage: S3 (MinIO, AWS) when S3_BUCKET is set, else <data_dir>/objects.
     s3_bucket: str | None = Field(None, validation_alias=_env("S3_BUCKET"))
     s3_endpoint_url: str | None = Field(None, validation_alias=_env("S3_ENDPOINT_URL"))
@@ -48,57 +51,109 @@ class Settings(BaseSettings):
 
     # Per-tenant API bounds (429 + Retry-After past them). "per tenant" caps are shared by every API
     # process when REDIS_URL is set, else they hold per process; "per process" caps are local.
-    max_file_storage_bytes_per_tenant: int = Field(2 * 1024**3, validation_alias=_env("MAX_FILE_STORAGE_BYTES_PER_TENANT"),
-                                                   description="Sum of a tenant's uploaded files' sizes (413 past it)")
+    max_file_storage_bytes_per_tenant: int = Field(
+        2 * 1024**3,
+        validation_alias=_env("MAX_FILE_STORAGE_BYTES_PER_TENANT"),
+        description="Sum of a tenant's uploaded files' sizes (413 past it)",
+    )
     max_row_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_ROW_BYTES"), description="Longest dataset line")
     max_uploads_per_tenant: int = Field(2, validation_alias=_env("MAX_UPLOADS_PER_TENANT"))
     max_uploads_per_process: int = Field(4, validation_alias=_env("MAX_UPLOADS_PER_PROCESS"))
     max_streams_per_tenant: int = Field(8, validation_alias=_env("MAX_STREAMS_PER_TENANT"))
     max_streams_per_process: int = Field(256, validation_alias=_env("MAX_STREAMS_PER_PROCESS"))
-    stream_max_seconds: float = Field(900.0, validation_alias=_env("STREAM_MAX_SECONDS"),
-                                      description="An event stream ends after this; clients resume with Last-Event-ID")
+    stream_max_seconds: float = Field(
+        900.0,
+        validation_alias=_env("STREAM_MAX_SECONDS"),
+        description="An event stream ends after this; clients resume with Last-Event-ID",
+    )
     stream_poll_seconds: float = Field(1.0, validation_alias=_env("STREAM_POLL_SECONDS"))
     max_reward_runs_per_tenant: int = Field(4, ge=1, validation_alias=_env("MAX_REWARD_RUNS_PER_TENANT"))
     max_reward_runs_per_process: int = Field(8, ge=1, validation_alias=_env("MAX_REWARD_RUNS_PER_PROCESS"))
     max_reward_run_samples: int = Field(64, ge=1, le=64, validation_alias=_env("MAX_REWARD_RUN_SAMPLES"))
-    reward_run_budget_s: float = Field(900.0, validation_alias=_env("REWARD_RUN_BUDGET_S"),
-                                       description="Grading wall time a tenant may use per window")
+    reward_run_budget_s: float = Field(
+        900.0, validation_alias=_env("REWARD_RUN_BUDGET_S"), description="Grading wall time a tenant may use per window"
+    )
     reward_run_window_s: float = Field(3600.0, validation_alias=_env("REWARD_RUN_WINDOW_S"))
-    metrics_token: str | None = Field(None, validation_alias=_env("METRICS_TOKEN"),
-                                      description="Bearer token of GET /metrics; unset: /metrics is off (404)")
+    metrics_token: str | None = Field(
+        None,
+        validation_alias=_env("METRICS_TOKEN"),
+        description="Bearer token of GET /metrics; unset: /metrics is off (404)",
+    )
 
     # Graders (see gspo_core.rewards.policy.GraderPolicy): what tenants' graders may do on this host.
-    grader_python: str | None = Field(None, validation_alias=_env("GRADER_PYTHON"),
-                                      description="Interpreter of the grader environment; default the service's")
-    allow_weak_sandbox: bool = Field(False, validation_alias=_env("ALLOW_WEAK_SANDBOX"),
-                                     description="Accept python graders where the sandbox cannot isolate them")
-    sandbox_bwrap: str = Field("bwrap", validation_alias=_env("SANDBOX_BWRAP"),
-                               description="The bubblewrap binary python graders run under (name in PATH or path)")
+    grader_python: str | None = Field(
+        None,
+        validation_alias=_env("GRADER_PYTHON"),
+        description="Interpreter of the grader environment; default the service's",
+    )
+    allow_weak_sandbox: bool = Field(
+        False,
+        validation_alias=_env("ALLOW_WEAK_SANDBOX"),
+        description="Accept python graders where the sandbox cannot isolate them",
+    )
+    sandbox_bwrap: str = Field(
+        "bwrap",
+        validation_alias=_env("SANDBOX_BWRAP"),
+        description="The bubblewrap binary python graders run under (name in PATH or path)",
+    )
     grader_max_timeout_s: float = Field(60.0, validation_alias=_env("GRADER_MAX_TIMEOUT_S"))
     grader_max_memory_mb: int = Field(1024, validation_alias=_env("GRADER_MAX_MEMORY_MB"))
     grader_max_concurrency: int = Field(8, ge=1, le=64, validation_alias=_env("GRADER_MAX_CONCURRENCY"))
-    sandbox_memory_budget_mb: int = Field(4096, ge=128, validation_alias=_env("SANDBOX_MEMORY_BUDGET_MB"),
-                                          description="Memory all sandboxes of one process may reserve at once")
-    egress_allow: str = Field("", validation_alias=_env("EGRESS_ALLOW"),
-                              description="Comma-separated hosts or CIDRs graders' URLs may reach although private")
-    grader_local_timeout_s: float = Field(5.0, gt=0, validation_alias=_env("GRADER_LOCAL_TIMEOUT_S"),
-                                          description="Per sample, for graders run in the grader pool")
-    grader_local_budget_s: float = Field(60.0, gt=0, validation_alias=_env("GRADER_LOCAL_BUDGET_S"),
-                                         description="Per batch, for graders run in the grader pool")
-    grader_pool_size: int = Field(0, ge=0, validation_alias=_env("GRADER_POOL_SIZE"),
-                                  description="Grader pool processes per API/worker process; 0: the CPUs, 2..4")
-    dry_run_niceness: int = Field(10, ge=0, le=19, validation_alias=_env("DRY_RUN_NICENESS"),
-                                  description="Niceness of the processes the API's dry runs grade in (not the worker's)")
-    grader_pool_memory_mb: int = Field(1024, ge=64, validation_alias=_env("GRADER_POOL_MEMORY_MB"),
-                                       description="Address space of a grader pool process beyond its start")
+    sandbox_memory_budget_mb: int = Field(
+        4096,
+        ge=128,
+        validation_alias=_env("SANDBOX_MEMORY_BUDGET_MB"),
+        description="Memory all sandboxes of one process may reserve at once",
+    )
+    egress_allow: str = Field(
+        "",
+        validation_alias=_env("EGRESS_ALLOW"),
+        description="Comma-separated hosts or CIDRs graders' URLs may reach although private",
+    )
+    grader_local_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        validation_alias=_env("GRADER_LOCAL_TIMEOUT_S"),
+        description="Per sample, for graders run in the grader pool",
+    )
+    grader_local_budget_s: float = Field(
+        60.0,
+        gt=0,
+        validation_alias=_env("GRADER_LOCAL_BUDGET_S"),
+        description="Per batch, for graders run in the grader pool",
+    )
+    grader_pool_size: int = Field(
+        0,
+        ge=0,
+        validation_alias=_env("GRADER_POOL_SIZE"),
+        description="Grader pool processes per API/worker process; 0: the CPUs, 2..4",
+    )
+    dry_run_niceness: int = Field(
+        10,
+        ge=0,
+        le=19,
+        validation_alias=_env("DRY_RUN_NICENESS"),
+        description="Niceness of the processes the API's dry runs grade in (not the worker's)",
+    )
+    grader_pool_memory_mb: int = Field(
+        1024,
+        ge=64,
+        validation_alias=_env("GRADER_POOL_MEMORY_MB"),
+        description="Address space of a grader pool process beyond its start",
+    )
 
     # How this machine runs jobs (see gspo_core.platform.RuntimeOptions): the operator's, never a tenant's.
     rollout_engine: Literal["auto", "vllm", "transformers"] = Field(
-        "auto", validation_alias=_env("ROLLOUT_ENGINE"), description="auto = vLLM when installed, else transformers")
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95,
-                                               validation_alias=_env("VLLM_GPU_MEMORY_UTILIZATION"))
-    keep_freed_memory: bool = Field(True, validation_alias=_env("KEEP_FREED_MEMORY"),
-                                    description="CPU training: freed memory stays in the job process's heap")
+        "auto", validation_alias=_env("ROLLOUT_ENGINE"), description="auto = vLLM when installed, else transformers"
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=0.95, validation_alias=_env("VLLM_GPU_MEMORY_UTILIZATION")
+    )
+    keep_freed_memory: bool = Field(
+        True,
+        validation_alias=_env("KEEP_FREED_MEMORY"),
+        description="CPU training: freed memory stays in the job process's heap",
+    )
 
     # Worker leases and retries.
     lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))
@@ -111,17 +166,27 @@ class Settings(BaseSettings):
 
     # Scheduling and budgets (store.scheduling, store.usage). A job's device time is the wall time its
     # attempts held a worker, summed over attempts; 0 turns a limit off.
-    max_job_wall_seconds: float = Field(72 * 3600.0, ge=0, validation_alias=_env("MAX_JOB_WALL_SECONDS"),
-                                        description="Device time a job may use; a job may ask for less")
-    tenant_device_hours_per_period: float = Field(0.0, ge=0, validation_alias=_env("TENANT_DEVICE_HOURS_PER_PERIOD"),
-                                                  description="Device hours a tenant's jobs may start within in "
-                                                              "one budget period; 0 = no budget")
-    budget_period_seconds: int = Field(86400, ge=1, validation_alias=_env("BUDGET_PERIOD_SECONDS"),
-                                       description="Length of a budget period, aligned to the Unix epoch "
-                                                   "(86400: the UTC calendar day)")
+    max_job_wall_seconds: float = Field(
+        72 * 3600.0,
+        ge=0,
+        validation_alias=_env("MAX_JOB_WALL_SECONDS"),
+        description="Device time a job may use; a job may ask for less",
+    )
+    tenant_device_hours_per_period: float = Field(
+        0.0,
+        ge=0,
+        validation_alias=_env("TENANT_DEVICE_HOURS_PER_PERIOD"),
+        description="Device hours a tenant's jobs may start within in one budget period; 0 = no budget",
+    )
+    budget_period_seconds: int = Field(
+        86400,
+        ge=1,
+        validation_alias=_env("BUDGET_PERIOD_SECONDS"),
+        description="Length of a budget period, aligned to the Unix epoch (86400: the UTC calendar day)",
+    )
 
     @model_validator(mode="after")
-    def _models_under_data_dir(self) -> "Settings":
+    def _models_under_data_dir(self) -> Settings:
         # An unset models_dir follows data_dir, so GSPO_DATA_DIR alone relocates everything.
         if "models_dir" not in self.model_fields_set:
             self.models_dir = self.data_dir / "models"
@@ -132,19 +197,28 @@ class Settings(BaseSettings):
 
     def grader_policy(self) -> dict:
         """The operator's grader rules as plain values (``GraderPolicy.from_mapping`` in api/ and worker/)."""
-        return {"python": self.grader_python, "bwrap": self.sandbox_bwrap,
-                "allow_weak_isolation": self.allow_weak_sandbox,
-                "max_timeout_s": self.grader_max_timeout_s, "max_memory_mb": self.grader_max_memory_mb,
-                "max_concurrency": self.grader_max_concurrency,
-                "sandbox_memory_budget_mb": self.sandbox_memory_budget_mb,
-                "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip()),
-                "local_timeout_s": self.grader_local_timeout_s, "local_budget_s": self.grader_local_budget_s,
-                "pool_size": self.grader_pool_size, "pool_memory_mb": self.grader_pool_memory_mb}
+        return {
+            "python": self.grader_python,
+            "bwrap": self.sandbox_bwrap,
+            "allow_weak_isolation": self.allow_weak_sandbox,
+            "max_timeout_s": self.grader_max_timeout_s,
+            "max_memory_mb": self.grader_max_memory_mb,
+            "max_concurrency": self.grader_max_concurrency,
+            "sandbox_memory_budget_mb": self.sandbox_memory_budget_mb,
+            "egress_allow": tuple(h.strip() for h in self.egress_allow.split(",") if h.strip()),
+            "local_timeout_s": self.grader_local_timeout_s,
+            "local_budget_s": self.grader_local_budget_s,
+            "pool_size": self.grader_pool_size,
+            "pool_memory_mb": self.grader_pool_memory_mb,
+        }
 
     def runtime_options(self) -> dict:
         """How jobs run on this machine, as plain values (``RuntimeOptions.from_mapping`` in the worker)."""
-        return {"rollout_engine": self.rollout_engine, "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization,
-                "keep_freed_memory": self.keep_freed_memory}
+        return {
+            "rollout_engine": self.rollout_engine,
+            "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization,
+            "keep_freed_memory": self.keep_freed_memory,
+        }
 
     def broker_is_embedded(self) -> bool:
         return not self.redis_url

@@ -58,14 +58,16 @@ def owned_by_key(s: Session, model, row_id: str, plaintext: str):
     """``model``'s row ``row_id`` if it belongs to the tenant of a valid, unrevoked key, else None."""
     if not plaintext:
         return None
-    return s.scalar(select(model).join(ApiKey, ApiKey.tenant_id == model.tenant_id)
-                    .where(model.id == row_id, *_live_key(plaintext)))
+    return s.scalar(
+        select(model).join(ApiKey, ApiKey.tenant_id == model.tenant_id).where(model.id == row_id, *_live_key(plaintext))
+    )
 
 
 def revoke_key(s: Session, key_id_or_plaintext: str) -> bool:
     """Revoke by key id or by the key itself; effective on the next request."""
     key = s.get(ApiKey, key_id_or_plaintext) or s.scalar(
-        select(ApiKey).where(ApiKey.key_hash == hash_key(key_id_or_plaintext)))
+        select(ApiKey).where(ApiKey.key_hash == hash_key(key_id_or_plaintext))
+    )
     if key is None:
         return False
     key.revoked_at = utcnow()

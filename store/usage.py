@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from store.models import Job, UsageRecord
 from store.settings import Settings
 
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # A run rewrites the rows of its latest periods only (older ones no longer change).
 ROWS_PER_WRITE = 64
 
@@ -29,7 +29,7 @@ class QueuePolicy:
     budget_s: float = 0.0
 
     @classmethod
-    def of(cls, settings: Settings) -> "QueuePolicy":
+    def of(cls, settings: Settings) -> QueuePolicy:
         return cls(period_s=settings.budget_period_seconds, budget_s=settings.tenant_device_hours_per_period * 3600.0)
 
     def period_start(self, at: datetime) -> datetime:
@@ -43,11 +43,11 @@ class QueuePolicy:
 
 def as_utc(value: datetime) -> datetime:
     """SQLite hands back naive datetimes (stored as UTC)."""
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 def now_utc() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class RunMeter:
@@ -57,15 +57,16 @@ class RunMeter:
     so writing one twice (a retried transaction) or out of order never counts anything twice.
     """
 
-    def __init__(self, policy: QueuePolicy, prior: tuple[float, int, int] = (0.0, 0, 0),
-                 started: float | None = None) -> None:
+    def __init__(
+        self, policy: QueuePolicy, prior: tuple[float, int, int] = (0.0, 0, 0), started: float | None = None
+    ) -> None:
         self.policy, self.prior = policy, prior
         self.started = time.time() if started is None else started
         self._tokens: dict[datetime, list[int]] = {}
         self._lock = threading.Lock()
 
     def add_tokens(self, sampled: int, trained: int, at: float | None = None) -> None:
-        key = self.policy.period_start(datetime.fromtimestamp(time.time() if at is None else at, timezone.utc))
+        key = self.policy.period_start(datetime.fromtimestamp(time.time() if at is None else at, UTC))
         with self._lock:
             acc = self._tokens.setdefault(key, [0, 0])
             acc[0] += int(sampled)
@@ -75,16 +76,18 @@ class RunMeter:
         """This run's device time plus the earlier attempts'."""
         return self.prior[0] + max(0.0, (time.time() if now is None else now) - self.started)
 
-    def snapshot(self, now: float | None = None) -> tuple[list[tuple[datetime, float, int, int]], tuple[float, int, int]]:
+    def snapshot(
+        self, now: float | None = None
+    ) -> tuple[list[tuple[datetime, float, int, int]], tuple[float, int, int]]:
         """``(rows, totals)``: per period ``(period_start, device_s, sampled, trained)`` of this run (its
         latest periods), and the job's totals over all its runs."""
         now = time.time() if now is None else now
         p = self.policy.period_s
         rows: dict[datetime, list] = {}
-        first = (self.policy.period_start(datetime.fromtimestamp(now, timezone.utc)) - EPOCH).total_seconds()
+        first = (self.policy.period_start(datetime.fromtimestamp(now, UTC)) - EPOCH).total_seconds()
         t = max(self.started, first - (ROWS_PER_WRITE - 1) * p)
         while t < now:  # the run's wall time [started, now] cut at period boundaries (its latest periods)
-            start = self.policy.period_start(datetime.fromtimestamp(t, timezone.utc))
+            start = self.policy.period_start(datetime.fromtimestamp(t, UTC))
             end = min(now, (start - EPOCH).total_seconds() + p)
             rows[start] = [end - t, 0, 0]
             t = end
@@ -101,24 +104,41 @@ class RunMeter:
 def _upsert_row(s: Session, values: dict) -> None:
     dialect = s.get_bind().dialect.name
     ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(UsageRecord.__table__).values(**values)
-    s.execute(ins.on_conflict_do_update(
-        index_elements=["job_id", "run_id", "period_start"],
-        set_={c: ins.excluded[c] for c in ("device_seconds", "tokens_sampled", "tokens_trained")}))
+    s.execute(
+        ins.on_conflict_do_update(
+            index_elements=["job_id", "run_id", "period_start"],
+            set_={c: ins.excluded[c] for c in ("device_seconds", "tokens_sampled", "tokens_trained")},
+        )
+    )
 
 
-def record_usage(s: Session, job: Job | str, tenant_id: str, run_id: str, attempt: int, meter: RunMeter,
-                 now: float | None = None) -> None:
+def record_usage(
+    s: Session, job: Job | str, tenant_id: str, run_id: str, attempt: int, meter: RunMeter, now: float | None = None
+) -> None:
     """Write a run's usage (its periods' rows and the job's totals) from a snapshot taken now: call it
     after the transaction took the job's row lock (`store.jobs.hold`), so snapshots land in order."""
     job_id = job if isinstance(job, str) else job.id
     rows, (device_s, sampled, trained) = meter.snapshot(now)
     for start, secs, n_sampled, n_trained in rows:
-        _upsert_row(s, {"tenant_id": tenant_id, "job_id": job_id, "run_id": run_id, "attempt": attempt,
-                        "period_start": start, "device_seconds": secs, "tokens_sampled": n_sampled,
-                        "tokens_trained": n_trained})
-    s.execute(update(Job).where(Job.id == job_id)
-              .values(device_seconds=device_s, tokens_sampled=sampled, tokens_trained=trained)
-              .execution_options(synchronize_session=False))
+        _upsert_row(
+            s,
+            {
+                "tenant_id": tenant_id,
+                "job_id": job_id,
+                "run_id": run_id,
+                "attempt": attempt,
+                "period_start": start,
+                "device_seconds": secs,
+                "tokens_sampled": n_sampled,
+                "tokens_trained": n_trained,
+            },
+        )
+    s.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(device_seconds=device_s, tokens_sampled=sampled, tokens_trained=trained)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def period_device_seconds(s: Session, tenant_ids, period_start: datetime) -> dict[str, float]:
@@ -126,9 +146,11 @@ def period_device_seconds(s: Session, tenant_ids, period_start: datetime) -> dic
     ids = list(tenant_ids)
     if not ids:
         return {}
-    q = (select(UsageRecord.tenant_id, func.sum(UsageRecord.device_seconds))
-         .where(UsageRecord.tenant_id.in_(ids), UsageRecord.period_start == period_start)
-         .group_by(UsageRecord.tenant_id))
+    q = (
+        select(UsageRecord.tenant_id, func.sum(UsageRecord.device_seconds))
+        .where(UsageRecord.tenant_id.in_(ids), UsageRecord.period_start == period_start)
+        .group_by(UsageRecord.tenant_id)
+    )
     return {tid: float(v or 0.0) for tid, v in s.execute(q).all()}
 
 
@@ -154,19 +176,44 @@ def budget(s: Session, policy: QueuePolicy, tenant_id: str, now: datetime | None
 
 def tenant_periods(s: Session, tenant_id: str, limit: int) -> list[dict]:
     """The tenant's usage per period, newest first (periods with usage only)."""
-    q = (select(UsageRecord.period_start, func.sum(UsageRecord.device_seconds), func.sum(UsageRecord.tokens_sampled),
-                func.sum(UsageRecord.tokens_trained), func.count(func.distinct(UsageRecord.job_id)))
-         .where(UsageRecord.tenant_id == tenant_id).group_by(UsageRecord.period_start)
-         .order_by(UsageRecord.period_start.desc()).limit(limit))
-    return [{"period_start": as_utc(start), "device_seconds": float(dev or 0), "tokens_sampled": int(smp or 0),
-             "tokens_trained": int(trn or 0), "jobs": int(n or 0)} for start, dev, smp, trn, n in s.execute(q).all()]
+    q = (
+        select(
+            UsageRecord.period_start,
+            func.sum(UsageRecord.device_seconds),
+            func.sum(UsageRecord.tokens_sampled),
+            func.sum(UsageRecord.tokens_trained),
+            func.count(func.distinct(UsageRecord.job_id)),
+        )
+        .where(UsageRecord.tenant_id == tenant_id)
+        .group_by(UsageRecord.period_start)
+        .order_by(UsageRecord.period_start.desc())
+        .limit(limit)
+    )
+    return [
+        {
+            "period_start": as_utc(start),
+            "device_seconds": float(dev or 0),
+            "tokens_sampled": int(smp or 0),
+            "tokens_trained": int(trn or 0),
+            "jobs": int(n or 0),
+        }
+        for start, dev, smp, trn, n in s.execute(q).all()
+    ]
 
 
 def tenant_totals(s: Session, tenant_id: str) -> dict:
     """The tenant's usage over all time."""
     dev, smp, trn, n = s.execute(
-        select(func.sum(UsageRecord.device_seconds), func.sum(UsageRecord.tokens_sampled),
-               func.sum(UsageRecord.tokens_trained), func.count(func.distinct(UsageRecord.job_id)))
-        .where(UsageRecord.tenant_id == tenant_id)).one()
-    return {"device_seconds": float(dev or 0), "tokens_sampled": int(smp or 0), "tokens_trained": int(trn or 0),
-            "jobs": int(n or 0)}
+        select(
+            func.sum(UsageRecord.device_seconds),
+            func.sum(UsageRecord.tokens_sampled),
+            func.sum(UsageRecord.tokens_trained),
+            func.count(func.distinct(UsageRecord.job_id)),
+        ).where(UsageRecord.tenant_id == tenant_id)
+    ).one()
+    return {
+        "device_seconds": float(dev or 0),
+        "tokens_sampled": int(smp or 0),
+        "tokens_trained": int(trn or 0),
+        "jobs": int(n or 0),
+    }

@@ -34,6 +34,7 @@ def grader_policy(**overrides):
 
     return GraderPolicy(**{"python": os.environ.get("GSPO_GRADER_PYTHON"), **overrides})
 
+
 POSTGRES_URL = os.environ.get("GSPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("GSPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_PG = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
@@ -115,15 +116,22 @@ def s3_settings():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             break
         except OSError:
             time.sleep(0.05)
-    yield Settings(s3_bucket="gspo-test", s3_endpoint_url=f"http://127.0.0.1:{port}", s3_access_key_id="test",
-                   s3_secret_access_key="test")
+    yield Settings(
+        s3_bucket="gspo-test",
+        s3_endpoint_url=f"http://127.0.0.1:{port}",
+        s3_access_key_id="test",
+        s3_secret_access_key="test",
+    )
     proc.terminate()
     proc.wait(10)

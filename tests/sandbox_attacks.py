@@ -12,8 +12,9 @@ import uuid
 from pathlib import Path
 
 MARKER = "gspo-planted-marker"
-_PLANT_DIRS = ("['/tmp', '/dev/shm', '/var/tmp', '/run', os.getcwd(), os.path.expanduser('~'), '/', '/work']"
-               " + item['host_dirs']")
+_PLANT_DIRS = (
+    "['/tmp', '/dev/shm', '/var/tmp', '/run', os.getcwd(), os.path.expanduser('~'), '/', '/work'] + item['host_dirs']"
+)
 
 WALK = """
 import os
@@ -152,8 +153,17 @@ def grade(sample, item):
     return 1.0
 """
 
-ATTACKS = {"walk": WALK, "proc": PROC, "plant": PLANT, "connect": CONNECT, "signal": SIGNAL, "fork_bomb": FORK_BOMB,
-           "memory_hog": MEMORY_HOG, "loop": LOOP, "disk_fill": DISK_FILL}
+ATTACKS = {
+    "walk": WALK,
+    "proc": PROC,
+    "plant": PLANT,
+    "connect": CONNECT,
+    "signal": SIGNAL,
+    "fork_bomb": FORK_BOMB,
+    "memory_hog": MEMORY_HOG,
+    "loop": LOOP,
+    "disk_fill": DISK_FILL,
+}
 
 
 def attack_spec(names=None, timeout_s: float = 1.0) -> dict:
@@ -179,10 +189,27 @@ def attack_item(data_dir: Path, host_pids: list[int], api_port: int, env: str) -
     """What the attacks aim at: the data directory (database, every tenant's files and checkpoints),
     the home directories, the checkout and its surroundings, host processes, the service's ports."""
     repo = Path(__file__).resolve().parents[1]
-    roots = [str(data_dir), str(data_dir / "gspo.db"), "/root", "/home", str(repo), str(repo.parent), "/etc",
-             "/var", "/srv", "/opt", "/run", tempfile.gettempdir()]
-    return {"roots": roots, "env": env, "host_pids": host_pids, "host_dirs": [str(data_dir), str(repo)],
-            "ports": [["127.0.0.1", api_port], ["127.0.0.1", 6379], ["127.0.0.1", 5432], [socket.gethostname(), 5432]]}
+    roots = [
+        str(data_dir),
+        str(data_dir / "gspo.db"),
+        "/root",
+        "/home",
+        str(repo),
+        str(repo.parent),
+        "/etc",
+        "/var",
+        "/srv",
+        "/opt",
+        "/run",
+        tempfile.gettempdir(),
+    ]
+    return {
+        "roots": roots,
+        "env": env,
+        "host_pids": host_pids,
+        "host_dirs": [str(data_dir), str(repo)],
+        "ports": [["127.0.0.1", api_port], ["127.0.0.1", 6379], ["127.0.0.1", 5432], [socket.gethostname(), 5432]],
+    }
 
 
 def new_secret() -> str:
@@ -210,9 +237,17 @@ def planted_markers(*dirs: Path) -> list[str]:
 
 def assert_expected_errors(errors: dict[str, str]) -> None:
     """The attacks failed the way the sandbox stops them (not by an accident of the test)."""
-    expect = {"walk": "PermissionError", "proc": "PermissionError", "plant": "planted only", "connect": "ConnectionError",
-              "signal": "ProcessLookupError", "fork_bomb": "timeout", "memory_hog": "memory", "loop": "timeout",
-              "disk_fill": "No space left"}
+    expect = {
+        "walk": "PermissionError",
+        "proc": "PermissionError",
+        "plant": "planted only",
+        "connect": "ConnectionError",
+        "signal": "ProcessLookupError",
+        "fork_bomb": "timeout",
+        "memory_hog": "memory",
+        "loop": "timeout",
+        "disk_fill": "No space left",
+    }
     for name, needle in expect.items():
         if name in errors:
             assert needle in errors[name], (name, errors[name])

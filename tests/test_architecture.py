@@ -9,8 +9,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"gspo_core", "api", "worker", "store", "gspo_client", "gspo_cli", "migrations"}
-WEB_QUEUE_DB = {"fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "sqlalchemy",
-                "alembic", "psycopg", "psycopg2", "boto3", "botocore"}
+WEB_QUEUE_DB = {
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "celery",
+    "kombu",
+    "redis",
+    "sqlalchemy",
+    "alembic",
+    "psycopg",
+    "psycopg2",
+    "boto3",
+    "botocore",
+}
 
 # package -> packages of ours it may import (besides itself)
 ALLOWED = {

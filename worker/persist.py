@@ -52,7 +52,7 @@ def drop_orphan_uploads(s, objects, job_id: str) -> list[str]:
     before it trains, so no live attempt of this job is uploading. Returns the prefixes removed."""
     root = f"jobs/{job_id}/checkpoints"
     kept = set(s.scalars(select(Checkpoint.object_prefix).where(Checkpoint.job_id == job_id)))
-    found = {f"{root}/{key[len(root) + 1:].split('/', 1)[0]}" for key, _ in objects.list(root)}
+    found = {f"{root}/{key[len(root) + 1 :].split('/', 1)[0]}" for key, _ in objects.list(root)}
     orphans = sorted(found - kept)
     for prefix in orphans:
         objects.delete_prefix(prefix)
@@ -65,8 +65,16 @@ class RunUsage:
     ``limit_s`` counts device time over all the job's attempts (the meter's prior holds the earlier ones).
     """
 
-    def __init__(self, job_id: str, tenant_id: str, run_id: str, attempt: int, meter: RunMeter,
-                 limit_s: float | None = None, limit_source: str = "") -> None:
+    def __init__(
+        self,
+        job_id: str,
+        tenant_id: str,
+        run_id: str,
+        attempt: int,
+        meter: RunMeter,
+        limit_s: float | None = None,
+        limit_source: str = "",
+    ) -> None:
         self.job_id, self.tenant_id, self.run_id, self.attempt = job_id, tenant_id, run_id, attempt
         self.meter, self.limit_s, self.limit_source = meter, limit_s, limit_source
 
@@ -86,17 +94,28 @@ class RunUsage:
         return b if b.exhausted else None
 
     def limit_error(self, step: int) -> str:
-        return (f"wall-clock limit reached: the job used {self.meter.device_seconds():.0f} s of device time (all its "
-                f"runs together); its limit is {self.limit_s:.0f} s ({self.limit_source}). Stopped after step "
-                f"{step}; its checkpoint and metrics are kept")
+        return (
+            f"wall-clock limit reached: the job used {self.meter.device_seconds():.0f} s of device time (all its "
+            f"runs together); its limit is {self.limit_s:.0f} s ({self.limit_source}). Stopped after step "
+            f"{step}; its checkpoint and metrics are kept"
+        )
 
 
 class PersistCallbacks(Callbacks):
     """Writes through store/ what the trainer reports; stops on cancel, shutdown, lost lease or the
     job's wall-clock limit."""
 
-    def __init__(self, db, objects, job_id: str, worker_id: str, attempt: int, shutdown: threading.Event,
-                 lease_lost: threading.Event, usage: RunUsage | None = None) -> None:
+    def __init__(
+        self,
+        db,
+        objects,
+        job_id: str,
+        worker_id: str,
+        attempt: int,
+        shutdown: threading.Event,
+        lease_lost: threading.Event,
+        usage: RunUsage | None = None,
+    ) -> None:
         self.db, self.objects, self.job_id, self.worker_id, self.attempt = db, objects, job_id, worker_id, attempt
         self.shutdown, self.lease_lost, self.usage = shutdown, lease_lost, usage
         self.stop_reason: str | None = None
@@ -105,6 +124,7 @@ class PersistCallbacks(Callbacks):
 
     def _tx(self, fn, what: str):
         """``fn(session)`` in one transaction fenced by this worker's lease (`jobs.LeaseLost` if gone)."""
+
         def run():
             with self.db.session() as s:
                 jobs.hold(s, self.job_id, self.worker_id)
@@ -140,7 +160,9 @@ class PersistCallbacks(Callbacks):
         size = put_dir(self.objects, prefix, Path(path))
         if self.objects.presigned_url(f"{prefix}/{ARCHIVE_NAME}") is not None:
             # Object stores that hand out presigned URLs get the download archive ready-made.
-            self.objects.put_file(f"{prefix}/{ARCHIVE_NAME}", build_archive(Path(path), f"{self.job_id}-step-{step:06d}"))
+            self.objects.put_file(
+                f"{prefix}/{ARCHIVE_NAME}", build_archive(Path(path), f"{self.job_id}-step-{step:06d}")
+            )
 
         def rec(s):
             job = s.get(Job, self.job_id)
@@ -176,8 +198,9 @@ class Heartbeat:
     """Renews the job's lease in a thread (and writes the run's usage); sets ``lost`` if another worker
     took it over."""
 
-    def __init__(self, db, job_id: str, worker_id: str, lease_s: float, every_s: float,
-                 usage: RunUsage | None = None) -> None:
+    def __init__(
+        self, db, job_id: str, worker_id: str, lease_s: float, every_s: float, usage: RunUsage | None = None
+    ) -> None:
         self.db, self.job_id, self.worker_id, self.lease_s, self.every_s = db, job_id, worker_id, lease_s, every_s
         self.usage = usage
         self.lost, self._stop = threading.Event(), threading.Event()
@@ -197,7 +220,7 @@ class Heartbeat:
                 self.lost.set()
                 return
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self._th.start()
         return self
 

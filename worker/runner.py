@@ -36,6 +36,7 @@ class JobInputError(Exception):
 
 def _fetch_inputs(s, objects, job: Job, work: Path, settings_models_dir: Path) -> tuple[str, str, str | None]:
     """Local paths of the model, training file and validation file of ``job``."""
+
     def fetch_file(file_id: str, name: str) -> str:
         f = s.get(File, file_id)
         if f is None:
@@ -75,8 +76,9 @@ def wall_limit(job_limit: int | None, settings: Settings) -> tuple[float | None,
 def _claim(s, job_id: str, worker_id: str, settings: Settings) -> Job | None:
     """The job this message runs: its own job when that job's worker died (takeover of the stale lease),
     else the fairest queued job (`store.scheduling`): a message is a token for one job slot."""
-    return (jobs.claim_stale(s, job_id, worker_id, settings.lease_seconds)
-            or claim_next(s, worker_id, settings.lease_seconds, QueuePolicy.of(settings)))
+    return jobs.claim_stale(s, job_id, worker_id, settings.lease_seconds) or claim_next(
+        s, worker_id, settings.lease_seconds, QueuePolicy.of(settings)
+    )
 
 
 def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> str:
@@ -101,8 +103,12 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
             if reason not in ("shutdown", "budget"):
                 jobs.transition(s, job, "succeeded")
                 return "succeeded"
-            why = ("worker shutting down" if reason == "shutdown" else "the tenant's device-hour budget of this "
-                   f"period is used (until {cb.budget.period_end.isoformat()})")
+            why = (
+                "worker shutting down"
+                if reason == "shutdown"
+                else "the tenant's device-hour budget of this "
+                f"period is used (until {cb.budget.period_end.isoformat()})"
+            )
             jobs.add_event(s, job_id, "log", f"{why}: checkpointed and requeued")
             jobs.transition(s, job, "queued")
             job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt
@@ -124,6 +130,7 @@ def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None 
             if usage is not None:
                 usage.write(s)
             jobs.transition(s, s.get(Job, job_id, populate_existing=True), "failed", error=message)
+
     try:
         with_db_retry(run, what="marking the job failed")
     except jobs.LeaseLost:  # another worker runs it now: its outcome is not ours to write
@@ -132,8 +139,9 @@ def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None 
     return "failed"
 
 
-def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path,
-           runtime: RuntimeOptions) -> str:
+def _train(
+    db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path, runtime: RuntimeOptions
+) -> str:
     """Fetch the claimed job's inputs, train it (resuming from its checkpoint) and settle its status."""
     with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds, usage) as hb:
         # torch & co. load here, under the lease's heartbeat: a message that finds no job leaves without them.
@@ -145,17 +153,32 @@ def _train(db, objects, settings: Settings, job_id: str, worker_id: str, usage: 
             model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
             resume = _resume_dir(s, objects, job_id, work / "output")
             if dropped := drop_orphan_uploads(s, objects, job_id):
-                jobs.add_event(s, job_id, "log", f"removed {len(dropped)} checkpoint upload(s) a lost attempt "
-                                                 "left without a record")
+                jobs.add_event(
+                    s,
+                    job_id,
+                    "log",
+                    f"removed {len(dropped)} checkpoint upload(s) a lost attempt left without a record",
+                )
         reward = map_reward_models(reward, lambda m: resolve_model(settings.models_dir, m))
-        spec = JobSpec(model=model, training_file=train_path, validation_file=val_path, reward=reward,
-                       hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}), output_dir=str(work / "output"))
+        spec = JobSpec(
+            model=model,
+            training_file=train_path,
+            validation_file=val_path,
+            reward=reward,
+            hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}),
+            output_dir=str(work / "output"),
+        )
         cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
         if status == "cancelling":
             cb.stop_reason = "cancel"
         else:
-            train(spec, cb, resume_from=resume, grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
-                  runtime=runtime)
+            train(
+                spec,
+                cb,
+                resume_from=resume,
+                grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
+                runtime=runtime,
+            )
         return _settle(db, job_id, worker_id, cb, settings)
 
 
@@ -188,8 +211,13 @@ def run_job(job_id: str) -> str:
     except (JobInputError, DataError, ValidationError) as exc:
         return _fail(db, job_id, worker_id, f"invalid job input: {exc}", usage)
     except OSError as exc:
-        return _fail(db, job_id, worker_id,
-                     str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}", usage)
+        return _fail(
+            db,
+            job_id,
+            worker_id,
+            str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}",
+            usage,
+        )
     except Exception as exc:
         log.exception("job %s failed", job_id)
         return _fail(db, job_id, worker_id, f"{type(exc).__name__}: {exc}", usage)

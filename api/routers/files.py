@@ -11,27 +11,60 @@ from sqlalchemy import select
 from api.deps import FileDep, LimitsDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
 from api.schemas import ErrorBody, FileOut, Page
 from api.services import files as svc
-from api.services.deletion import delete_file as delete_file_rows, purge
+from api.services.deletion import delete_file as delete_file_rows
+from api.services.deletion import purge
 from store.models import File
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
-ERRORS = {400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 404: {"model": ErrorBody},
-          413: {"model": ErrorBody}, 422: {"model": ErrorBody}}
+ERRORS = {
+    400: {"model": ErrorBody},
+    401: {"model": ErrorBody},
+    404: {"model": ErrorBody},
+    413: {"model": ErrorBody},
+    422: {"model": ErrorBody},
+}
 # The body is read by the handler (after the key and the tenant's upload slot are checked), so its
 # shape is declared here for the OpenAPI document.
-UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file"], "properties": {"file": {
-        "type": "string", "format": "binary",
-        "description": "JSONL: one object per line with `prompt` or `messages`"}}}}}}}
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "JSONL: one object per line with `prompt` or `messages`",
+                        }
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 def _out(f: File) -> FileOut:
-    return FileOut(id=f.id, filename=f.filename, bytes=f.bytes, rows=f.rows, item_fields=f.item_fields or [],
-                   created_at=f.created_at)
+    return FileOut(
+        id=f.id,
+        filename=f.filename,
+        bytes=f.bytes,
+        rows=f.rows,
+        item_fields=f.item_fields or [],
+        created_at=f.created_at,
+    )
 
 
-@router.post("", response_model=FileOut, status_code=201, openapi_extra=UPLOAD_BODY,
-             responses={429: {"model": ErrorBody}, 503: {"model": ErrorBody}, **ERRORS})
+@router.post(
+    "",
+    response_model=FileOut,
+    status_code=201,
+    openapi_extra=UPLOAD_BODY,
+    responses={429: {"model": ErrorBody}, 503: {"model": ErrorBody}, **ERRORS},
+)
 async def upload_file(request: Request, settings: SettingsDep, limits: LimitsDep, tenant: TenantDep):
     """At most GSPO_MAX_UPLOADS_PER_TENANT at once (429); a tenant's files hold at most
     GSPO_MAX_FILE_STORAGE_BYTES_PER_TENANT (413)."""
@@ -51,8 +84,11 @@ def get_file(f: FileDep):
 
 @router.get("/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}}, **ERRORS})
 def file_content(f: FileDep, objects: ObjectsDep):
-    return StreamingResponse(svc.open_content(objects, f.object_key), media_type="application/jsonl",
-                             headers={"Content-Disposition": f'attachment; filename="{f.id}.jsonl"'})
+    return StreamingResponse(
+        svc.open_content(objects, f.object_key),
+        media_type="application/jsonl",
+        headers={"Content-Disposition": f'attachment; filename="{f.id}.jsonl"'},
+    )
 
 
 @router.delete("/{file_id}", status_code=204, responses={409: {"model": ErrorBody}, **ERRORS})

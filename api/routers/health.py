@@ -34,11 +34,17 @@ def _db_ok(db) -> bool:
 @router.get("/readyz")
 async def readyz(request: Request, settings: SettingsDep):
     db_ok, broker_ok, iso = await asyncio.gather(
-        asyncio.to_thread(_db_ok, request.app.state.db), asyncio.to_thread(broker_reachable, settings),
-        asyncio.to_thread(isolation_for, GraderPolicy.from_mapping(settings.grader_policy())))
+        asyncio.to_thread(_db_ok, request.app.state.db),
+        asyncio.to_thread(broker_reachable, settings),
+        asyncio.to_thread(isolation_for, GraderPolicy.from_mapping(settings.grader_policy())),
+    )
     # Python graders: "bubblewrap" (isolated), "weak" (the operator allowed rlimits only) or "refused".
-    body = {"database": "ok" if db_ok else "unreachable", "broker": "ok" if broker_ok else "unreachable",
-            "sandbox": iso.mode, **({"sandbox_reason": iso.summary} if iso.reason else {})}
+    body = {
+        "database": "ok" if db_ok else "unreachable",
+        "broker": "ok" if broker_ok else "unreachable",
+        "sandbox": iso.mode,
+        **({"sandbox_reason": iso.summary} if iso.reason else {}),
+    }
     return JSONResponse(body, status_code=200 if db_ok and broker_ok else 503)
 
 

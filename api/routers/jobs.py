@@ -10,17 +10,31 @@ from api.bodies import StrictJsonRoute
 from api.deps import JobDep, SessionDep, SettingsDep, TenantDep
 from api.schemas import ErrorBody, JobCreate, JobOut, JobStatus, Page, json_response
 from api.services import jobs as svc
-from api.services.deletion import delete_job as delete_job_rows, purge
+from api.services.deletion import delete_job as delete_job_rows
+from api.services.deletion import purge
 from store import jobs as job_state
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=StrictJsonRoute)
 ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 422, 429)}
 
 
-@router.post("", response_model=JobOut, status_code=201, responses={
-    200: {"model": JobOut, "description": "The job an earlier request with this Idempotency-Key created."}, **ERRORS})
-def create_job(req: JobCreate, s: SessionDep, settings: SettingsDep, tenant: TenantDep, response: Response,
-               idempotency_key: Annotated[str | None, Header(max_length=200)] = None):
+@router.post(
+    "",
+    response_model=JobOut,
+    status_code=201,
+    responses={
+        200: {"model": JobOut, "description": "The job an earlier request with this Idempotency-Key created."},
+        **ERRORS,
+    },
+)
+def create_job(
+    req: JobCreate,
+    s: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+):
     job, created = svc.create_job(s, settings, tenant, req, idempotency_key)
     if not created:
         response.status_code = 200
@@ -28,8 +42,14 @@ def create_job(req: JobCreate, s: SessionDep, settings: SettingsDep, tenant: Ten
 
 
 @router.get("", response_model=Page[JobOut], responses=ERRORS)
-def list_jobs(s: SessionDep, settings: SettingsDep, tenant: TenantDep, status: JobStatus | None = None,
-              limit: Annotated[int, Query(ge=1, le=200)] = 50, cursor: Annotated[str | None, Query(max_length=512)] = None):
+def list_jobs(
+    s: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+):
     rows, nxt = svc.list_jobs(s, tenant, status, limit, cursor)
     queue = svc.queue_view(s, settings, tenant.id)
     return Page[JobOut](data=[svc.to_out(s, settings, j, queue) for j in rows], next_cursor=nxt)

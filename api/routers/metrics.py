@@ -35,14 +35,21 @@ def _csv(rows) -> str:
     return buf.getvalue()
 
 
-@router.get("/metrics", response_model=Page[StepMetricsOut],
-            responses={200: {"content": {"text/csv": {}}}, **ERRORS})
-def get_metrics(job: JobDep, s: SessionDep, after_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
-                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000, format: Literal["json", "csv"] = "json"):
+@router.get("/metrics", response_model=Page[StepMetricsOut], responses={200: {"content": {"text/csv": {}}}, **ERRORS})
+def get_metrics(
+    job: JobDep,
+    s: SessionDep,
+    after_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+    format: Literal["json", "csv"] = "json",
+):
     # Plain rows, not ORM objects: a dashboard polls this with thousands of steps.
-    rows = s.execute(select(StepMetric.step, StepMetric.metrics, StepMetric.created_at)
-                     .where(StepMetric.job_id == job.id, StepMetric.step > after_step)
-                     .order_by(StepMetric.step).limit(limit)).all()
+    rows = s.execute(
+        select(StepMetric.step, StepMetric.metrics, StepMetric.created_at)
+        .where(StepMetric.job_id == job.id, StepMetric.step > after_step)
+        .order_by(StepMetric.step)
+        .limit(limit)
+    ).all()
     if format == "csv":
         return PlainTextResponse(_csv(rows), media_type="text/csv")
     return json_response(METRICS_PAGE.validate_python({"data": [r._asdict() for r in rows]}))
@@ -52,17 +59,31 @@ def _event_position(last_event_id: Annotated[str | None, Header(max_length=64)] 
     return parse_last_event_id(last_event_id)
 
 
-@router.get("/events", responses={200: {"content": {"text/event-stream": {}}}, 400: {"model": ErrorBody},
-                                  429: {"model": ErrorBody}, **ERRORS})
-async def job_events(job: JobDep, request: Request, settings: SettingsDep,
-                     after: Annotated[tuple[int, int], Depends(_event_position)], _: StreamSlotDep):
+@router.get(
+    "/events",
+    responses={
+        200: {"content": {"text/event-stream": {}}},
+        400: {"model": ErrorBody},
+        429: {"model": ErrorBody},
+        **ERRORS,
+    },
+)
+async def job_events(
+    job: JobDep,
+    request: Request,
+    settings: SettingsDep,
+    after: Annotated[tuple[int, int], Depends(_event_position)],
+    _: StreamSlotDep,
+):
     """Server-sent events: `status`, `log`, `checkpoint`, `metrics` (one per step), then `end`. A stream
     ends after GSPO_STREAM_MAX_SECONDS (reconnect with `Last-Event-ID`); a tenant has at most
     GSPO_MAX_STREAMS_PER_TENANT open (429)."""
     state = request.app.state
-    return StreamingResponse(stream(state.db, state.stream_pool, job.id, after, settings.stream_poll_seconds,
-                                    settings.stream_max_seconds),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        stream(state.db, state.stream_pool, job.id, after, settings.stream_poll_seconds, settings.stream_max_seconds),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.get("/samples", response_model=SamplesOut, responses=ERRORS)

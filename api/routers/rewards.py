@@ -17,6 +17,11 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 422, 429, 503)}
 async def run_reward(req: RewardRunIn, tenant: TenantDep, settings: SettingsDep, limits: LimitsDep, request: Request):
     """Bounded per tenant: GSPO_MAX_REWARD_RUNS_PER_TENANT at once and GSPO_REWARD_RUN_BUDGET_S of grading
     per GSPO_REWARD_RUN_WINDOW_S (429 with Retry-After past either)."""
-    out = await dry_run(limits, request.app.state.grading_pool, settings, tenant.id,
-                        req.model_dump(mode="json", include={"reward", "item", "samples"}))
+    out = await dry_run(
+        limits,
+        request.app.state.grading_pool,
+        settings,
+        tenant.id,
+        req.model_dump(mode="json", include={"reward", "item", "samples"}),
+    )
     return json_response(RewardRunOut.model_validate(out))

@@ -14,6 +14,10 @@ router = APIRouter(prefix="/v1/usage", tags=["usage"])
 
 
 @router.get("", response_model=UsageOut, responses={401: {"model": ErrorBody}})
-def get_usage(s: SessionDep, settings: SettingsDep, tenant: TenantDep,
-              periods: Annotated[int, Query(ge=1, le=366, description="Most recent periods with usage")] = 30):
+def get_usage(
+    s: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    periods: Annotated[int, Query(ge=1, le=366, description="Most recent periods with usage")] = 30,
+):
     return tenant_usage(s, settings, tenant, periods)

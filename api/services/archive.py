@@ -6,7 +6,7 @@ import queue
 import tarfile
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 CHUNK = 1024 * 1024
 _DONE = object()
@@ -69,7 +69,7 @@ def archive_members(objects, prefix: str) -> list[tuple[str, str, int]]:
     out = []
     for part in ("model", "adapter"):
         for key, size in objects.list(f"{prefix}/{part}"):
-            out.append((key, key[len(prefix) + 1:], size))
+            out.append((key, key[len(prefix) + 1 :], size))
     return out
 
 

@@ -24,28 +24,34 @@ def _active_job_on(s: Session, tenant_id: str, checkpoint_ids: list[str]) -> tup
     """``(job id, checkpoint id)`` of an active job that trains from one of these checkpoints."""
     if not checkpoint_ids:
         return None
-    row = s.execute(select(Job.id, Job.model).where(
-        Job.tenant_id == tenant_id, Job.status.in_(ACTIVE), Job.model.in_([f"ckpt:{c}" for c in checkpoint_ids]))
-        .limit(1)).first()
+    row = s.execute(
+        select(Job.id, Job.model)
+        .where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE), Job.model.in_([f"ckpt:{c}" for c in checkpoint_ids]))
+        .limit(1)
+    ).first()
     return (row.id, row.model[5:]) if row else None
 
 
 def _locked(s: Session, model, row_id: str):
     """The row again, locked until commit on PostgreSQL (SQLite's writer lock serializes the rest)."""
-    return s.scalar(select(model).where(model.id == row_id).with_for_update()
-                    .execution_options(populate_existing=True))
+    return s.scalar(select(model).where(model.id == row_id).with_for_update().execution_options(populate_existing=True))
 
 
 def delete_job(s: Session, job: Job) -> None:
     """A finished job and everything it produced; 409 naming the status while it is active."""
     job = _locked(s, Job, job.id)
     if job.status in ACTIVE:
-        raise ApiError(409, "job_active", f"job {job.id} is {job.status}; cancel it and delete it once it has "
-                       "stopped", "job_id")
+        raise ApiError(
+            409, "job_active", f"job {job.id} is {job.status}; cancel it and delete it once it has stopped", "job_id"
+        )
     checkpoints = list(s.scalars(select(Checkpoint.id).where(Checkpoint.job_id == job.id)))
     if user := _active_job_on(s, job.tenant_id, checkpoints):
-        raise ApiError(409, "checkpoint_in_use", f"job {user[0]} trains from this job's checkpoint {user[1]}; "
-                       "delete this job once it has finished", "job_id")
+        raise ApiError(
+            409,
+            "checkpoint_in_use",
+            f"job {user[0]} trains from this job's checkpoint {user[1]}; delete this job once it has finished",
+            "job_id",
+        )
     for table in (JobEvent, StepMetric, Sample, Checkpoint):
         s.execute(delete(table).where(table.job_id == job.id))
     s.execute(delete(Job).where(Job.id == job.id))
@@ -60,8 +66,12 @@ def delete_checkpoint(s: Session, ckpt: Checkpoint) -> None:
     ckpt = _locked(s, Checkpoint, ckpt.id)
     status = s.scalar(select(Job.status).where(Job.id == ckpt.job_id))
     if status in ACTIVE:
-        raise ApiError(409, "checkpoint_in_use", f"job {ckpt.job_id} is {status} and may resume from this "
-                       "checkpoint; delete it once the job has stopped", "checkpoint_id")
+        raise ApiError(
+            409,
+            "checkpoint_in_use",
+            f"job {ckpt.job_id} is {status} and may resume from this checkpoint; delete it once the job has stopped",
+            "checkpoint_id",
+        )
     if user := _active_job_on(s, ckpt.tenant_id, [ckpt.id]):
         raise ApiError(409, "checkpoint_in_use", f"job {user[0]} trains from checkpoint {ckpt.id}", "checkpoint_id")
     s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt.id))
@@ -73,11 +83,18 @@ def delete_file(s: Session, f: File) -> None:
     """A file and its content; 409 while an active job uses it. Finished jobs keep their history with
     the file's id set to null."""
     f = _locked(s, File, f.id)
-    used = s.execute(select(Job.id, Job.status).where(
-        (Job.training_file_id == f.id) | (Job.validation_file_id == f.id), Job.status.in_(ACTIVE)).limit(1)).first()
+    used = s.execute(
+        select(Job.id, Job.status)
+        .where((Job.training_file_id == f.id) | (Job.validation_file_id == f.id), Job.status.in_(ACTIVE))
+        .limit(1)
+    ).first()
     if used:
-        raise ApiError(409, "file_in_use", f"file {f.id} is used by job {used.id} ({used.status}); delete it once "
-                       "the job has finished", "file_id")
+        raise ApiError(
+            409,
+            "file_in_use",
+            f"file {f.id} is used by job {used.id} ({used.status}); delete it once the job has finished",
+            "file_id",
+        )
     s.execute(delete(File).where(File.id == f.id))
     s.add(PendingDeletion(prefix=f.object_key))
     s.commit()
@@ -87,8 +104,9 @@ def purge(db, objects, limit: int = 50) -> int:
     """Remove the objects of up to ``limit`` pending deletions, oldest first; returns how many went.
     Deleting an object twice is harmless, so concurrent purges need no coordination."""
     with db.session() as s:
-        pending = s.execute(select(PendingDeletion.id, PendingDeletion.prefix)
-                            .order_by(PendingDeletion.id).limit(limit)).all()
+        pending = s.execute(
+            select(PendingDeletion.id, PendingDeletion.prefix).order_by(PendingDeletion.id).limit(limit)
+        ).all()
     done = 0
     for pid, prefix in pending:
         try:

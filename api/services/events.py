@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
-from typing import AsyncIterator
 
 from sqlalchemy import select
 
@@ -29,18 +29,34 @@ def parse_last_event_id(value: str | None) -> tuple[int, int]:
         return 0, 0
     match = _EVENT_ID.fullmatch(value.strip())
     if match is None:
-        raise ApiError(400, "invalid_header", "Last-Event-ID must be an id this stream sent (<event>.<step>, "
-                       "each at most 18 digits)", "Last-Event-ID")
+        raise ApiError(
+            400,
+            "invalid_header",
+            "Last-Event-ID must be an id this stream sent (<event>.<step>, each at most 18 digits)",
+            "Last-Event-ID",
+        )
     return int(match[1]), int(match[2])
 
 
 def _poll(db, job_id: str, ev_after: int, step_after: int):
     s = db.read_session()
     try:
-        events = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > ev_after)
-                                .order_by(JobEvent.id).limit(500)))
-        metrics = list(s.scalars(select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step > step_after)
-                                 .order_by(StepMetric.step).limit(500)))
+        events = list(
+            s.scalars(
+                select(JobEvent)
+                .where(JobEvent.job_id == job_id, JobEvent.id > ev_after)
+                .order_by(JobEvent.id)
+                .limit(500)
+            )
+        )
+        metrics = list(
+            s.scalars(
+                select(StepMetric)
+                .where(StepMetric.job_id == job_id, StepMetric.step > step_after)
+                .order_by(StepMetric.step)
+                .limit(500)
+            )
+        )
         job = s.execute(select(Job.status, Job.step).where(Job.id == job_id)).one_or_none()
     finally:
         s.close()
@@ -52,8 +68,9 @@ def _frame(event: str, ident: str, data: dict) -> str:
     return f"id: {ident}\nevent: {event}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
-async def stream(db, pool: Executor, job_id: str, after: tuple[int, int], poll_s: float = 0.5,
-                 max_s: float = 900.0) -> AsyncIterator[str]:
+async def stream(
+    db, pool: Executor, job_id: str, after: tuple[int, int], poll_s: float = 0.5, max_s: float = 900.0
+) -> AsyncIterator[str]:
     """Yield SSE frames until the job is terminal and drained (or ``max_s`` passes)."""
     ev_after, step_after = after
     loop = asyncio.get_running_loop()
@@ -66,9 +83,17 @@ async def stream(db, pool: Executor, job_id: str, after: tuple[int, int], poll_s
             yield _frame("metrics", f"{ev_after}.{step_after}", {"step": m.step, "metrics": m.metrics})
         for e in events:
             ev_after = e.id
-            yield _frame(e.kind, f"{ev_after}.{step_after}",
-                         {"id": e.id, "kind": e.kind, "message": e.message, "data": e.data,
-                          "created_at": as_utc(e.created_at).isoformat()})
+            yield _frame(
+                e.kind,
+                f"{ev_after}.{step_after}",
+                {
+                    "id": e.id,
+                    "kind": e.kind,
+                    "message": e.message,
+                    "data": e.data,
+                    "created_at": as_utc(e.created_at).isoformat(),
+                },
+            )
         if (status in TERMINAL or status == "deleted") and not events and not metrics:
             yield _frame("end", f"{ev_after}.{step_after}", {"status": status, "step": step})
             return

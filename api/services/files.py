@@ -5,7 +5,8 @@ row (never half-written)."""
 from __future__ import annotations
 
 import itertools
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import anyio
 from sqlalchemy import func, select
@@ -36,8 +37,13 @@ def _stored_bytes_now(db, tenant_id: str) -> int:
 
 def _quota_error(settings: Settings, used: int, size: int | None) -> ApiError:
     this = f"; this file is {size} bytes" if size is not None else ""
-    return ApiError(413, "storage_quota_exceeded", f"your files use {used} of the "
-                    f"{settings.max_file_storage_bytes_per_tenant} bytes allowed{this}; delete files to make room", "file")
+    return ApiError(
+        413,
+        "storage_quota_exceeded",
+        f"your files use {used} of the "
+        f"{settings.max_file_storage_bytes_per_tenant} bytes allowed{this}; delete files to make room",
+        "file",
+    )
 
 
 def _scan(fh: BinaryIO, settings: Settings) -> tuple[int, list[str], int]:
@@ -69,8 +75,15 @@ def _store(db, objects, settings: Settings, tenant_id: str, filename: str, fh: B
     try:
         with db.session() as s:
             s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())  # PostgreSQL: one at a time
-            f = File(id=file_id, tenant_id=tenant_id, filename=filename[:255] or "data.jsonl", bytes=size,
-                     rows=rows, object_key=key, item_fields=fields)
+            f = File(
+                id=file_id,
+                tenant_id=tenant_id,
+                filename=filename[:255] or "data.jsonl",
+                bytes=size,
+                rows=rows,
+                object_key=key,
+                item_fields=fields,
+            )
             s.add(f)
             s.flush()  # SQLite: the write lock is ours from here, so the sum below is the final one
             if (total := _stored_bytes(s, tenant_id)) > settings.max_file_storage_bytes_per_tenant:
@@ -93,10 +106,12 @@ async def upload(request: Request, settings: Settings, limits: Limits, tenant: T
         try:
             part = form.get("file")
             if not isinstance(part, UploadFile):
-                raise ApiError(422, "invalid_request", "file: a multipart/form-data part named `file` is required",
-                               "file")
-            return await anyio.to_thread.run_sync(_store, db, objects, settings, tenant.id,
-                                                  part.filename or "data.jsonl", part.file)
+                raise ApiError(
+                    422, "invalid_request", "file: a multipart/form-data part named `file` is required", "file"
+                )
+            return await anyio.to_thread.run_sync(
+                _store, db, objects, settings, tenant.id, part.filename or "data.jsonl", part.file
+            )
         finally:
             await form.close()
 

@@ -43,8 +43,12 @@ def check_reward(spec: dict, fields: set[str] | None, settings: Settings) -> Non
     finally:
         fn.close()
     if missing:
-        raise ApiError(422, "invalid_reward", f"reward uses item field(s) {', '.join(missing)} that the "
-                       f"training file's rows do not all have", "reward")
+        raise ApiError(
+            422,
+            "invalid_reward",
+            f"reward uses item field(s) {', '.join(missing)} that the training file's rows do not all have",
+            "reward",
+        )
 
 
 def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> None:
@@ -65,8 +69,12 @@ def check_wall_limit(asked: int | None, settings: Settings) -> None:
     """A job may ask for less device time than the operator allows, not more."""
     limit = settings.max_job_wall_seconds
     if asked is not None and limit and asked > limit:
-        raise ApiError(422, "invalid_max_wall_seconds", f"max_wall_seconds: at most {limit:.0f} (the operator's "
-                       "limit per job)", "max_wall_seconds")
+        raise ApiError(
+            422,
+            "invalid_max_wall_seconds",
+            f"max_wall_seconds: at most {limit:.0f} (the operator's limit per job)",
+            "max_wall_seconds",
+        )
 
 
 def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
@@ -76,7 +84,9 @@ def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
     return f
 
 
-def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None) -> tuple[Job, bool]:
+def create_job(
+    s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None
+) -> tuple[Job, bool]:
     """Validate everything, insert the job, enqueue it. Returns (job, created)."""
     cfg = check_hyperparameters(req.hyperparameters)
     if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:
@@ -89,28 +99,48 @@ def create_job(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, i
     check_wall_limit(req.max_wall_seconds, settings)
     try:
         job = job_state.create_job(
-            s, tenant_id=tenant.id, name=req.name, model=req.model, training_file_id=train.id,
-            validation_file_id=req.validation_file, reward=req.reward, metadata=req.metadata, seed=req.seed,
-            hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}), total_steps=cfg.steps,
-            idempotency_key=idem_key, max_attempts=settings.max_attempts, max_wall_seconds=req.max_wall_seconds,
-            max_active=settings.max_active_jobs_per_tenant)
+            s,
+            tenant_id=tenant.id,
+            name=req.name,
+            model=req.model,
+            training_file_id=train.id,
+            validation_file_id=req.validation_file,
+            reward=req.reward,
+            metadata=req.metadata,
+            seed=req.seed,
+            hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}),
+            total_steps=cfg.steps,
+            idempotency_key=idem_key,
+            max_attempts=settings.max_attempts,
+            max_wall_seconds=req.max_wall_seconds,
+            max_active=settings.max_active_jobs_per_tenant,
+        )
     except job_state.TooManyActiveJobs as exc:
         s.rollback()  # releases the tenant's lock at once
-        raise ApiError(429, "too_many_jobs", f"at most {exc.limit} queued or running jobs per tenant "
-                       "(GSPO_MAX_ACTIVE_JOBS_PER_TENANT); wait for one to finish or cancel one") from None
+        raise ApiError(
+            429,
+            "too_many_jobs",
+            f"at most {exc.limit} queued or running jobs per tenant "
+            "(GSPO_MAX_ACTIVE_JOBS_PER_TENANT); wait for one to finish or cancel one",
+        ) from None
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the race
         s.rollback()
         if idem_key is None or (prior := _prior(s, tenant, idem_key)) is None:  # else a file deleted meanwhile
-            raise ApiError(404, "not_found", "a file of this job was deleted while it was being created",
-                           "training_file") from None
+            raise ApiError(
+                404, "not_found", "a file of this job was deleted while it was being created", "training_file"
+            ) from None
         return _replayed(prior, req, cfg), False
     s.commit()
     try:
         enqueue_run_job(settings, job.id)
     except Exception as exc:
         _discard(s, job)
-        raise ApiError(503, "broker_unavailable", f"the job queue is unreachable ({type(exc).__name__}); "
-                       "nothing was created, retry shortly", headers={"Retry-After": "5"}) from None
+        raise ApiError(
+            503,
+            "broker_unavailable",
+            f"the job queue is unreachable ({type(exc).__name__}); nothing was created, retry shortly",
+            headers={"Retry-After": "5"},
+        ) from None
     return job, True
 
 
@@ -121,14 +151,37 @@ def _prior(s: Session, tenant: Tenant, idem_key: str) -> Job | None:
 def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
     """The job an earlier request with this Idempotency-Key created, if this request is the same one:
     a key reused for a different job would otherwise silently answer with a job the caller did not ask for."""
-    asked = (req.model, req.training_file, req.validation_file, req.reward, req.name, req.metadata, req.seed,
-             cfg.model_dump(mode="json", exclude={"seed"}), req.max_wall_seconds)
+    asked = (
+        req.model,
+        req.training_file,
+        req.validation_file,
+        req.reward,
+        req.name,
+        req.metadata,
+        req.seed,
+        cfg.model_dump(mode="json", exclude={"seed"}),
+        req.max_wall_seconds,
+    )
     stored = {k: v for k, v in prior.hyperparameters.items() if k not in RETIRED_FIELDS}  # an earlier version's keys
-    made = (prior.model, prior.training_file_id, prior.validation_file_id, prior.reward, prior.name,
-            prior.job_metadata or {}, prior.seed, stored, prior.max_wall_seconds)
+    made = (
+        prior.model,
+        prior.training_file_id,
+        prior.validation_file_id,
+        prior.reward,
+        prior.name,
+        prior.job_metadata or {},
+        prior.seed,
+        stored,
+        prior.max_wall_seconds,
+    )
     if asked != made:
-        raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key was already used for job {prior.id} with "
-                       "a different request; use a new key for a different job", "Idempotency-Key")
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            f"Idempotency-Key was already used for job {prior.id} with "
+            "a different request; use a new key for a different job",
+            "Idempotency-Key",
+        )
     return prior
 
 
@@ -149,15 +202,33 @@ def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None =
     if job.status == "queued":
         waiting = (queue or queue_view(s, settings, job.tenant_id)).waiting(job)
     return JobOut(
-        id=job.id, name=job.name, model=job.model, status=job.status, step=job.step, total_steps=job.total_steps,
-        queue_position=waiting.position if waiting else None, waiting_reason=waiting.reason if waiting else None,
-        error=job.error, created_at=job.created_at,
-        started_at=job.started_at, finished_at=job.finished_at, training_file=job.training_file_id,
-        validation_file=job.validation_file_id, reward=redact_secrets(job.reward), hyperparameters={**job.hyperparameters, "seed": job.seed},
-        metadata=job.job_metadata or {}, seed=job.seed, attempts=job.attempts, max_wall_seconds=job.max_wall_seconds,
-        usage=JobUsage(device_seconds=job.device_seconds or 0.0, tokens_sampled=job.tokens_sampled or 0,
-                       tokens_trained=job.tokens_trained or 0),
-        latest_metrics=job.latest_metrics)
+        id=job.id,
+        name=job.name,
+        model=job.model,
+        status=job.status,
+        step=job.step,
+        total_steps=job.total_steps,
+        queue_position=waiting.position if waiting else None,
+        waiting_reason=waiting.reason if waiting else None,
+        error=job.error,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        training_file=job.training_file_id,
+        validation_file=job.validation_file_id,
+        reward=redact_secrets(job.reward),
+        hyperparameters={**job.hyperparameters, "seed": job.seed},
+        metadata=job.job_metadata or {},
+        seed=job.seed,
+        attempts=job.attempts,
+        max_wall_seconds=job.max_wall_seconds,
+        usage=JobUsage(
+            device_seconds=job.device_seconds or 0.0,
+            tokens_sampled=job.tokens_sampled or 0,
+            tokens_trained=job.tokens_trained or 0,
+        ),
+        latest_metrics=job.latest_metrics,
+    )
 
 
 def encode_cursor(created_at: datetime, job_id: str) -> str:
@@ -172,7 +243,9 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise ApiError(400, "invalid_cursor", "cursor is not one this API returned", "cursor") from None
 
 
-def list_jobs(s: Session, tenant: Tenant, status: str | None, limit: int, cursor: str | None) -> tuple[list[Job], str | None]:
+def list_jobs(
+    s: Session, tenant: Tenant, status: str | None, limit: int, cursor: str | None
+) -> tuple[list[Job], str | None]:
     """Newest first; the cursor is the last row's (created_at, id)."""
     q = select(Job).where(Job.tenant_id == tenant.id)
     if status:

@@ -39,9 +39,13 @@ def _grade(req: dict, settings: Settings) -> dict:
         results = fn.score_batch([req["item"]] * len(samples), samples)
     finally:
         fn.close()
-    return {"grader_names": fn.grader_names, "results": [
-        {"output_text": t, "reward": r.reward, "scores": r.scores, "errors": r.errors}
-        for t, r in zip(req["samples"], results)]}
+    return {
+        "grader_names": fn.grader_names,
+        "results": [
+            {"output_text": t, "reward": r.reward, "scores": r.scores, "errors": r.errors}
+            for t, r in zip(req["samples"], results)
+        ],
+    }
 
 
 async def dry_run(limits: Limits, pool: Executor, settings: Settings, tenant_id: str, req: dict) -> dict:
@@ -49,8 +53,9 @@ async def dry_run(limits: Limits, pool: Executor, settings: Settings, tenant_id:
     its dry-run slots) within the bounds: samples per call (422), the tenant's grading time per window
     and concurrent runs (429), this process's runs (503)."""
     if len(req["samples"]) > settings.max_reward_run_samples:
-        raise ApiError(422, "invalid_request", f"samples: at most {settings.max_reward_run_samples} per call",
-                       "samples")
+        raise ApiError(
+            422, "invalid_request", f"samples: at most {settings.max_reward_run_samples} per call", "samples"
+        )
     what, window = "reward runs", settings.reward_run_window_s
     await limits.check_budget(what, tenant_id, settings.reward_run_budget_s, window)
     async with limits.slot(what, tenant_id, settings.max_reward_runs_per_tenant, settings.max_reward_runs_per_process):

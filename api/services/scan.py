@@ -21,13 +21,21 @@ def scan_in_child(fh: BinaryIO, max_rows: int, max_row_bytes: int, timeout_s: fl
     """``(rows, fields)`` of ``fh`` (a real file) validated in a child; raises :class:`DataError`."""
     fd = fh.fileno()
     env = {k: v for k, v in os.environ.items() if k in _ENV}
-    done = subprocess.run([sys.executable, "-m", "api.services.scan", str(fd), str(max_rows), str(max_row_bytes)],
-                          pass_fds=(fd,), env=env, capture_output=True, timeout=timeout_s, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "api.services.scan", str(fd), str(max_rows), str(max_row_bytes)],
+        pass_fds=(fd,),
+        env=env,
+        capture_output=True,
+        timeout=timeout_s,
+        check=False,
+    )
     try:
         answer = json.loads(done.stdout)
     except ValueError:
-        raise RuntimeError(f"the upload scan ended without an answer (exit code {done.returncode}): "
-                           f"{done.stderr[-500:].decode(errors='replace')}") from None
+        raise RuntimeError(
+            f"the upload scan ended without an answer (exit code {done.returncode}): "
+            f"{done.stderr[-500:].decode(errors='replace')}"
+        ) from None
     if "error" in answer:
         e = answer["error"]
         raise DataError(e["line"], e["field"], e["message"])

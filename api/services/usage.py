@@ -19,12 +19,19 @@ def tenant_usage(s: Session, settings: Settings, tenant: Tenant, periods: int) -
     rows = store_usage.tenant_periods(s, tenant.id, periods)
     budget = store_usage.budget(s, policy, tenant.id)
     current = next((r for r in rows if r["period_start"] == budget.period_start), None) or {
-        "period_start": budget.period_start, "device_seconds": 0.0, "tokens_sampled": 0, "tokens_trained": 0, "jobs": 0}
+        "period_start": budget.period_start,
+        "device_seconds": 0.0,
+        "tokens_sampled": 0,
+        "tokens_trained": 0,
+        "jobs": 0,
+    }
     hours = policy.budget_s / 3600 if policy.budget_s > 0 else None
     return UsageOut(
-        period_seconds=policy.period_s, budget_device_hours=hours,
+        period_seconds=policy.period_s,
+        budget_device_hours=hours,
         current=UsagePeriod(**current, period_end=current["period_start"] + length),
         budget_left_device_hours=max(0.0, hours - current["device_seconds"] / 3600) if hours is not None else None,
         budget_exhausted_until=budget.period_end if budget.exhausted else None,
         periods=[UsagePeriod(**r, period_end=r["period_start"] + length) for r in rows],
-        total=UsageTotals(**store_usage.tenant_totals(s, tenant.id)))
+        total=UsageTotals(**store_usage.tenant_totals(s, tenant.id)),
+    )

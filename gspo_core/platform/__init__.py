@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 #: How a rollout engine may be named in `RuntimeOptions.rollout_engine`.
 ENGINE_KINDS = ("auto", "vllm", "transformers")
@@ -51,7 +52,7 @@ class RuntimeOptions:
             raise ValueError(f"keep_freed_memory: {self.keep_freed_memory!r} must be true or false")
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "RuntimeOptions":
+    def from_mapping(cls, values: Mapping[str, Any]) -> RuntimeOptions:
         """From plain values (``Settings.runtime_options()``, a YAML section); unknown keys are refused."""
         known = {f.name for f in fields(cls)}
         if unknown := sorted(set(values) - known):
@@ -73,8 +74,9 @@ class Platform:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return ["vllm_in_process"]
 
-    def vllm_engine_args(self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None,
-                         max_new_tokens: int | None) -> dict[str, Any]:
+    def vllm_engine_args(
+        self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None, max_new_tokens: int | None
+    ) -> dict[str, Any]:
         """Platform-specific arguments of ``vllm.LLM(...)`` (the engine adds the model, seed, dtype...)."""
         from vllm.platforms import current_platform
 

@@ -38,8 +38,9 @@ class CpuPlatform(Platform):
             applied.append("keep_freed_memory")
         return applied
 
-    def vllm_engine_args(self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None,
-                         max_new_tokens: int | None) -> dict[str, Any]:
+    def vllm_engine_args(
+        self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None, max_new_tokens: int | None
+    ) -> dict[str, Any]:
         """Eager mode; 16- or 32-token KV blocks (`cpu_kv_block`) and a cache sized to the job
         (`cpu_kv_cache`) when ``max_num_seqs`` is known; no chunked prefill: where a seeded request's
         prefill is split, vLLM rewinds its generator with ``set_offset``, which CPU generators lack."""
@@ -74,8 +75,7 @@ def cpu_kv_block(max_new_tokens: int | None, dtype: str) -> int:
     return CPU_SHORT_KV_BLOCK if short and runs_16_token_blocks(dtype) else CPU_KV_BLOCK
 
 
-def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int,
-                 block: int = CPU_KV_BLOCK) -> dict:
+def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, block: int = CPU_KV_BLOCK) -> dict:
     """vLLM arguments giving its CPU KV cache room for ``max_num_seqs`` sequences of ``max_model_len``
     tokens each, all at once, and no more.
 
@@ -89,5 +89,8 @@ def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: i
     """
     seqs = min(max_num_seqs, CPU_MAX_SEQS)
     blocks = seqs * -(-max_model_len // block) + 1
-    return dict(max_num_seqs=seqs, num_gpu_blocks_override=blocks,
-                kv_cache_memory_bytes=blocks * block * kv_bytes_per_token(model_dir, dtype))
+    return dict(
+        max_num_seqs=seqs,
+        num_gpu_blocks_override=blocks,
+        kv_cache_memory_bytes=blocks * block * kv_bytes_per_token(model_dir, dtype),
+    )

@@ -11,13 +11,32 @@ from gspo_core.rewards import multi as _multi  # noqa: F401
 from gspo_core.rewards import python_grader as _python  # noqa: F401
 from gspo_core.rewards import remote as _remote  # noqa: F401
 from gspo_core.rewards import reward_model as _reward_model  # noqa: F401
-from gspo_core.rewards.base import (GRADERS, GradeResult, Grader, GraderError, RewardSpecError, as_score, build_grader,
-                                   check_spec_values, redact_secrets)
+from gspo_core.rewards.base import (
+    GRADERS,
+    Grader,
+    GraderError,
+    GradeResult,
+    RewardSpecError,
+    as_score,
+    build_grader,
+    check_spec_values,
+    redact_secrets,
+)
 from gspo_core.rewards.multi import MAX_MULTI_DEPTH, MultiGrader
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
-__all__ = ["GRADERS", "DEFAULT_POLICY", "GradeResult", "GraderError", "GraderPolicy", "RewardFunction", "RewardSpecError",
-           "build_reward", "map_reward_models", "redact_secrets"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "GRADERS",
+    "GradeResult",
+    "GraderError",
+    "GraderPolicy",
+    "RewardFunction",
+    "RewardSpecError",
+    "build_reward",
+    "map_reward_models",
+    "redact_secrets",
+]
 
 #: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.
 MAX_THREADS = 32

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
@@ -186,8 +187,9 @@ class Grader:
     def add_template(self, value: str, key: str) -> None:
         for m in TEMPLATE_RE.finditer(value):
             if m.group(1) == "sample" and _split_path(m.group(2))[0] not in SAMPLE_FIELDS:
-                raise RewardSpecError(self.field(key), f"unknown sample field {m.group(2)!r}; known: "
-                                      + ", ".join(sorted(SAMPLE_FIELDS)))
+                raise RewardSpecError(
+                    self.field(key), f"unknown sample field {m.group(2)!r}; known: " + ", ".join(sorted(SAMPLE_FIELDS))
+                )
         self.templates.append(value)
 
     def check_keys(self, allowed: set[str]) -> None:
@@ -272,7 +274,7 @@ def redact_secrets(spec: Any) -> Any:
         if key in SECRET_KEYS and isinstance(value, str):
             out[key] = REDACTED
         elif key in SECRET_MAPS and isinstance(value, dict):
-            out[key] = {k: REDACTED for k in value}
+            out[key] = dict.fromkeys(value, REDACTED)
         else:
             out[key] = redact_secrets(value)
     return out

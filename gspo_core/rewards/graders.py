@@ -106,13 +106,13 @@ def _last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` to close, at any nesting depth (one pass over the braces)."""
     opens = {m.end() - 1 for m in _BOXED.finditer(text)}  # where each box's "{" is
     found, stack = None, []
-    for m in (_BRACES.finditer(text) if opens else ()):
+    for m in _BRACES.finditer(text) if opens else ():
         if m.group() == "{":
             stack.append(m.start())
         elif stack:
             start = stack.pop()
             if start in opens:
-                found = text[start + 1:m.start()]
+                found = text[start + 1 : m.start()]
     return found
 
 
@@ -172,8 +172,9 @@ class MathAnswer(Killable, Grader):
         if max(len(answer), len(ref)) > self.MAX_CHARS:
             raise GraderError("invalid_output", f"answer or reference longer than {self.MAX_CHARS} characters")
         if _too_big(answer) or _too_big(ref):
-            raise GraderError("invalid_output", "answer too large to verify (a power tower, a huge exponent or "
-                                                "factorial)")
+            raise GraderError(
+                "invalid_output", "answer too large to verify (a power tower, a huge exponent or factorial)"
+            )
         from math_verify import parse, verify
 
         # The pool process's alarm (GraderPolicy.local_timeout_s) bounds these; math-verify's own

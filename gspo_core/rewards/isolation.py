@@ -36,8 +36,16 @@ SHM_MB = 16  # /dev/shm tmpfs (joblib, multiprocessing locks); counted in a chil
 OS_DIRS = ("/usr/bin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/share/zoneinfo")
 TOP_DIRS = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
 #: Environment of sandboxed code (all else is dropped): one BLAS/OpenMP thread keeps within the process cap.
-SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp",
-               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
+SANDBOX_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+}
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ _LOCK = threading.Lock()
 
 def uid_slots() -> _UidSlots:
     global _SLOTS, _SLOTS_PID
-    if _SLOTS is None or _SLOTS_PID != os.getpid():  # a forked worker gets its own range
+    if _SLOTS is None or os.getpid() != _SLOTS_PID:  # a forked worker gets its own range
         _SLOTS, _SLOTS_PID = _UidSlots(), os.getpid()
     return _SLOTS
 
@@ -111,8 +119,9 @@ def _has_uid(pid: int | str, uid: int) -> bool:
             status = dict(line.split(":", 1) for line in fh if ":" in line)
     except (OSError, ValueError):
         return False
-    return (status.get("Uid", "").split()[:1] == [str(uid)]
-            and not status.get("State", "").strip().startswith(("Z", "X")))
+    return status.get("Uid", "").split()[:1] == [str(uid)] and not status.get("State", "").strip().startswith(
+        ("Z", "X")
+    )
 
 
 def uid_pids(uid: int) -> list[int]:
@@ -143,8 +152,20 @@ def kill_uid(uid: int) -> None:
 
 def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
     """The bwrap command line that runs ``argv`` (the interpreter first) in a fresh sandbox."""
-    cmd = [iso.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-           "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID), "--hostname", "sandbox"]
+    cmd = [
+        iso.bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(SANDBOX_ID),
+        "--gid",
+        str(SANDBOX_ID),
+        "--hostname",
+        "sandbox",
+    ]
     for top in TOP_DIRS:
         if os.path.islink(top):
             cmd += ["--symlink", os.readlink(top), top]
@@ -152,10 +173,31 @@ def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
             cmd += ["--ro-bind", top, top]
     for path in iso.binds:
         cmd += ["--ro-bind", path, path]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-            "--perms", "1777", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
-            "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp",
-            "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+    cmd += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(SHM_MB << 20),
+        "--tmpfs",
+        "/dev/shm",
+        "--perms",
+        "1777",
+        "--size",
+        str(tmp_mb << 20),
+        "--tmpfs",
+        "/tmp",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--clearenv",
+    ]
     for key, value in SANDBOX_ENV.items():
         cmd += ["--setenv", key, value]
     return cmd + ["--", *argv]
@@ -164,6 +206,7 @@ def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
 def preexec(iso: Isolation, limits, n_tasks: int, uid: int | None):
     """What the child does before exec: its own session, rlimits, and (the service being root) the
     throw-away host ``uid`` for bwrap, or in weak mode an empty network namespace."""
+
     def setup() -> None:
         os.setsid()
         if limits.niceness:
@@ -208,11 +251,14 @@ def _probe(python: str, bwrap_name: str, allow_weak: bool) -> Isolation:
 
 def _interpreter_dirs(python: str) -> tuple[list[str] | None, str]:
     """The prefixes of ``python`` (venv and base), asked of the interpreter itself."""
-    code = ("import sys, json; "
-            "print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})))")
+    code = (
+        "import sys, json; "
+        "print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})))"
+    )
     try:
-        out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=60,
-                             env={"PATH": "/usr/bin:/bin"})
+        out = subprocess.run(
+            [python, "-I", "-c", code], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
+        )
         dirs = json.loads(out.stdout) if out.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
         return None, f"the grader environment does not run: {python}: {exc}"
@@ -253,8 +299,14 @@ def _probe_bwrap(python: str, bwrap_name: str) -> tuple[Isolation | None, str]:
     limits = SandboxLimits(timeout_s=30.0, memory_mb=1024)
     uid = uid_slots().take() if IS_ROOT else None
     try:
-        out = subprocess.run(command(iso, 8, [python, "-I", "-B", "-c", PROBE]), capture_output=True, text=True,
-                             timeout=60, preexec_fn=preexec(iso, limits, 1, uid), cwd="/")
+        out = subprocess.run(
+            command(iso, 8, [python, "-I", "-B", "-c", PROBE]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=preexec(iso, limits, 1, uid),
+            cwd="/",
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"bubblewrap did not start: {exc}"
     finally:
@@ -263,8 +315,10 @@ def _probe_bwrap(python: str, bwrap_name: str) -> tuple[Isolation | None, str]:
             uid_slots().give(uid)
     if out.returncode != 0:
         said = (out.stderr.strip() or out.stdout.strip())[-300:]
-        return None, (f"bubblewrap cannot isolate here: {said} (it needs user namespaces, and the sandbox's "
-                      "unprivileged uid must be able to read the grader environment)")
+        return None, (
+            f"bubblewrap cannot isolate here: {said} (it needs user namespaces, and the sandbox's "
+            "unprivileged uid must be able to read the grader environment)"
+        )
     try:
         seen = json.loads(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -9,8 +9,13 @@ import operator
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, build_grader, register
 from gspo_core.rewards.policy import DEFAULT_POLICY
 
-_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Pow: operator.pow}
+_BIN = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 _FUNCS = {"min": min, "max": max, "abs": abs}
 #: Bounds checked before anything recurses: multi graders nested in multi graders, sub-graders per
 #: multi, and the formula's syntax tree (nesting depth, nodes).
@@ -46,8 +51,13 @@ def _check(node: ast.AST, names: set[str], field: str) -> None:
         return _check(node.right, names, field)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         return _check(node.operand, names, field)
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS
-            and not node.keywords and node.args):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _FUNCS
+        and not node.keywords
+        and node.args
+    ):
         for arg in node.args:
             _check(arg, names, field)
         return
@@ -100,13 +110,17 @@ class MultiGrader(Grader):
         try:
             self.tree = ast.parse(formula, mode="eval")
         except (SyntaxError, ValueError) as exc:
-            raise RewardSpecError(self.field("calculate_output"), f"not a formula: {getattr(exc, 'msg', exc)}") from None
+            raise RewardSpecError(
+                self.field("calculate_output"), f"not a formula: {getattr(exc, 'msg', exc)}"
+            ) from None
         except (RecursionError, MemoryError):
             raise RewardSpecError(self.field("calculate_output"), "nested too deeply") from None
         depth, nodes = _tree_size(self.tree)
         if depth > MAX_FORMULA_DEPTH or nodes > MAX_FORMULA_NODES:
-            raise RewardSpecError(self.field("calculate_output"), f"more than {MAX_FORMULA_NODES} terms or nested "
-                                  f"deeper than {MAX_FORMULA_DEPTH} levels")
+            raise RewardSpecError(
+                self.field("calculate_output"),
+                f"more than {MAX_FORMULA_NODES} terms or nested deeper than {MAX_FORMULA_DEPTH} levels",
+            )
         _check(self.tree, set(self.subs), self.field("calculate_output"))
 
     def local_models(self) -> dict[str, str]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class GraderPolicy:
     niceness: int = 0
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "GraderPolicy":
+    def from_mapping(cls, values: Mapping[str, Any]) -> GraderPolicy:
         """From plain values (``Settings.grader_policy()``); unknown keys are an error."""
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known

@@ -120,9 +120,20 @@ class GraderPool:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
             try:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "gspo_core.rewards.pool_child", str(os.getpid()), str(self.memory_mb),
-                     str(self.niceness)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, start_new_session=True)
+                    [
+                        sys.executable,
+                        "-m",
+                        "gspo_core.rewards.pool_child",
+                        str(os.getpid()),
+                        str(self.memory_mb),
+                        str(self.niceness),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=env,
+                    cwd=ROOT,
+                    start_new_session=True,
+                )
             except OSError as exc:
                 self._lost(None, f"{type(exc).__name__}: {exc}")
                 continue
@@ -166,7 +177,7 @@ class GraderPool:
                 return GraderError("killed", f"could not start a grader process ({self._failed})")
             return GraderError("timeout", "no grader process was free within the batch's budget")
 
-    def _run_chunk(self, grader: "Killable", tasks: list[tuple[int, str]], deadline: float) -> dict[int, object]:
+    def _run_chunk(self, grader: Killable, tasks: list[tuple[int, str]], deadline: float) -> dict[int, object]:
         """Grade ``tasks`` (index, JSON of ``[index, sample, item]``) in one pool process, which answers
         sample by sample; each answer must come within the per-sample limit. Returns the answers it
         got, in order: a process that overruns is killed and the sample it was on gets the error;
@@ -177,9 +188,12 @@ class GraderPool:
             return {i: proc for i, _ in tasks}
         if time.monotonic() >= deadline:  # nothing sent yet: the process stays usable
             self._idle.put(proc)
-            return {i: GraderError("timeout", "the batch's grading budget ran out before this sample") for i, _ in tasks}
-        request = (f'{{"key": "{grader.pool_key}", "timeout": {timeout!r}, "tasks": ['
-                   + ", ".join(t for _, t in tasks) + "]}")
+            return {
+                i: GraderError("timeout", "the batch's grading budget ran out before this sample") for i, _ in tasks
+            }
+        request = (
+            f'{{"key": "{grader.pool_key}", "timeout": {timeout!r}, "tasks": [' + ", ".join(t for _, t in tasks) + "]}"
+        )
         got: dict[int, object] = {}
         for _ in range(2):  # a second time when the process no longer held the spec
             if not self._define(proc, grader, deadline) or not proc.send(request):
@@ -193,14 +207,16 @@ class GraderPool:
                 if msg is None or msg.get("i") != i or not ("ok" in msg or "error" in msg):
                     got[i] = self._overrun(proc, grader, timeout, deadline)
                     return got
-                got[i] = float(msg["ok"]) if "ok" in msg else GraderError(str(msg["error"]), str(msg.get("message", "")))
+                got[i] = (
+                    float(msg["ok"]) if "ok" in msg else GraderError(str(msg["error"]), str(msg.get("message", "")))
+                )
             else:
                 break
         self._idle.put(proc)
         return got
 
     @staticmethod
-    def _define(proc: _Proc, grader: "Killable", deadline: float) -> bool:
+    def _define(proc: _Proc, grader: Killable, deadline: float) -> bool:
         """Give ``proc`` the grader's spec unless it holds it (its imports, e.g. math-verify, happen
         then: outside the per-sample deadline). False when the process did not answer in time."""
         if grader.pool_key in proc.defined:
@@ -212,7 +228,7 @@ class GraderPool:
         proc.defined.add(grader.pool_key)
         return True
 
-    def prime(self, grader: "Killable") -> None:
+    def prime(self, grader: Killable) -> None:
         """Give every process the grader's spec in the background (at build, before the first batch);
         the ``MAX_RECENT`` most recent specs are also handed to each new process before it takes work."""
         with self._lock:
@@ -243,14 +259,16 @@ class GraderPool:
         self._lost(proc)
         if not alive:
             code = proc.popen.returncode
-            return GraderError("killed", f"{grader.type_name} grader process died "
-                                         f"({'signal ' + str(-code) if code < 0 else code})")
+            return GraderError(
+                "killed", f"{grader.type_name} grader process died ({'signal ' + str(-code) if code < 0 else code})"
+            )
         if time.monotonic() >= deadline:
             return GraderError("timeout", "the batch's grading budget ran out during this sample")
-        return GraderError("timeout", f"{grader.type_name} grader took longer than {timeout:g} s; its process was "
-                                      "stopped")
+        return GraderError(
+            "timeout", f"{grader.type_name} grader took longer than {timeout:g} s; its process was stopped"
+        )
 
-    def grade(self, grader: "Killable", samples: list[dict], items: list[dict]) -> list[float | GraderError]:
+    def grade(self, grader: Killable, samples: list[dict], items: list[dict]) -> list[float | GraderError]:
         """Every sample once, in chunks over at most ``size`` processes at a time (few round trips,
         each answer still under its own deadline); samples left when the batch's budget
         (``local_budget_s``) runs out score a timeout."""
@@ -261,7 +279,9 @@ class GraderPool:
         for i, (s, it) in enumerate(zip(samples, items)):
             task = json.dumps([i, s, it])
             if len(task) > MAX_REQUEST_BYTES:
-                results[i] = GraderError("invalid_output", f"sample and item are larger than {MAX_REQUEST_BYTES >> 20} MB")
+                results[i] = GraderError(
+                    "invalid_output", f"sample and item are larger than {MAX_REQUEST_BYTES >> 20} MB"
+                )
             else:
                 todo.append((i, task))
         per_chunk = max(1, min(MAX_CHUNK, math.ceil(len(todo) / (4 * self.size))))
@@ -271,7 +291,9 @@ class GraderPool:
             while True:
                 with lock:
                     chunk, size = [], 0
-                    while todo and len(chunk) < per_chunk and (not chunk or size + len(todo[0][1]) <= MAX_REQUEST_BYTES):
+                    while (
+                        todo and len(chunk) < per_chunk and (not chunk or size + len(todo[0][1]) <= MAX_REQUEST_BYTES)
+                    ):
                         chunk.append(todo.popleft())
                         size += len(chunk[-1][1])
                 if not chunk:
@@ -324,7 +346,7 @@ def pool_for(policy: GraderPolicy) -> GraderPool:
     global _POOLS_PID
     key = (policy.pool_size or default_size(), policy.pool_memory_mb, policy.niceness)
     with _POOLS_LOCK:
-        if _POOLS_PID != os.getpid():
+        if os.getpid() != _POOLS_PID:
             _POOLS.clear()
             _POOLS_PID = os.getpid()
         if key not in _POOLS:
@@ -334,7 +356,7 @@ def pool_for(policy: GraderPolicy) -> GraderPool:
 
 @atexit.register
 def _close_pools() -> None:
-    if _POOLS_PID == os.getpid():
+    if os.getpid() == _POOLS_PID:
         for pool in list(_POOLS.values()):
             pool.close()
 

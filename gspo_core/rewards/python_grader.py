@@ -57,28 +57,38 @@ class PythonGrader(Grader):
             raise RewardSpecError(self.field("memory_mb"), "must be an integer")
         self.limits = SandboxLimits(timeout_s=float(timeout), memory_mb=memory, niceness=policy.niceness)
         if self.limits.reserve_mb > policy.sandbox_memory_budget_mb:
-            raise RewardSpecError(self.field("memory_mb"), f"with the sandbox's {self.limits.reserve_mb - memory} MB "
-                                  f"of tmpfs it exceeds the operator's sandbox memory budget of "
-                                  f"{policy.sandbox_memory_budget_mb} MB")
-        concurrency = self.num("max_concurrency", min(default_concurrency(), policy.max_concurrency), 1,
-                               policy.max_concurrency)
+            raise RewardSpecError(
+                self.field("memory_mb"),
+                f"with the sandbox's {self.limits.reserve_mb - memory} MB "
+                f"of tmpfs it exceeds the operator's sandbox memory budget of "
+                f"{policy.sandbox_memory_budget_mb} MB",
+            )
+        concurrency = self.num(
+            "max_concurrency", min(default_concurrency(), policy.max_concurrency), 1, policy.max_concurrency
+        )
         if not isinstance(concurrency, int):
             raise RewardSpecError(self.field("max_concurrency"), "must be an integer")
         # Children of one grader never wait for each other's memory: only as many as the budget holds.
         self.concurrency = max(1, min(concurrency, policy.sandbox_memory_budget_mb // self.limits.reserve_mb))
         iso = isolation_for(policy)
         if iso.mode == REFUSED:
-            raise RewardSpecError(self.field("type"), f"python graders are not available on this server: it "
-                                  f"cannot isolate user code ({iso.summary}); the operator may allow weak "
-                                  "isolation (GSPO_ALLOW_WEAK_SANDBOX)")
+            raise RewardSpecError(
+                self.field("type"),
+                f"python graders are not available on this server: it "
+                f"cannot isolate user code ({iso.summary}); the operator may allow weak "
+                "isolation (GSPO_ALLOW_WEAK_SANDBOX)",
+            )
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"sandbox-{self.name}")
 
     def grade_batch(self, samples, items):
         calls = [[s, i] for s, i in zip(samples, items)]
         size = max(1, min(16, math.ceil(len(calls) / self.concurrency)))
-        chunks = [calls[k:k + size] for k in range(0, len(calls), size)]
-        raw = [r for part in self._pool.map(lambda c: run_sandboxed(self.source, c, self.limits, self.policy),
-                                            chunks) for r in part]
+        chunks = [calls[k : k + size] for k in range(0, len(calls), size)]
+        raw = [
+            r
+            for part in self._pool.map(lambda c: run_sandboxed(self.source, c, self.limits, self.policy), chunks)
+            for r in part
+        ]
         return [r if isinstance(r, GraderError) else _score(r) for r in raw]
 
     def budget_s(self, n):

@@ -42,8 +42,9 @@ class _HttpCaller:
             if self._client is None:
                 from gspo_core.egress import EgressClient, EgressPolicy
 
-                self._client = EgressClient(EgressPolicy(self.allow), self.timeout, headers=self.headers,
-                                            verify=_ssl_context())
+                self._client = EgressClient(
+                    EgressPolicy(self.allow), self.timeout, headers=self.headers, verify=_ssl_context()
+                )
             return self._client
 
     def post(self, url: str, body: dict) -> object:
@@ -74,7 +75,7 @@ class _HttpCaller:
         raise last
 
     def budget_s(self) -> float:
-        backoff = sum(min(5.0, self.backoff * 2 ** k) for k in range(self.retries))
+        backoff = sum(min(5.0, self.backoff * 2**k) for k in range(self.retries))
         return (self.retries + 1) * (self.timeout + 1) + backoff + 5
 
     def close(self) -> None:
@@ -107,9 +108,13 @@ def _caller(grader: Grader, headers: dict, default_timeout: float) -> _HttpCalle
     for name, value in headers.items():
         if why := header_refusal(name, value):
             raise RewardSpecError(grader.field(f"headers.{name}"), why)
-    return _HttpCaller(timeout=float(grader.num("timeout_s", default_timeout, 0.01, 600)),
-                       retries=int(grader.num("retries", 2, 0, 10)),
-                       backoff=float(grader.num("backoff_s", 0.2, 0, 10)), headers=headers, policy=grader.policy)
+    return _HttpCaller(
+        timeout=float(grader.num("timeout_s", default_timeout, 0.01, 600)),
+        retries=int(grader.num("retries", 2, 0, 10)),
+        backoff=float(grader.num("backoff_s", 0.2, 0, 10)),
+        headers=headers,
+        policy=grader.policy,
+    )
 
 
 @register("http")
@@ -152,14 +157,20 @@ class ScoreModelGrader(Grader):
     list of chat messages whose contents are templates; the first number in the reply, clipped to
     ``range`` [lo, hi], is mapped onto [0, 1]. ``sampling_params`` go into the request as they are."""
 
-    SAMPLING_KEYS = {"temperature": "must be a number", "top_p": "must be a number",
-                     "max_tokens": "must be an integer", "max_completion_tokens": "must be an integer",
-                     "seed": "must be an integer", "stop": "must be a string or a list of strings"}
+    SAMPLING_KEYS = {
+        "temperature": "must be a number",
+        "top_p": "must be a number",
+        "max_tokens": "must be an integer",
+        "max_completion_tokens": "must be an integer",
+        "seed": "must be an integer",
+        "stop": "must be a string or a list of strings",
+    }
 
     def __init__(self, spec, path, policy=DEFAULT_POLICY):
         super().__init__(spec, path, policy)
-        self.check_keys({"base_url", "model", "input", "api_key", "range", "timeout_s", "retries", "backoff_s",
-                         "sampling_params"})
+        self.check_keys(
+            {"base_url", "model", "input", "api_key", "range", "timeout_s", "retries", "backoff_s", "sampling_params"}
+        )
         self.base_url = _url(self, "base_url").rstrip("/")
         self.model = self.req("model", str)
         self.messages = self.req("input", list)
@@ -170,15 +181,19 @@ class ScoreModelGrader(Grader):
                 raise RewardSpecError(self.field(f"input[{i}]"), "each message needs string role and content")
             self.add_template(m["content"], f"input[{i}].content")
         rng = self.opt("range", list, [0, 1])
-        if (len(rng) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rng)
-                or rng[0] >= rng[1]):
+        if (
+            len(rng) != 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rng)
+            or rng[0] >= rng[1]
+        ):
             raise RewardSpecError(self.field("range"), "must be [low, high] with low < high")
         self.lo, self.hi = float(rng[0]), float(rng[1])
         self.sampling = self.opt("sampling_params", dict, {"temperature": 0.0})
         for key, value in self.sampling.items():
             if key not in self.SAMPLING_KEYS:
-                raise RewardSpecError(self.field(f"sampling_params.{key}"),
-                                      f"unknown; allowed: {', '.join(sorted(self.SAMPLING_KEYS))}")
+                raise RewardSpecError(
+                    self.field(f"sampling_params.{key}"), f"unknown; allowed: {', '.join(sorted(self.SAMPLING_KEYS))}"
+                )
             if not _sampling_ok(key, value):
                 raise RewardSpecError(self.field(f"sampling_params.{key}"), self.SAMPLING_KEYS[key])
         from gspo_core.egress import header_refusal
@@ -190,8 +205,9 @@ class ScoreModelGrader(Grader):
 
     def grade(self, sample, item):
         msgs = [{"role": m["role"], "content": render(m["content"], sample, item)} for m in self.messages]
-        reply = self.http.post(f"{self.base_url}/chat/completions",
-                               {"model": self.model, "messages": msgs, **self.sampling})
+        reply = self.http.post(
+            f"{self.base_url}/chat/completions", {"model": self.model, "messages": msgs, **self.sampling}
+        )
         try:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

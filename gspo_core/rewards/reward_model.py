@@ -186,9 +186,14 @@ class RewardModelGrader(Grader):
         tok, model = entry.tok, entry.model
         with entry.lock, torch.inference_mode():
             for b in range(0, len(todo), self.batch_size):
-                idx = todo[b:b + self.batch_size]
-                enc = tok([texts[k] for k in idx], return_tensors="pt", padding=True, truncation=True,
-                          max_length=self.max_length).to(model.device)
+                idx = todo[b : b + self.batch_size]
+                enc = tok(
+                    [texts[k] for k in idx],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                ).to(model.device)
                 logits_B = model(**enc).logits[:, self.label].float()
                 scores_B = torch.sigmoid(logits_B) if self.activation == "sigmoid" else logits_B
                 for k, v in zip(idx, scores_B.tolist()):

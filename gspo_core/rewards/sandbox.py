@@ -23,17 +23,27 @@ import time
 from contextlib import contextmanager
 
 from gspo_core.rewards.base import GraderError
-from gspo_core.rewards.isolation import (BUBBLEWRAP, IS_ROOT, REFUSED, Isolation, SandboxLimits, command, isolation_for,
-                                         kill_uid, preexec, uid_slots)
+from gspo_core.rewards.isolation import (
+    BUBBLEWRAP,
+    IS_ROOT,
+    REFUSED,
+    Isolation,
+    SandboxLimits,
+    command,
+    isolation_for,
+    kill_uid,
+    preexec,
+    uid_slots,
+)
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
-__all__ = ["SandboxLimits", "run_sandboxed", "memory_in_use_mb"]
+__all__ = ["SandboxLimits", "memory_in_use_mb", "run_sandboxed"]
 
 START_GRACE_S = 10.0  # interpreter start on a loaded machine, beyond the module code's own limit
 GRACE_S = 2.0  # beyond the per-call alarm, before the parent kills a child that ignores it
 MAX_RESULT_CHARS = 1_000_000
 
-RUNNER = r'''
+RUNNER = r"""
 import json, os, signal, sys
 proto = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # user prints go to stderr, never into the protocol stream
@@ -98,7 +108,7 @@ for i, args in job["tasks"]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         msg = {"i": i, "error": "exception", "message": f"{type(exc).__name__}: {exc}"[:500]}
     proto.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
-'''
+"""
 
 
 class _MemoryBudget:
@@ -127,7 +137,7 @@ _BUDGET_PID = 0
 
 def _budget() -> _MemoryBudget:
     global _BUDGET, _BUDGET_PID
-    if _BUDGET is None or _BUDGET_PID != os.getpid():  # a forked process starts with nothing held
+    if _BUDGET is None or os.getpid() != _BUDGET_PID:  # a forked process starts with nothing held
         _BUDGET, _BUDGET_PID = _MemoryBudget(), os.getpid()
     return _BUDGET
 
@@ -148,17 +158,34 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _spawn(iso: Isolation, source, tasks, limits: SandboxLimits, entry: str, uid, workdir):
     """The child: bwrap around the interpreter, or in weak mode the interpreter itself."""
     weak_uid = uid if iso.mode != BUBBLEWRAP else None
-    payload = json.dumps({"source": source, "entry": entry, "timeout": limits.timeout_s, "uid": weak_uid,
-                          "setup_timeout": max(limits.setup_s, limits.timeout_s), "memory_mb": limits.memory_mb,
-                          "max_procs": limits.max_procs, "workdir": workdir, "max_result": MAX_RESULT_CHARS,
-                          "tasks": [[i, args] for i, args in tasks]})
+    payload = json.dumps(
+        {
+            "source": source,
+            "entry": entry,
+            "timeout": limits.timeout_s,
+            "uid": weak_uid,
+            "setup_timeout": max(limits.setup_s, limits.timeout_s),
+            "memory_mb": limits.memory_mb,
+            "max_procs": limits.max_procs,
+            "workdir": workdir,
+            "max_result": MAX_RESULT_CHARS,
+            "tasks": [[i, args] for i, args in tasks],
+        }
+    )
     argv = [iso.python, "-I", "-B", "-c", RUNNER]
     if iso.mode == BUBBLEWRAP:
         argv, env = command(iso, limits.tmp_mb, argv), {}
     else:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env=env, cwd="/", preexec_fn=preexec(iso, limits, len(tasks), uid))
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd="/",
+        preexec_fn=preexec(iso, limits, len(tasks), uid),
+    )
     try:
         proc.stdin.write(payload.encode())  # the child reads all of it before it writes anything
         proc.stdin.close()
@@ -196,12 +223,13 @@ def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple
                 continue
             if "fatal" in msg:
                 err = GraderError(str(msg["fatal"]), str(msg.get("message")))
-                return {i: err for i in wanted}, False
+                return dict.fromkeys(wanted, err), False
             if msg.get("ready"):
                 deadline = time.monotonic() + limits.timeout_s + GRACE_S
             elif msg.get("i") in wanted and msg["i"] not in results:
-                results[msg["i"]] = msg["ok"] if "ok" in msg else GraderError(str(msg.get("error")),
-                                                                               str(msg.get("message")))
+                results[msg["i"]] = (
+                    msg["ok"] if "ok" in msg else GraderError(str(msg.get("error")), str(msg.get("message")))
+                )
                 deadline = time.monotonic() + limits.timeout_s + GRACE_S
     return results, False
 
@@ -214,8 +242,9 @@ def _message(line: bytes) -> dict | None:
     return msg if isinstance(msg, dict) else None
 
 
-def _run_chunk(iso: Isolation, source: str, tasks: list[tuple[int, list]], limits: SandboxLimits,
-               entry: str) -> dict[int, object]:
+def _run_chunk(
+    iso: Isolation, source: str, tasks: list[tuple[int, list]], limits: SandboxLimits, entry: str
+) -> dict[int, object]:
     """One child for ``tasks``; index -> value or GraderError for those it finished (and, if it died
     or hung, an error for the call it was on)."""
     workdir = "/tmp" if iso.mode == BUBBLEWRAP else tempfile.mkdtemp(prefix="gspo-sandbox-")
@@ -254,8 +283,14 @@ def _death_error(returncode: int, timed_out: bool, limits: SandboxLimits) -> Gra
     return GraderError("killed", f"sandboxed process exited ({returncode}) without a result")
 
 
-def run_sandboxed(source: str, calls: list[list], limits: SandboxLimits, policy: GraderPolicy = DEFAULT_POLICY,
-                  entry: str = "grade", chunk: int = 16) -> list[object]:
+def run_sandboxed(
+    source: str,
+    calls: list[list],
+    limits: SandboxLimits,
+    policy: GraderPolicy = DEFAULT_POLICY,
+    entry: str = "grade",
+    chunk: int = 16,
+) -> list[object]:
     """``entry(*args)`` of ``source`` for each ``args`` in ``calls`` (JSON values), one child after
     another; each result is a JSON value or a GraderError. A child that dies is blamed on its first
     unreported call and the rest run again in a fresh child."""

@@ -14,13 +14,21 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _make_vllm(*, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, max_num_seqs,
-               max_new_tokens, **_):
+def _make_vllm(
+    *, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, max_num_seqs, max_new_tokens, **_
+):
     from gspo_core.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_dir, seed=seed, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                      dtype=dtype, plain_sampling=plain_sampling, max_num_seqs=max_num_seqs,
-                      max_new_tokens=max_new_tokens)
+    return VLLMEngine(
+        model_dir,
+        seed=seed,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        dtype=dtype,
+        plain_sampling=plain_sampling,
+        max_num_seqs=max_num_seqs,
+        max_new_tokens=max_new_tokens,
+    )
 
 
 def _make_hf(*, policy, tokenizer, seed, dtype, **_):
@@ -44,10 +52,20 @@ def engine_kind(kind: str) -> str:
     return kind
 
 
-def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_model_len: int,
-                gpu_memory_utilization: float = 0.3, dtype: str = "float32",
-                plain_sampling: bool = False, max_num_seqs: int | None = None,
-                max_new_tokens: int | None = None) -> RolloutEngine:
+def make_engine(
+    kind: str,
+    *,
+    model_dir: str,
+    policy,
+    tokenizer,
+    seed: int,
+    max_model_len: int,
+    gpu_memory_utilization: float = 0.3,
+    dtype: str = "float32",
+    plain_sampling: bool = False,
+    max_num_seqs: int | None = None,
+    max_new_tokens: int | None = None,
+) -> RolloutEngine:
     """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers).
 
     ``dtype`` ("float32" or "bfloat16"): the precision the sampler computes in -- vLLM's weights, or the
@@ -58,6 +76,15 @@ def make_engine(kind: str, *, model_dir: str, policy, tokenizer, seed: int, max_
     ``max_new_tokens``: the most tokens a call usually samples (None: unknown). vLLM on CPU picks its KV
     block by it (`gspo_core.platform.cpu.cpu_kv_block`); a call may sample more, only not at the speed it chose for.
     """
-    return ENGINES[engine_kind(kind)](model_dir=model_dir, policy=policy, tokenizer=tokenizer, seed=seed,
-                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                         plain_sampling=plain_sampling, max_num_seqs=max_num_seqs, max_new_tokens=max_new_tokens)
+    return ENGINES[engine_kind(kind)](
+        model_dir=model_dir,
+        policy=policy,
+        tokenizer=tokenizer,
+        seed=seed,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        dtype=dtype,
+        plain_sampling=plain_sampling,
+        max_num_seqs=max_num_seqs,
+        max_new_tokens=max_new_tokens,
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -72,8 +72,9 @@ def _clean_generation_config(policy, eos_ids: list[int] | None, pad_id: int):
 
     base = base_model(policy)
     saved = base.generation_config
-    base.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id,
-                                              bos_token_id=getattr(saved, "bos_token_id", None))
+    base.generation_config = GenerationConfig(
+        eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=getattr(saved, "bos_token_id", None)
+    )
     try:
         yield
     finally:
@@ -92,8 +93,9 @@ class TransformersEngine:
     name = "transformers"
     shares_weights = True
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256,
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256, dtype: str = "float32"
+    ) -> None:
         if dtype not in AUTOCAST:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(AUTOCAST)}")
         self.policy, self.tokenizer = policy, tokenizer
@@ -109,8 +111,9 @@ class TransformersEngine:
         was_training = self.policy.training
         outs: list[Completion] = []
         # A seeded call must not move the trainer's global RNG (exact resume depends on it).
-        fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                     enabled=sampling.seed is not None)
+        fork = torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else [], enabled=sampling.seed is not None
+        )
         eos = None if sampling.ignore_eos else sorted(self.eos_ids)
         amp = torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
         try:
@@ -121,7 +124,7 @@ class TransformersEngine:
                 indexed = list(enumerate(prompt_ids))
                 per_batch = max(1, self.batch_size // sampling.n)  # a prompt's group is never split
                 for k in range(0, len(indexed), per_batch):
-                    outs += self._generate_batch(indexed[k:k + per_batch], sampling, device)
+                    outs += self._generate_batch(indexed[k : k + per_batch], sampling, device)
         finally:
             self.policy.train(was_training)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
@@ -140,8 +143,13 @@ class TransformersEngine:
         trunk = base.get_decoder()
         # generate's own rule for left-padded rows: positions count real tokens only.
         pos_PW = (attn_PW.cumsum(-1) - 1).clamp(min=0)
-        cache = trunk(input_ids=input_PW[:, :-1], attention_mask=attn_PW[:, :-1], position_ids=pos_PW[:, :-1],
-                      past_key_values=DynamicCache(config=base.config), use_cache=True).past_key_values
+        cache = trunk(
+            input_ids=input_PW[:, :-1],
+            attention_mask=attn_PW[:, :-1],
+            position_ids=pos_PW[:, :-1],
+            past_key_values=DynamicCache(config=base.config),
+            use_cache=True,
+        ).past_key_values
         cache.batch_repeat_interleave(n)
         return cache
 
@@ -152,25 +160,33 @@ class TransformersEngine:
         input_PW = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         attn_PW = torch.zeros((len(batch), width), dtype=torch.long)
         for b, (_, ids) in enumerate(batch):  # left padding, so every row ends at the same column
-            input_PW[b, width - len(ids):] = torch.tensor(ids)
-            attn_PW[b, width - len(ids):] = 1
+            input_PW[b, width - len(ids) :] = torch.tensor(ids)
+            attn_PW[b, width - len(ids) :] = 1
         input_PW, attn_PW = input_PW.to(device), attn_PW.to(device)
         from transformers import LogitsProcessorList
 
         recorder = SampledLogprobs(sampling.temperature, sampling.top_p)
         # temperature/top-p/top-k are neutral here: the recorder applies them, once.
         seq_BL = self.policy.generate(
-            input_ids=input_PW.repeat_interleave(sampling.n, 0), attention_mask=attn_PW.repeat_interleave(sampling.n, 0),
-            past_key_values=self._prompt_cache(input_PW, attn_PW, sampling.n), do_sample=True,
-            temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=sampling.max_tokens, use_cache=True,
+            input_ids=input_PW.repeat_interleave(sampling.n, 0),
+            attention_mask=attn_PW.repeat_interleave(sampling.n, 0),
+            past_key_values=self._prompt_cache(input_PW, attn_PW, sampling.n),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=sampling.max_tokens,
+            use_cache=True,
             logits_processor=LogitsProcessorList([recorder]),
         )
         new_BT = seq_BL[:, width:]
         logp_BT = recorder.finish(new_BT).float().cpu() if sampling.logprobs else None
         new_BT = new_BT.cpu()
         rows = [(p, ids) for p, ids in batch for _ in range(sampling.n)]
-        return [self._completion(p, ids, new_BT[b], None if logp_BT is None else logp_BT[b], sampling)
-                for b, (p, ids) in enumerate(rows)]
+        return [
+            self._completion(p, ids, new_BT[b], None if logp_BT is None else logp_BT[b], sampling)
+            for b, (p, ids) in enumerate(rows)
+        ]
 
     def _completion(self, p: int, ids: list[int], new_T, logp_T, sampling: SamplingSpec) -> Completion:
         toks = new_T.tolist()
@@ -181,9 +197,14 @@ class TransformersEngine:
                 n, finish = stop_at + 1, "stop"
         toks = toks[:n]
         text = self.tokenizer.decode(toks, skip_special_tokens=True)
-        return Completion(prompt_index=p, prompt_ids=list(ids), completion_ids=toks,
-                          logprobs=logp_T[:n].tolist() if logp_T is not None else [], text=text,
-                          finish_reason=finish)
+        return Completion(
+            prompt_index=p,
+            prompt_ids=list(ids),
+            completion_ids=toks,
+            logprobs=logp_T[:n].tolist() if logp_T is not None else [],
+            text=text,
+            finish_reason=finish,
+        )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to copy: this engine samples with the trainer's live weights (a LoRA policy's

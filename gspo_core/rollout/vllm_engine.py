@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -39,29 +39,52 @@ class VLLMEngine:
     name = "vllm"
     shares_weights = False
 
-    def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 1024,
-                 gpu_memory_utilization: float = 0.3, dtype: str = "float32", plain_sampling: bool = False,
-                 max_num_seqs: int | None = None, max_new_tokens: int | None = None,
-                 platform: Platform | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.3,
+        dtype: str = "float32",
+        plain_sampling: bool = False,
+        max_num_seqs: int | None = None,
+        max_new_tokens: int | None = None,
+        platform: Platform | None = None,
+    ) -> None:
         import vllm.envs
         from vllm import LLM
 
         if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            raise RuntimeError("the vLLM engine runs in the trainer's process (the weight push hands it tensors): "
-                               "set VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first engine starts "
-                               "(gspo_core.platform.prepare_process() does it where the variable is unset)")
+            raise RuntimeError(
+                "the vLLM engine runs in the trainer's process (the weight push hands it tensors): "
+                "set VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first engine starts "
+                "(gspo_core.platform.prepare_process() does it where the variable is unset)"
+            )
         # On CPU, vLLM reads gpu_memory_utilization as the share of host memory it requires free at
         # start (default 0.92): always pass ours, or a busy machine refuses to start the engine.
         # processed_logprobs makes vLLM's sampler run a full-vocabulary log_softmax at every decode
         # step, asked for or not; with plain sampling the raw distribution is the sampled one, and raw
         # logprobs are computed only when asked.
         self.plain_sampling = plain_sampling
-        kwargs = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                      logprobs_mode="raw_logprobs" if plain_sampling else "processed_logprobs",
-                      enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization)
-        kwargs.update((platform or current()).vllm_engine_args(
-            model_dir=str(model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_new_tokens=max_new_tokens))
+        kwargs = dict(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            logprobs_mode="raw_logprobs" if plain_sampling else "processed_logprobs",
+            enable_prefix_caching=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        kwargs.update(
+            (platform or current()).vllm_engine_args(
+                model_dir=str(model_dir),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_new_tokens=max_new_tokens,
+            )
+        )
         #: Tokens per KV block where the platform picks it (vLLM's own choice otherwise).
         self.kv_block: int | None = kwargs.get("block_size")
         self._sleep_capable = bool(kwargs.get("enable_sleep_mode"))
@@ -77,37 +100,58 @@ class VLLMEngine:
 
         for i, ids in enumerate(prompt_ids):
             if not ids or len(ids) + sampling.max_tokens > self.max_model_len:
-                raise ValueError(f"prompt_ids[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} "
-                                 f"must be between 1 and max_model_len {self.max_model_len}")
+                raise ValueError(
+                    f"prompt_ids[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} "
+                    f"must be between 1 and max_model_len {self.max_model_len}"
+                )
         if self.plain_sampling and (sampling.temperature != 1.0 or sampling.top_p != 1.0):
-            raise ValueError(f"this engine was built for plain sampling; temperature {sampling.temperature}, "
-                             f"top_p {sampling.top_p} need one built with plain_sampling=False")
+            raise ValueError(
+                f"this engine was built for plain sampling; temperature {sampling.temperature}, "
+                f"top_p {sampling.top_p} need one built with plain_sampling=False"
+            )
         # Flat logprobs and no per-step detokenizing: vLLM otherwise builds a Logprob object and a dict
         # per sampled token and detokenizes each logprob's token at every step, which we never read; the
         # text is decoded once per completion below, as the transformers engine does.
-        base = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                    top_p=sampling.top_p, ignore_eos=sampling.ignore_eos,
-                    logprobs=0 if sampling.logprobs else None, flat_logprobs=True, detokenize=False)
+        base = dict(
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0 if sampling.logprobs else None,
+            flat_logprobs=True,
+            detokenize=False,
+        )
         # Children of prompt p take seeds base_p + i (i < n): space the prompts n apart so no two
         # samples of one call share a seed.
-        params = [SamplingParams(**base, seed=None if sampling.seed is None else
-                                 (sampling.seed * 1_000_003 + p * sampling.n) % 2**31)
-                  for p in range(len(prompt_ids))]
+        params = [
+            SamplingParams(
+                **base, seed=None if sampling.seed is None else (sampling.seed * 1_000_003 + p * sampling.n) % 2**31
+            )
+            for p in range(len(prompt_ids))
+        ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         token_ids = [[list(c.token_ids) for c in out.outputs] for out in outputs]
-        texts = iter(self.llm.get_tokenizer().batch_decode([t for g in token_ids for t in g],
-                                                           skip_special_tokens=True))
-        return [[self._completion(p, prompt_ids[p], c, toks, next(texts))
-                 for c, toks in zip(out.outputs, token_ids[p])] for p, out in enumerate(outputs)]
+        texts = iter(self.llm.get_tokenizer().batch_decode([t for g in token_ids for t in g], skip_special_tokens=True))
+        return [
+            [self._completion(p, prompt_ids[p], c, toks, next(texts)) for c, toks in zip(out.outputs, token_ids[p])]
+            for p, out in enumerate(outputs)
+        ]
 
     @staticmethod
     def _completion(p: int, ids: list[int], c, toks: list[int], text: str) -> Completion:
         # Flat logprobs: each position's entries start with the sampled token's (then the top-k, none here).
         logprobs = [c.logprobs.logprobs[i] for i in c.logprobs.start_indices] if c.logprobs is not None else []
         finish = "stop" if c.finish_reason == "stop" else "length"
-        return Completion(prompt_index=p, prompt_ids=list(ids), completion_ids=toks, logprobs=logprobs,
-                          text=text, finish_reason=finish)
+        return Completion(
+            prompt_index=p,
+            prompt_ids=list(ids),
+            completion_ids=toks,
+            logprobs=logprobs,
+            text=text,
+            finish_reason=finish,
+        )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the live model, then drop the now-stale prefix cache.
@@ -119,8 +163,7 @@ class VLLMEngine:
         """
         weights = ((name, t.detach()) for name, t in named_tensors)
         if self._reload_in_place:
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         else:
             self.llm.apply_model(lambda model: model.load_weights(weights))
         # Cached KV blocks were computed by the old weights: without this reset, prompts longer than

@@ -13,12 +13,16 @@ from store.tenants import create_tenant_and_key
 from tests.conftest import empty_database_url
 
 
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def settings(request, tmp_path):
-    return Settings(data_dir=tmp_path, database_url=empty_database_url(request, tmp_path),
-                    models_dir=tmp_path / "models", max_upload_bytes=200_000,
-                    max_file_rows=500, max_active_jobs_per_tenant=3)
+    return Settings(
+        data_dir=tmp_path,
+        database_url=empty_database_url(request, tmp_path),
+        models_dir=tmp_path / "models",
+        max_upload_bytes=200_000,
+        max_file_rows=500,
+        max_active_jobs_per_tenant=3,
+    )
 
 
 @pytest.fixture()
@@ -73,5 +77,9 @@ def uploaded(client, auth, toy_dataset) -> dict:
 def job_body(file_id: str, model: str = "toy", **hp) -> dict:
     from gspo_core.toy import TOY_REWARD
 
-    return {"model": model, "training_file": file_id, "reward": TOY_REWARD,
-            "hyperparameters": {"steps": 2, "group_size": 4, "prompts_per_step": 2, **hp}}
+    return {
+        "model": model,
+        "training_file": file_id,
+        "reward": TOY_REWARD,
+        "hyperparameters": {"steps": 2, "group_size": 4, "prompts_per_step": 2, **hp},
+    }

@@ -12,12 +12,13 @@ import uvicorn
 class LiveServer:
     def __init__(self, app) -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=2)
+        )
         self.thread = threading.Thread(target=self.server.run, name="live-server", daemon=True)
         self.url = ""
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -10,32 +10,54 @@ from tests.api.conftest import job_body
 from tests.api.test_files import count_files, stored_objects
 
 
-def _raw_job(file_id: str, reward: str = '{"type": "string_check", "reference": "a", "operation": "eq"}',
-             extra: str = "") -> bytes:
-    return (f'{{"model": "toy", "training_file": "{file_id}", "reward": {reward}, '
-            f'"hyperparameters": {{"steps": 2}}{extra}}}').encode()
+def _raw_job(
+    file_id: str, reward: str = '{"type": "string_check", "reference": "a", "operation": "eq"}', extra: str = ""
+) -> bytes:
+    return (
+        f'{{"model": "toy", "training_file": "{file_id}", "reward": {reward}, '
+        f'"hyperparameters": {{"steps": 2}}{extra}}}'
+    ).encode()
 
 
 BAD_JOB_BODIES = [  # (reward, more fields, the field named, in the message)
     ('{"type": "string_check", "reference": "a", "operation": "eq", "w": NaN}', "", "reward.w", "NaN"),
-    ('{"type": "string_check", "reference": "a", "operation": "eq"}', ', "metadata": {"x": Infinity}',
-     "metadata.x", "Infinity"),
-    ('{"type": "string_check", "reference": "a", "operation": "eq", "w": [1, 2, -Infinity]}', "", "reward.w[2]",
-     "Infinity"),
+    (
+        '{"type": "string_check", "reference": "a", "operation": "eq"}',
+        ', "metadata": {"x": Infinity}',
+        "metadata.x",
+        "Infinity",
+    ),
+    (
+        '{"type": "string_check", "reference": "a", "operation": "eq", "w": [1, 2, -Infinity]}',
+        "",
+        "reward.w[2]",
+        "Infinity",
+    ),
     ('{"type": "string_check", "reference": "a", "operation": "eq", "w": 1e999}', "", "reward.w", "finite"),
-    ('{"type": "string_check", "reference": "a", "operation": "eq", "w": ' + "9" * 5000 + "}", "", "reward.w",
-     "5000 digits"),
+    (
+        '{"type": "string_check", "reference": "a", "operation": "eq", "w": ' + "9" * 5000 + "}",
+        "",
+        "reward.w",
+        "5000 digits",
+    ),
     ('{"type": "multi", "graders": ' + '{"a": ' * 40 + "1" + "}" * 40 + "}", "", "reward.graders.a.a", "nested"),
     ("1", ', "name": ' + "[" * 200_000 + "]" * 200_000, "body", "nested"),
-    ('{"type": "string_check", "reference": "a", "operation": "eq"}', ', "metadata": {"a": "\\udc00x"}',
-     "metadata.a", "surrogate"),  # was a 500 after the job had been created (the answer could not be encoded)
+    (
+        '{"type": "string_check", "reference": "a", "operation": "eq"}',
+        ', "metadata": {"a": "\\udc00x"}',
+        "metadata.a",
+        "surrogate",
+    ),  # was a 500 after the job had been created (the answer could not be encoded)
 ]
 
 
 def test_bad_json_in_a_job_is_a_422_naming_the_field(client, app, auth, uploaded, model_name):
     for reward, extra, field, fragment in BAD_JOB_BODIES:
-        r = client.post("/v1/jobs", content=_raw_job(uploaded["id"], reward, extra),
-                        headers={**auth, "Content-Type": "application/json"})
+        r = client.post(
+            "/v1/jobs",
+            content=_raw_job(uploaded["id"], reward, extra),
+            headers={**auth, "Content-Type": "application/json"},
+        )
         assert r.status_code == 422, r.text
         err = r.json()["error"]
         assert err["type"] == "invalid_json" and err["field"].startswith(field) and fragment in err["message"], err

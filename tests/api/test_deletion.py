@@ -21,8 +21,10 @@ from tests.api.test_progress import job_with_progress  # noqa: F401  (fixture)
 
 def _rows_of(app, job_id: str) -> dict:
     with app.state.db.session() as s:
-        out = {t.__name__: s.scalar(select(func.count()).select_from(t).where(t.job_id == job_id))
-               for t in (JobEvent, StepMetric, Sample, Checkpoint)}
+        out = {
+            t.__name__: s.scalar(select(func.count()).select_from(t).where(t.job_id == job_id))
+            for t in (JobEvent, StepMetric, Sample, Checkpoint)
+        }
         out["Job"] = s.scalar(select(func.count()).select_from(Job).where(Job.id == job_id))
         out["PendingDeletion"] = s.scalar(select(func.count()).select_from(PendingDeletion))
         return out
@@ -35,8 +37,9 @@ def _error(r, status: int, type_: str) -> dict:
     return err
 
 
-def test_delete_a_finished_job_and_everything_it_made(client, app, settings, auth, other_auth, uploaded,
-                                                      job_with_progress):
+def test_delete_a_finished_job_and_everything_it_made(
+    client, app, settings, auth, other_auth, uploaded, job_with_progress
+):
     job = job_with_progress
     ckpt = client.get(f"/v1/jobs/{job}/checkpoints", headers=auth).json()["data"][0]["id"]
     assert [p for p in stored_objects(settings) if f"jobs/{job}/" in str(p)]
@@ -50,11 +53,24 @@ def test_delete_a_finished_job_and_everything_it_made(client, app, settings, aut
     assert client.post(f"/v1/jobs/{child}/cancel", headers=auth).json()["status"] == "cancelled"
 
     assert client.delete(f"/v1/jobs/{job}", headers=auth).status_code == 204
-    for path in (f"/v1/jobs/{job}", f"/v1/jobs/{job}/metrics", f"/v1/jobs/{job}/samples", f"/v1/jobs/{job}/events",
-                 f"/v1/jobs/{job}/checkpoints", f"/v1/checkpoints/{ckpt}", f"/v1/checkpoints/{ckpt}/download"):
+    for path in (
+        f"/v1/jobs/{job}",
+        f"/v1/jobs/{job}/metrics",
+        f"/v1/jobs/{job}/samples",
+        f"/v1/jobs/{job}/events",
+        f"/v1/jobs/{job}/checkpoints",
+        f"/v1/checkpoints/{ckpt}",
+        f"/v1/checkpoints/{ckpt}/download",
+    ):
         assert client.get(path, headers=auth).status_code == 404, path
-    assert _rows_of(app, job) == {"JobEvent": 0, "StepMetric": 0, "Sample": 0, "Checkpoint": 0, "Job": 0,
-                                  "PendingDeletion": 0}
+    assert _rows_of(app, job) == {
+        "JobEvent": 0,
+        "StepMetric": 0,
+        "Sample": 0,
+        "Checkpoint": 0,
+        "Job": 0,
+        "PendingDeletion": 0,
+    }
     assert not [p for p in stored_objects(settings) if f"jobs/{job}/" in str(p)]
     assert queued in [j["id"] for j in client.get("/v1/jobs", headers=auth).json()["data"]]  # others untouched
     # A new job cannot name the deleted checkpoint; the finished one that did keeps its record.
@@ -109,7 +125,9 @@ def test_a_file_only_finished_jobs_used_can_be_deleted(client, app, settings, au
 def test_deletion_reclaims_s3_objects(s3_settings, tmp_path, toy_dataset):
     from api.app import create_app
 
-    settings = s3_settings.model_copy(update={"data_dir": tmp_path, "database_url": f"sqlite:///{tmp_path / 'db.sqlite'}"})
+    settings = s3_settings.model_copy(
+        update={"data_dir": tmp_path, "database_url": f"sqlite:///{tmp_path / 'db.sqlite'}"}
+    )
     run_migrations(settings.resolved_database_url())
     S3ObjectStore(settings).ensure_bucket()
     app = create_app(settings)
@@ -164,8 +182,9 @@ def test_a_job_created_while_its_file_is_deleted_is_a_404(client, app, settings,
     s.execute(select(File).where(File.id == uploaded["id"]).with_for_update())
     s.execute(sql_delete(File).where(File.id == uploaded["id"]))
     answer: list = []
-    t = threading.Thread(target=lambda: answer.append(client.post("/v1/jobs", json=job_body(uploaded["id"]),
-                                                                   headers=auth)))
+    t = threading.Thread(
+        target=lambda: answer.append(client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth))
+    )
     t.start()
     time.sleep(1.5)  # the job's insert now waits for the file's row
     s.commit()

@@ -18,16 +18,26 @@ from store.tenants import create_tenant_and_key
 from tests.api.live import LiveServer
 from tests.conftest import REDIS_URL
 
-SLOW_GRADER = {"type": "python", "name": "slow", "timeout_s": 10,
-               "source": "import time\ndef grade(sample, item):\n    time.sleep(2.5)\n    return 1.0"}
+SLOW_GRADER = {
+    "type": "python",
+    "name": "slow",
+    "timeout_s": 10,
+    "source": "import time\ndef grade(sample, item):\n    time.sleep(2.5)\n    return 1.0",
+}
 
 
 def _limited(settings: Settings, limiter: str) -> Settings:
     """Small caps; the limiter in this process or in Redis (a fresh key space per test: new tenants)."""
-    return settings.model_copy(update={
-        "redis_url": REDIS_URL if limiter == "redis" else None, "worker_queue": f"q-{uuid.uuid4().hex[:8]}",
-        "max_streams_per_tenant": 2, "stream_poll_seconds": 30.0, "max_reward_runs_per_tenant": 1,
-        "max_uploads_per_tenant": 1})
+    return settings.model_copy(
+        update={
+            "redis_url": REDIS_URL if limiter == "redis" else None,
+            "worker_queue": f"q-{uuid.uuid4().hex[:8]}",
+            "max_streams_per_tenant": 2,
+            "stream_poll_seconds": 30.0,
+            "max_reward_runs_per_tenant": 1,
+            "max_uploads_per_tenant": 1,
+        }
+    )
 
 
 @pytest.fixture(params=["process", "redis"])
@@ -50,12 +60,19 @@ def _tenant_with_job(app, name: str) -> tuple[dict, str]:
     """A new tenant's auth header and a queued job of it (rows as the API writes them)."""
     with app.state.db.session() as s:
         tenant, key = create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")
-        f = File(tenant_id=tenant.id, filename="t.jsonl", bytes=1, rows=1, object_key=f"tenants/{tenant.id}/files/x",
-                 item_fields=["prompt"])
+        f = File(
+            tenant_id=tenant.id,
+            filename="t.jsonl",
+            bytes=1,
+            rows=1,
+            object_key=f"tenants/{tenant.id}/files/x",
+            item_fields=["prompt"],
+        )
         s.add(f)
         s.flush()
-        job = jobs.create_job(s, tenant_id=tenant.id, model="org/m", training_file_id=f.id, reward={},
-                              hyperparameters={}, total_steps=1)
+        job = jobs.create_job(
+            s, tenant_id=tenant.id, model="org/m", training_file_id=f.id, reward={}, hyperparameters={}, total_steps=1
+        )
         return {"Authorization": f"Bearer {key}"}, job.id
 
 
@@ -106,8 +123,9 @@ def test_stream_cap_is_shared_by_server_processes_through_redis(settings):
     cap holds across them."""
     from api.app import create_app
 
-    shared = settings.model_copy(update={"redis_url": REDIS_URL, "max_streams_per_tenant": 1,
-                                         "stream_poll_seconds": 30.0})
+    shared = settings.model_copy(
+        update={"redis_url": REDIS_URL, "max_streams_per_tenant": 1, "stream_poll_seconds": 30.0}
+    )
     one, two = create_app(shared), create_app(shared)
     a, job_a = _tenant_with_job(one, "a")
     try:
@@ -122,8 +140,11 @@ def test_stream_cap_is_shared_by_server_processes_through_redis(settings):
 def test_dry_runs_capped_per_tenant_and_budgeted(limited_sqlite):
     from api.app import create_app
 
-    app = create_app(limited_sqlite.model_copy(update={"reward_run_budget_s": 2.0, "reward_run_window_s": 1e6,
-                                                "max_reward_runs_per_process": 2}))
+    app = create_app(
+        limited_sqlite.model_copy(
+            update={"reward_run_budget_s": 2.0, "reward_run_window_s": 1e6, "max_reward_runs_per_process": 2}
+        )
+    )
     a, _ = _tenant_with_job(app, "a")
     b, _ = _tenant_with_job(app, "b")
     body = {"reward": SLOW_GRADER, "samples": ["x"]}
@@ -155,16 +176,24 @@ def test_dry_runs_capped_per_process(limited_sqlite):
     try:
         with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
             done: list[httpx.Response] = []
-            t = threading.Thread(target=lambda: done.append(
-                http.post("/v1/rewards/run", json={"reward": SLOW_GRADER, "samples": ["x"]}, headers=a)))
+            t = threading.Thread(
+                target=lambda: done.append(
+                    http.post("/v1/rewards/run", json={"reward": SLOW_GRADER, "samples": ["x"]}, headers=a)
+                )
+            )
             t.start()
             time.sleep(1.0)
             busy = http.post("/v1/rewards/run", json={"reward": SLOW_GRADER, "samples": ["x"]}, headers=b)
-            assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_busy" and busy.headers["Retry-After"]
+            assert (
+                busy.status_code == 503
+                and busy.json()["error"]["type"] == "server_busy"
+                and busy.headers["Retry-After"]
+            )
             t.join(30)
             assert done[0].status_code == 200, done[0].text
-            r = http.post("/v1/rewards/run", json={"reward": {"type": "length", "target": 1}, "samples": ["x"]},
-                          headers=b)
+            r = http.post(
+                "/v1/rewards/run", json={"reward": {"type": "length", "target": 1}, "samples": ["x"]}, headers=b
+            )
             assert r.status_code == 200, r.text  # the slot was given back
     finally:
         app.state.db.dispose()
@@ -179,8 +208,10 @@ def test_uploads_capped_per_tenant(limited_sqlite):
     release = threading.Event()
 
     def slow_body():
-        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n"
-               "Content-Type: application/octet-stream\r\n\r\n").encode()
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
         yield b'{"prompt": "a"}\n'
         release.wait(20)  # the upload is still arriving
         yield f"\r\n--{boundary}--\r\n".encode()
@@ -188,15 +219,24 @@ def test_uploads_capped_per_tenant(limited_sqlite):
     try:
         with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as http:
             first: list[httpx.Response] = []
-            t = threading.Thread(target=lambda: first.append(http.post(
-                "/v1/files", content=slow_body(), headers={**a, "Content-Type": f"multipart/form-data; boundary={boundary}"})))
+            t = threading.Thread(
+                target=lambda: first.append(
+                    http.post(
+                        "/v1/files",
+                        content=slow_body(),
+                        headers={**a, "Content-Type": f"multipart/form-data; boundary={boundary}"},
+                    )
+                )
+            )
             t.start()
             time.sleep(0.7)
             _assert_429(http.post("/v1/files", files={"file": ("b.jsonl", b'{"prompt": "b"}\n')}, headers=a))
             release.set()
             t.join(30)
             assert first[0].status_code == 201, first[0].text
-            assert http.post("/v1/files", files={"file": ("b.jsonl", b'{"prompt": "b"}\n')}, headers=a).status_code == 201
+            assert (
+                http.post("/v1/files", files={"file": ("b.jsonl", b'{"prompt": "b"}\n')}, headers=a).status_code == 201
+            )
     finally:
         app.state.db.dispose()
 
@@ -231,4 +271,3 @@ def test_streams_end_after_their_maximum_and_the_client_resumes(settings):
         assert seen[-1][0] == "end" and seen[-1][1]["status"] == "succeeded"
     finally:
         app.state.db.dispose()
-

@@ -35,17 +35,20 @@ def test_messages_rows_are_accepted(client, auth):
     assert r.status_code == 201 and r.json()["rows"] == 1
 
 
-@pytest.mark.parametrize("data,status,line,field", [
-    (b'{"prompt": "a"}\n\xff\xfe\n', 400, 2, "file"),
-    (b'{"prompt": "a"}\n{"prompt": \n', 400, 2, "file"),
-    (b'{"prompt": "a"}\n[1, 2]\n', 400, 2, "file"),
-    (b'{"prompt": "a"}\n{"question": "b"}\n', 400, 2, "prompt"),
-    (b'{"prompt": ""}\n', 400, 1, "prompt"),
-    (b'{"messages": [{"role": "user"}]}\n', 400, 1, "messages[0]"),
-    (b"", 400, None, "file"),
-    (b"\n\n", 400, None, "file"),
-    (b'{"prompt": "a"}\n' * 501, 413, 501, "file"),
-])
+@pytest.mark.parametrize(
+    "data,status,line,field",
+    [
+        (b'{"prompt": "a"}\n\xff\xfe\n', 400, 2, "file"),
+        (b'{"prompt": "a"}\n{"prompt": \n', 400, 2, "file"),
+        (b'{"prompt": "a"}\n[1, 2]\n', 400, 2, "file"),
+        (b'{"prompt": "a"}\n{"question": "b"}\n', 400, 2, "prompt"),
+        (b'{"prompt": ""}\n', 400, 1, "prompt"),
+        (b'{"messages": [{"role": "user"}]}\n', 400, 1, "messages[0]"),
+        (b"", 400, None, "file"),
+        (b"\n\n", 400, None, "file"),
+        (b'{"prompt": "a"}\n' * 501, 413, 501, "file"),
+    ],
+)
 def test_bad_uploads_are_refused_and_leave_nothing(client, app, settings, auth, data, status, line, field):
     r = client.post("/v1/files", files={"file": ("bad.jsonl", data)}, headers=auth)
     assert r.status_code == status, r.text

@@ -21,10 +21,12 @@ def _post_raw(client, auth, body_text: str):
     return client.post("/v1/jobs", content=body_text.encode(), headers={**auth, "Content-Type": "application/json"})
 
 
-@pytest.mark.parametrize("name,value,known", [("loss", "ppo", ["gspo", "gspo_token", "grpo"]),
-                                              ("advantage", "rloo", ["group_norm"])])
-def test_unknown_registry_names_are_refused_listing_the_known_ones(client, app, auth, uploaded, model_name,
-                                                                   name, value, known):
+@pytest.mark.parametrize(
+    "name,value,known", [("loss", "ppo", ["gspo", "gspo_token", "grpo"]), ("advantage", "rloo", ["group_norm"])]
+)
+def test_unknown_registry_names_are_refused_listing_the_known_ones(
+    client, app, auth, uploaded, model_name, name, value, known
+):
     r = client.post("/v1/jobs", json=job_body(uploaded["id"], **{name: value}), headers=auth)
     assert r.status_code == 422, r.text
     err = r.json()["error"]
@@ -32,19 +34,23 @@ def test_unknown_registry_names_are_refused_listing_the_known_ones(client, app, 
     assert _jobs(app) == 0
 
 
-@pytest.mark.parametrize("hp_text,field", [
-    ('"steps": true', "steps"),
-    ('"learning_rate": false', "learning_rate"),
-    ('"learning_rate": NaN', "learning_rate"),
-    ('"temperature": Infinity', "temperature"),
-    ('"max_grad_norm": -Infinity', "max_grad_norm"),
-    ('"shuffle": 1', "shuffle"),
-    ('"rollout_engine": "vllm"', "rollout_engine"),  # the operator's setting, not the tenant's
-    ('"cpu_gemm": "onednn"', "cpu_gemm"),
-    ('"save_merged": false', "save_merged"),
-])
-def test_strict_types_and_operator_settings_are_refused_naming_the_field(client, app, auth, uploaded, model_name,
-                                                                         hp_text, field):
+@pytest.mark.parametrize(
+    "hp_text,field",
+    [
+        ('"steps": true', "steps"),
+        ('"learning_rate": false', "learning_rate"),
+        ('"learning_rate": NaN', "learning_rate"),
+        ('"temperature": Infinity', "temperature"),
+        ('"max_grad_norm": -Infinity', "max_grad_norm"),
+        ('"shuffle": 1', "shuffle"),
+        ('"rollout_engine": "vllm"', "rollout_engine"),  # the operator's setting, not the tenant's
+        ('"cpu_gemm": "onednn"', "cpu_gemm"),
+        ('"save_merged": false', "save_merged"),
+    ],
+)
+def test_strict_types_and_operator_settings_are_refused_naming_the_field(
+    client, app, auth, uploaded, model_name, hp_text, field
+):
     body = {k: v for k, v in job_body(uploaded["id"]).items() if k != "hyperparameters"}
     r = _post_raw(client, auth, json.dumps(body)[:-1] + ', "hyperparameters": {' + hp_text + "}}")
     assert r.status_code == 422, r.text
@@ -57,8 +63,15 @@ def test_a_stored_job_holds_only_the_algorithms_fields(client, app, auth, upload
     assert r.status_code == 201, r.text
     hp = r.json()["hyperparameters"]
     assert hp["steps"] == 3 and hp["learning_rate"] == 1e-4
-    assert not {"rollout_engine", "vllm_gpu_memory_utilization", "keep_freed_memory", "cpu_gemm", "beta",
-                "lora_dropout", "save_merged"} & set(hp)
+    assert not {
+        "rollout_engine",
+        "vllm_gpu_memory_utilization",
+        "keep_freed_memory",
+        "cpu_gemm",
+        "beta",
+        "lora_dropout",
+        "save_merged",
+    } & set(hp)
 
 
 def test_openapi_shows_every_hyperparameter_with_its_description_and_bounds(client):

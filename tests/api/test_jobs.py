@@ -15,8 +15,11 @@ def count_jobs(app) -> int:
 
 
 def test_create_get_list_cancel(client, auth, uploaded, model_name):
-    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "name": "first", "metadata": {"team": "rl"}, "seed": 7},
-                    headers=auth)
+    r = client.post(
+        "/v1/jobs",
+        json={**job_body(uploaded["id"]), "name": "first", "metadata": {"team": "rl"}, "seed": 7},
+        headers=auth,
+    )
     assert r.status_code == 201, r.text
     job = r.json()
     assert job["status"] == "queued" and job["queue_position"] >= 1 and job["total_steps"] == 2
@@ -53,53 +56,82 @@ def test_idempotency_key_returns_the_same_job(client, app, auth, uploaded, model
     assert count_jobs(app) == 1
 
 
-@pytest.mark.parametrize("patch", [{"hyperparameters": {"steps": 3, "group_size": 4, "prompts_per_step": 2}},
-                                   {"seed": 5}, {"name": "other"}, {"model": "ckpt:nope"},
-                                   {"reward": {"type": "math_answer", "reference": "{{item.answer}}"}}])
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"hyperparameters": {"steps": 3, "group_size": 4, "prompts_per_step": 2}},
+        {"seed": 5},
+        {"name": "other"},
+        {"model": "ckpt:nope"},
+        {"reward": {"type": "math_answer", "reference": "{{item.answer}}"}},
+    ],
+)
 def test_idempotency_key_reused_for_a_different_job_is_refused(client, app, auth, uploaded, model_name, patch):
     h = {**auth, "Idempotency-Key": "abc-456"}
     a = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=h)
     b = client.post("/v1/jobs", json={**job_body(uploaded["id"]), **patch}, headers=h)
     assert a.status_code == 201 and b.status_code == 422, b.text
     err = b.json()["error"]
-    assert err["type"] == "idempotency_key_reused" and err["field"] == "Idempotency-Key" and a.json()["id"] in err["message"]
+    assert (
+        err["type"] == "idempotency_key_reused"
+        and err["field"] == "Idempotency-Key"
+        and a.json()["id"] in err["message"]
+    )
     assert count_jobs(app) == 1
 
 
 def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, model_name):
-    judge = {"type": "score_model", "name": "judge", "base_url": "http://judge.invalid/v1", "model": "m",
-             "api_key": "sk-live-1234", "input": [{"role": "user", "content": "{{sample.output_text}}"}]}
-    hook = {"type": "http", "name": "hook", "url": "http://rm.invalid/score",
-            "headers": {"Authorization": "Bearer tok-5678", "X-Team": "rl"}}
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "base_url": "http://judge.invalid/v1",
+        "model": "m",
+        "api_key": "sk-live-1234",
+        "input": [{"role": "user", "content": "{{sample.output_text}}"}],
+    }
+    hook = {
+        "type": "http",
+        "name": "hook",
+        "url": "http://rm.invalid/score",
+        "headers": {"Authorization": "Bearer tok-5678", "X-Team": "rl"},
+    }
     spec = {"type": "multi", "graders": {"judge": judge, "hook": hook}, "calculate_output": "judge + hook"}
     r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": spec}, headers=auth)
     assert r.status_code == 201, r.text
-    for body in (r.text, client.get(f"/v1/jobs/{r.json()['id']}", headers=auth).text,
-                 client.get("/v1/jobs", headers=auth).text):
+    for body in (
+        r.text,
+        client.get(f"/v1/jobs/{r.json()['id']}", headers=auth).text,
+        client.get("/v1/jobs", headers=auth).text,
+    ):
         assert "sk-live-1234" not in body and "tok-5678" not in body
     got = client.get(f"/v1/jobs/{r.json()['id']}", headers=auth).json()["reward"]["graders"]
-    assert got["judge"]["api_key"] == "[redacted]" and got["hook"]["headers"] == {"Authorization": "[redacted]",
-                                                                                  "X-Team": "[redacted]"}
+    assert got["judge"]["api_key"] == "[redacted]" and got["hook"]["headers"] == {
+        "Authorization": "[redacted]",
+        "X-Team": "[redacted]",
+    }
     assert got["judge"]["base_url"] == judge["base_url"] and got["hook"]["url"] == hook["url"]
     with app.state.db.session() as s:  # the worker still gets the credentials it needs
         assert s.get(Job, r.json()["id"]).reward["graders"]["judge"]["api_key"] == "sk-live-1234"
 
 
-@pytest.mark.parametrize("patch,field", [
-    ({"hyperparameters": {"group_size": 1}}, "hyperparameters.group_size"),
-    ({"hyperparameters": {"learning_rate": -1}}, "hyperparameters.learning_rate"),
-    ({"hyperparameters": {"warp_speed": 9}}, "hyperparameters.warp_speed"),
-    ({"hyperparameters": {"prompts_per_step": 3, "group_size": 3, "mini_batches": 4}}, "hyperparameters"),
-    ({"reward": {"type": "nope"}}, "reward.type"),
-    ({"reward": {"type": "string_check", "reference": "{{item.missing}}", "operation": "eq"}}, "reward"),
-    ({"model": "../../etc"}, "model"),
-    ({"model": "/etc"}, "model"),
-    ({"model": "not a model!"}, "model"),
-    ({"model": "ckpt:ckpt_doesnotexist"}, "model"),
-    ({"training_file": "file_nope"}, "training_file"),
-    ({"validation_file": "file_nope"}, "validation_file"),
-    ({"surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    "patch,field",
+    [
+        ({"hyperparameters": {"group_size": 1}}, "hyperparameters.group_size"),
+        ({"hyperparameters": {"learning_rate": -1}}, "hyperparameters.learning_rate"),
+        ({"hyperparameters": {"warp_speed": 9}}, "hyperparameters.warp_speed"),
+        ({"hyperparameters": {"prompts_per_step": 3, "group_size": 3, "mini_batches": 4}}, "hyperparameters"),
+        ({"reward": {"type": "nope"}}, "reward.type"),
+        ({"reward": {"type": "string_check", "reference": "{{item.missing}}", "operation": "eq"}}, "reward"),
+        ({"model": "../../etc"}, "model"),
+        ({"model": "/etc"}, "model"),
+        ({"model": "not a model!"}, "model"),
+        ({"model": "ckpt:ckpt_doesnotexist"}, "model"),
+        ({"training_file": "file_nope"}, "training_file"),
+        ({"validation_file": "file_nope"}, "validation_file"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
 def test_bad_jobs_are_refused_naming_the_field(client, app, auth, uploaded, model_name, patch, field):
     body = {**job_body(uploaded["id"]), **patch}
     if "hyperparameters" in patch:
@@ -125,7 +157,9 @@ def test_per_tenant_active_job_cap(client, auth, other_auth, uploaded, model_nam
 
 
 def test_request_body_limit(client, auth):
-    r = client.post("/v1/jobs", content=b"{" + b" " * 2_000_000 + b"}", headers={**auth, "Content-Type": "application/json"})
+    r = client.post(
+        "/v1/jobs", content=b"{" + b" " * 2_000_000 + b"}", headers={**auth, "Content-Type": "application/json"}
+    )
     assert r.status_code == 413
 
 

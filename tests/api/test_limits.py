@@ -28,20 +28,26 @@ def test_chunked_upload_over_the_cap_is_413_and_leaves_nothing(client, app, sett
     boundary = "gspoboundary"
 
     def body():  # no Content-Length: the size is only known by counting the stream
-        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
-               "Content-Type: application/octet-stream\r\n\r\n{\"prompt\": \"").encode()
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+            'Content-Type: application/octet-stream\r\n\r\n{"prompt": "'
+        ).encode()
         yield from _chunks(settings.max_upload_bytes + 200_000)
-        yield f"\"}}\n\r\n--{boundary}--\r\n".encode()
+        yield f'"}}\n\r\n--{boundary}--\r\n'.encode()
 
-    r = client.post("/v1/files", content=body(),
-                    headers={**auth, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    r = client.post(
+        "/v1/files", content=body(), headers={**auth, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
     assert count_files(app) == 0 and stored_objects(settings) == []
 
 
 def test_chunked_json_body_over_the_cap_is_413(client, settings, auth):
-    r = client.post("/v1/jobs", content=_chunks(settings.max_request_bytes + 1),
-                    headers={**auth, "Content-Type": "application/json"})
+    r = client.post(
+        "/v1/jobs",
+        content=_chunks(settings.max_request_bytes + 1),
+        headers={**auth, "Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
@@ -147,8 +153,14 @@ def test_database_down_is_503_and_recovers_by_itself(pg_database, tmp_path):
     url = make_url(pg_database)
     proxy = TcpProxy((url.host, url.port or 5432))
     proxy.start()
-    app, h = _app_with_key(Settings(data_dir=tmp_path, database_url=url.set(port=proxy.port).render_as_string(False),
-                                    models_dir=tmp_path / "models"), "outage")
+    app, h = _app_with_key(
+        Settings(
+            data_dir=tmp_path,
+            database_url=url.set(port=proxy.port).render_as_string(False),
+            models_dir=tmp_path / "models",
+        ),
+        "outage",
+    )
     try:
         with TestClient(app) as c:
             assert c.get("/v1/jobs", headers=h).status_code == 200
@@ -175,12 +187,19 @@ def revoked_auth(app) -> dict:
 
 
 def test_every_v1_endpoint_needs_a_valid_key(client, app, revoked_auth):
-    routes = [(m, r.path) for r in app.routes if getattr(r, "path", "").startswith("/v1")
-              for m in sorted(getattr(r, "methods", ()) or ()) if m != "HEAD"]
+    routes = [
+        (m, r.path)
+        for r in app.routes
+        if getattr(r, "path", "").startswith("/v1")
+        for m in sorted(getattr(r, "methods", ()) or ())
+        if m != "HEAD"
+    ]
     assert len(routes) >= 15
     for headers in ({}, {"Authorization": "Bearer gspo_wrong"}, {"Authorization": "Token x"}, revoked_auth):
         for method, path in routes:
-            concrete = path.replace("{job_id}", "job_x").replace("{file_id}", "file_x").replace("{checkpoint_id}", "ckpt_x")
+            concrete = (
+                path.replace("{job_id}", "job_x").replace("{file_id}", "file_x").replace("{checkpoint_id}", "ckpt_x")
+            )
             r = client.request(method, concrete, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
             assert r.json()["error"]["type"] == "unauthorized" and r.headers["WWW-Authenticate"] == "Bearer"

@@ -27,9 +27,27 @@ def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_pat
         job = jobs.claim(s, job_id, "w1", 30)
         for step in (1, 2, 3):
             jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "loss": -step})
-            jobs.record_samples(s, job_id, step, [{"prompt": "say a:", "item": {"answer": "a"},
-                                                   "completions": [{"text": "aa", "reward": 0.5, "scores": {"m": 0.5},
-                                                                    "errors": {}, "tokens": 2, "finish_reason": "stop"}]}])
+            jobs.record_samples(
+                s,
+                job_id,
+                step,
+                [
+                    {
+                        "prompt": "say a:",
+                        "item": {"answer": "a"},
+                        "completions": [
+                            {
+                                "text": "aa",
+                                "reward": 0.5,
+                                "scores": {"m": 0.5},
+                                "errors": {},
+                                "tokens": 2,
+                                "finish_reason": "stop",
+                            }
+                        ],
+                    }
+                ],
+            )
         prefix = f"jobs/{job_id}/checkpoints/step-000003"
         size = put_dir(app.state.objects, prefix, ckpt_dir)
         jobs.record_checkpoint(s, job, 3, prefix, size, True)
@@ -101,9 +119,16 @@ def test_new_job_from_checkpoint(client, auth, job_with_progress, uploaded):
 
 
 def test_rewards_run(client, auth):
-    spec = {"type": "multi", "graders": {"c": {"type": "string_check", "reference": "{{item.answer}}", "operation": "eq"},
-                                         "boom": {"type": "python", "source": "def grade(sample, item):\n    raise RuntimeError('x')"}}}
-    r = client.post("/v1/rewards/run", json={"reward": spec, "item": {"answer": "a"}, "samples": ["a", "b"]}, headers=auth)
+    spec = {
+        "type": "multi",
+        "graders": {
+            "c": {"type": "string_check", "reference": "{{item.answer}}", "operation": "eq"},
+            "boom": {"type": "python", "source": "def grade(sample, item):\n    raise RuntimeError('x')"},
+        },
+    }
+    r = client.post(
+        "/v1/rewards/run", json={"reward": spec, "item": {"answer": "a"}, "samples": ["a", "b"]}, headers=auth
+    )
     assert r.status_code == 200, r.text
     res = r.json()["results"]
     assert res[0]["scores"]["c"] == 1.0 and res[1]["scores"]["c"] == 0.0
@@ -150,8 +175,11 @@ def test_events_follow_a_running_job_live(client, app, auth, uploaded, model_nam
     events = parse_sse(client.get(f"/v1/jobs/{job_id}/events", headers=auth).text)
     writer.join()
     assert [d["step"] for e, _, d in events if e == "metrics"] == [1, 2, 3]
-    assert [d["message"] for e, _, d in events if e == "log" and d["message"].startswith("step")] == \
-        ["step 1 done", "step 2 done", "step 3 done"]
+    assert [d["message"] for e, _, d in events if e == "log" and d["message"].startswith("step")] == [
+        "step 1 done",
+        "step 2 done",
+        "step 3 done",
+    ]
     assert [d["data"]["status"] for e, _, d in events if e == "status"] == ["queued", "running", "failed"]
     assert events[-1][0] == "end" and events[-1][2] == {"status": "failed", "step": 3}
     ids = [i for _, i, _ in events]

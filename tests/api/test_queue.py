@@ -48,7 +48,9 @@ def test_concurrent_submissions_get_exactly_the_cap(live_url, settings, auth, ot
         t.join(120)
     assert sorted(codes) == [201] * cap + [429] * (12 - cap), bodies
     refused = [b["error"] for b in bodies if isinstance(b.get("error"), dict)]
-    assert len(refused) == 12 - cap and all(e["type"] == "too_many_jobs" and f"at most {cap} queued or running" in e["message"] for e in refused)
+    assert len(refused) == 12 - cap and all(
+        e["type"] == "too_many_jobs" and f"at most {cap} queued or running" in e["message"] for e in refused
+    )
     jobs = httpx.get(f"{live_url}/v1/jobs", headers=auth).json()["data"]
     assert len(jobs) == cap and sorted(j["queue_position"] for j in jobs) == list(range(1, cap + 1))
 
@@ -72,12 +74,18 @@ def test_a_queued_job_tells_only_its_own_tenants_queue(client, auth, other_auth,
     assert theirs["queue_position"] == 1 and theirs["waiting_reason"] == "waiting for a free worker", theirs
     got = [client.get(f"/v1/jobs/{j['id']}", headers=auth).json() for j in mine]
     assert [(j["queue_position"], j["waiting_reason"]) for j in got] == [
-        (1, "waiting for a free worker"), (2, "queued: 1 of your jobs ahead"), (3, "queued: 2 of your jobs ahead")]
+        (1, "waiting for a free worker"),
+        (2, "queued: 1 of your jobs ahead"),
+        (3, "queued: 2 of your jobs ahead"),
+    ]
     cancelled = client.post(f"/v1/jobs/{mine[0]['id']}/cancel", headers=auth).json()
     assert cancelled["queue_position"] is None and cancelled["waiting_reason"] is None
     listed = client.get("/v1/jobs", headers=auth).json()["data"]
     assert [(j["queue_position"], j["waiting_reason"]) for j in listed] == [
-        (2, "queued: 1 of your jobs ahead"), (1, "waiting for a free worker"), (None, None)]
+        (2, "queued: 1 of your jobs ahead"),
+        (1, "waiting for a free worker"),
+        (None, None),
+    ]
 
 
 def test_usage_of_a_tenant_with_nothing_run(client, settings, auth):

@@ -17,21 +17,32 @@ from tests.core.net_support import Listener, Server, loopback_name
 
 
 def _run(client, auth, spec, samples=("abcd",), item=None):
-    return client.post("/v1/rewards/run", json={"reward": spec, "item": item or {}, "samples": list(samples)},
-                       headers=auth)
+    return client.post(
+        "/v1/rewards/run", json={"reward": spec, "item": item or {}, "samples": list(samples)}, headers=auth
+    )
 
 
 def test_internal_grader_urls_are_refused_naming_the_field(client, auth, uploaded):
     lst = Listener()
     try:
-        judge = {"type": "score_model", "base_url": f"http://[::ffff:127.0.0.1]:{lst.port}/v1", "model": "m",
-                 "input": [{"role": "user", "content": "x"}]}
-        cases = [({"type": "http", "url": f"http://2130706433:{lst.port}/score"}, "reward.url"),
-                 (judge, "reward.base_url"),
-                 ({"type": "multi", "graders": {"h": {"type": "http", "url": "http://169.254.169.254/latest"}}},
-                  "reward.graders.h.url"),
-                 ({"type": "http", "url": "https://rm.example/score", "headers": {"Host": "internal"}},
-                  "reward.headers.Host")]
+        judge = {
+            "type": "score_model",
+            "base_url": f"http://[::ffff:127.0.0.1]:{lst.port}/v1",
+            "model": "m",
+            "input": [{"role": "user", "content": "x"}],
+        }
+        cases = [
+            ({"type": "http", "url": f"http://2130706433:{lst.port}/score"}, "reward.url"),
+            (judge, "reward.base_url"),
+            (
+                {"type": "multi", "graders": {"h": {"type": "http", "url": "http://169.254.169.254/latest"}}},
+                "reward.graders.h.url",
+            ),
+            (
+                {"type": "http", "url": "https://rm.example/score", "headers": {"Host": "internal"}},
+                "reward.headers.Host",
+            ),
+        ]
         for spec, field in cases:
             r = _run(client, auth, spec)
             assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
@@ -66,16 +77,27 @@ def _nested_multi(depth: int) -> dict:
     return spec
 
 
-@pytest.mark.parametrize("spec,field", [
-    (_nested_multi(300), None),
-    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}}, "calculate_output": "+".join(["a"] * 900)},
-     "reward.calculate_output"),
-    ({"type": "python", "source": "def grade(s, i):\n    return " + "-" * 50000 + "1\n"}, "reward.source"),
-    ({"type": "length", "target": True}, "reward.target"),
-])
+@pytest.mark.parametrize(
+    "spec,field",
+    [
+        (_nested_multi(300), None),
+        (
+            {
+                "type": "multi",
+                "graders": {"a": {"type": "length", "target": 1}},
+                "calculate_output": "+".join(["a"] * 900),
+            },
+            "reward.calculate_output",
+        ),
+        ({"type": "python", "source": "def grade(s, i):\n    return " + "-" * 50000 + "1\n"}, "reward.source"),
+        ({"type": "length", "target": True}, "reward.target"),
+    ],
+)
 def test_deep_and_oversized_specs_are_422s(client, auth, uploaded, spec, field):
-    for r in (_run(client, auth, spec),
-              client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": spec}, headers=auth)):
+    for r in (
+        _run(client, auth, spec),
+        client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": spec}, headers=auth),
+    ):
         assert r.status_code == 422, r.text
         got = r.json()["error"]["field"]
         assert got == field if field else got.startswith("reward.graders.g.graders.g."), got
@@ -83,8 +105,10 @@ def test_deep_and_oversized_specs_are_422s(client, auth, uploaded, spec, field):
 
 def test_non_finite_numbers_are_422s(client, auth):
     """NaN and Infinity are JSON extensions Python's parser accepts: they reach the spec unless refused."""
-    body = ('{"reward": {"type": "multi", "graders": {"m": {"type": "math_answer", "reference": "1", '
-            '"tolerance": NaN}}}, "samples": ["1"]}')
+    body = (
+        '{"reward": {"type": "multi", "graders": {"m": {"type": "math_answer", "reference": "1", '
+        '"tolerance": NaN}}}, "samples": ["1"]}'
+    )
     r = client.post("/v1/rewards/run", content=body, headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "reward.graders.m.tolerance", r.text
     body = '{"reward": {"type": "json_schema", "schema": {"maximum": -Infinity}}, "samples": ["1"]}'
@@ -118,10 +142,14 @@ def test_reward_model_dry_runs_load_the_model_once(client, settings, auth):
 def test_dry_runs_grade_below_the_api_s_priority(client, auth):
     """A python grader's sandbox and the grader pool run at the operator's dry-run niceness (default 10)."""
     probe = "import os\ndef grade(sample, item):\n    return float(os.getpriority(os.PRIO_PROCESS, 0))"
-    spec = {"type": "multi", "graders": {
-        "py": {"type": "python", "source": probe},
-        "sim": {"type": "text_similarity", "reference": "a", "evaluation_metric": "fuzzy_match"}},
-        "calculate_output": "py"}
+    spec = {
+        "type": "multi",
+        "graders": {
+            "py": {"type": "python", "source": probe},
+            "sim": {"type": "text_similarity", "reference": "a", "evaluation_metric": "fuzzy_match"},
+        },
+        "calculate_output": "py",
+    }
     r = client.post("/v1/rewards/run", json={"reward": spec, "samples": ["a"]}, headers=auth)
     assert r.status_code == 200, r.text
     want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # relative to the API's own (this process's)

@@ -24,8 +24,12 @@ def _rm(model: str) -> dict:
 def test_grader_model_outside_the_policy_is_refused(client, app, auth, uploaded, model_name, outside_model, where):
     if where == "hub_refused":
         app.state.settings.allow_hub_models = False
-    model = {"abs": str(outside_model), "dotdot": f"../../{outside_model.name}", "unknown": "not-a-model",
-             "hub_refused": "org/reward-model"}[where]
+    model = {
+        "abs": str(outside_model),
+        "dotdot": f"../../{outside_model.name}",
+        "unknown": "not-a-model",
+        "hub_refused": "org/reward-model",
+    }[where]
     nested = {"type": "multi", "graders": {"exact": {"type": "regex", "pattern": "a"}, "rm": _rm(model)}}
     for spec, field in ((_rm(model), "reward.model"), (nested, "reward.graders.rm.model")):
         r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": spec}, headers=auth)
@@ -41,13 +45,19 @@ def test_grader_model_under_the_models_dir_is_found_by_name(client, settings, au
     assert r.status_code == 201, r.text
     assert r.json()["reward"]["model"] == "rm"  # stored as named; the worker resolves it the same way
     texts = ["hello", "a longer text"]
-    r = client.post("/v1/rewards/run", json={"reward": _rm("rm"), "item": {"prompt": "Q: "}, "samples": texts},
-                    headers=auth)
+    r = client.post(
+        "/v1/rewards/run", json={"reward": _rm("rm"), "item": {"prompt": "Q: "}, "samples": texts}, headers=auth
+    )
     assert r.status_code == 200, r.text
     direct = build_reward(_rm(str(path)))
     try:
-        want = [g.reward for g in direct.score_batch([{"prompt": "Q: "}] * 2,
-                [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in texts])]
+        want = [
+            g.reward
+            for g in direct.score_batch(
+                [{"prompt": "Q: "}] * 2,
+                [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in texts],
+            )
+        ]
     finally:
         direct.close()
     got = r.json()["results"]

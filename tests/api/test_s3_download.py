@@ -19,8 +19,9 @@ def test_presigned_redirect(s3_settings, tmp_path, toy_dataset):
     from api.app import create_app
     from tests.api.conftest import job_body
 
-    settings = s3_settings.model_copy(update={"data_dir": tmp_path, "database_url": f"sqlite:///{tmp_path / 'db.sqlite'}",
-                                              "allow_hub_models": True})
+    settings = s3_settings.model_copy(
+        update={"data_dir": tmp_path, "database_url": f"sqlite:///{tmp_path / 'db.sqlite'}", "allow_hub_models": True}
+    )
     run_migrations(settings.resolved_database_url())
     S3ObjectStore(settings).ensure_bucket()
     app = create_app(settings)

@@ -11,9 +11,14 @@ import tempfile
 from pathlib import Path
 
 import schemathesis
-from hypothesis import HealthCheck, settings as hsettings
+from hypothesis import HealthCheck
+from hypothesis import settings as hsettings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from api.app import create_app
 from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
@@ -38,13 +43,26 @@ def _seed(app) -> dict:
     (ckpt / "model" / "config.json").write_text("{}")
     with app.state.db.session() as s:
         tenant, _state["key"] = create_tenant_and_key(s, "fuzz")
-        f = File(tenant_id=tenant.id, filename="toy.jsonl", bytes=len(data), rows=8,
-                 object_key=f"tenants/{tenant.id}/files/toy.jsonl", item_fields=["answer", "prompt", "target"])
+        f = File(
+            tenant_id=tenant.id,
+            filename="toy.jsonl",
+            bytes=len(data),
+            rows=8,
+            object_key=f"tenants/{tenant.id}/files/toy.jsonl",
+            item_fields=["answer", "prompt", "target"],
+        )
         app.state.objects.put_bytes(f.object_key, data)
         s.add(f)
         s.flush()
-        job = jobs.create_job(s, tenant_id=tenant.id, model="toy", training_file_id=f.id, reward=TOY_REWARD,
-                              hyperparameters={}, total_steps=2)
+        job = jobs.create_job(
+            s,
+            tenant_id=tenant.id,
+            model="toy",
+            training_file_id=f.id,
+            reward=TOY_REWARD,
+            hyperparameters={},
+            total_steps=2,
+        )
         s.commit()
         jobs.claim(s, job.id, "fuzz-worker", 30)
         for step in (1, 2):
@@ -82,6 +100,7 @@ def _use_real_ids(case) -> None:
 def test_api_conforms_to_its_schema(case):
     _use_real_ids(case)
     # The bar: zero 5xx and every response valid against the schema (status and body).
-    case.call_and_validate(headers={"Authorization": f"Bearer {_state['key']}"},
-                           checks=[not_a_server_error, response_schema_conformance, status_code_conformance,
-                                   content_type_conformance])
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {_state['key']}"},
+        checks=[not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance],
+    )

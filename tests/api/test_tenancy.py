@@ -14,10 +14,17 @@ def test_every_endpoint_hides_other_tenants_data(client, auth, other_auth, job_w
     ckpt = client.get(f"/v1/jobs/{job}/checkpoints", headers=auth).json()["data"][0]["id"]
     fid = uploaded["id"]
     requests = [
-        ("GET", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"), ("DELETE", f"/v1/files/{fid}"),
-        ("GET", f"/v1/jobs/{job}"), ("POST", f"/v1/jobs/{job}/cancel"), ("GET", f"/v1/jobs/{job}/metrics"),
-        ("GET", f"/v1/jobs/{job}/events"), ("GET", f"/v1/jobs/{job}/samples"), ("GET", f"/v1/jobs/{job}/checkpoints"),
-        ("GET", f"/v1/checkpoints/{ckpt}"), ("GET", f"/v1/checkpoints/{ckpt}/download"),
+        ("GET", f"/v1/files/{fid}"),
+        ("GET", f"/v1/files/{fid}/content"),
+        ("DELETE", f"/v1/files/{fid}"),
+        ("GET", f"/v1/jobs/{job}"),
+        ("POST", f"/v1/jobs/{job}/cancel"),
+        ("GET", f"/v1/jobs/{job}/metrics"),
+        ("GET", f"/v1/jobs/{job}/events"),
+        ("GET", f"/v1/jobs/{job}/samples"),
+        ("GET", f"/v1/jobs/{job}/checkpoints"),
+        ("GET", f"/v1/checkpoints/{ckpt}"),
+        ("GET", f"/v1/checkpoints/{ckpt}/download"),
     ]
     for method, path in requests:
         r = client.request(method, path, headers=other_auth)
@@ -30,8 +37,9 @@ def test_every_endpoint_hides_other_tenants_data(client, auth, other_auth, job_w
     assert r.status_code == 404 and r.json()["error"]["field"] == "training_file"
     r = client.post("/v1/jobs", json=job_body(fid, model=f"ckpt:{ckpt}"), headers=auth)
     assert r.status_code == 201
-    other_file = client.post("/v1/files", files={"file": ("t.jsonl", b'{"prompt": "x", "target": "y"}\n')},
-                             headers=other_auth).json()["id"]
+    other_file = client.post(
+        "/v1/files", files={"file": ("t.jsonl", b'{"prompt": "x", "target": "y"}\n')}, headers=other_auth
+    ).json()["id"]
     r = client.post("/v1/jobs", json=job_body(other_file, model=f"ckpt:{ckpt}"), headers=other_auth)
     assert r.status_code == 404 and r.json()["error"]["field"] == "model"
 
@@ -93,8 +101,14 @@ def test_stored_keys_that_escape_their_prefix_are_never_served(client, app, sett
     with app.state.db.session() as s:
         tenant = authenticate(s, auth["Authorization"].split()[1])
         f = File(tenant_id=tenant.id, filename="x.jsonl", bytes=1, rows=1, object_key="../secret.txt", item_fields=[])
-        gone = File(tenant_id=tenant.id, filename="y.jsonl", bytes=1, rows=1, object_key="tenants/x/files/gone.jsonl",
-                    item_fields=[])
+        gone = File(
+            tenant_id=tenant.id,
+            filename="y.jsonl",
+            bytes=1,
+            rows=1,
+            object_key="tenants/x/files/gone.jsonl",
+            item_fields=[],
+        )
         s.add_all([f, gone])
         s.flush()
         job = Job(tenant_id=tenant.id, model="m", training_file_id=f.id, reward={}, hyperparameters={}, total_steps=1)

@@ -42,8 +42,13 @@ def test_a_60_mb_upload_keeps_server_memory_bounded(tmp_path):
     rows = _dataset(tmp_path / "big.jsonl", 60 * 1024 * 1024)
     port = free_port()
     env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": url_db, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url, h = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
     try:
         deadline = time.monotonic() + 60
@@ -74,8 +79,10 @@ def test_a_60_mb_upload_keeps_server_memory_bounded(tmp_path):
         assert r.status_code == 201, r.text
         assert r.json()["rows"] == rows and r.json()["bytes"] == (tmp_path / "big.jsonl").stat().st_size
         growth_mb = (peak[0] - base) / 2**20
-        print(f"server RSS {base / 2**20:.0f} MB -> peak {peak[0] / 2**20:.0f} MB during a "
-              f"{r.json()['bytes'] / 2**20:.0f} MB upload (+{growth_mb:.0f} MB)")
+        print(
+            f"server RSS {base / 2**20:.0f} MB -> peak {peak[0] / 2**20:.0f} MB during a "
+            f"{r.json()['bytes'] / 2**20:.0f} MB upload (+{growth_mb:.0f} MB)"
+        )
         assert growth_mb < MAX_GROWTH_MB
         # A large file is validated in a child process: a bad row still names its line, leaves nothing.
         bad = (tmp_path / "big.jsonl").read_bytes()[: 2 * 2**20].rsplit(b"\n", 1)[0] + b'\n{"prompt": "x", "v": NaN}\n'

@@ -15,8 +15,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _gspo(env: dict, *args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "gspo_cli.main", *args], env=env, cwd=ROOT, check=True,
-                          capture_output=True, text=True, timeout=120).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_cli.main", *args],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
 
 
 def _requests_counted(url: str, route: str) -> float:
@@ -28,15 +35,24 @@ def _requests_counted(url: str, route: str) -> float:
 
 
 def test_two_server_processes_share_metrics_and_revocation(tmp_path):
-    env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "GSPO_MODELS_DIR": str(tmp_path / "models"),
-           "GSPO_METRICS_TOKEN": "scrape"}
+    env = {
+        **os.environ,
+        "GSPO_DATA_DIR": str(tmp_path / "data"),
+        "GSPO_MODELS_DIR": str(tmp_path / "models"),
+        "GSPO_METRICS_TOKEN": "scrape",
+    }
     env.pop("DATABASE_URL", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     _gspo(env, "migrate")
     key = _gspo(env, "admin", "create-key", "--tenant", "w").splitlines()[-1]
     port = free_port()
-    api = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port),
-                            "--workers", "2"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    api = subprocess.Popen(
+        [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port), "--workers", "2"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -10,13 +10,24 @@ from bench.workload import Workload
 
 def _run(name: str, steps: list[float], push: float = 0.0) -> dict:
     phases = {"rollout": [s / 2 for s in steps], "weight_sync": [push] * len(steps)}
-    return {"trainer": "trl" if name.startswith("trl") else "ours", "name": name, "engine": "transformers",
-            "step_s": steps, "phases": phases, "reward": [0.1, 0.2, 0.3], "peak_rss_mb": 100.0}
+    return {
+        "trainer": "trl" if name.startswith("trl") else "ours",
+        "name": name,
+        "engine": "transformers",
+        "step_s": steps,
+        "phases": phases,
+        "reward": [0.1, 0.2, 0.3],
+        "peak_rss_mb": 100.0,
+    }
 
 
 def test_summary_pairs_alternating_runs_and_drops_warmup():
-    runs = [_run("ours", [9.0, 1.0, 1.0], push=0.04), _run("trl", [9.0, 4.0, 4.0]),
-            _run("ours", [9.0, 3.0, 3.0], push=0.04), _run("trl", [9.0, 4.0, 4.0])]
+    runs = [
+        _run("ours", [9.0, 1.0, 1.0], push=0.04),
+        _run("trl", [9.0, 4.0, 4.0]),
+        _run("ours", [9.0, 3.0, 3.0], push=0.04),
+        _run("trl", [9.0, 4.0, 4.0]),
+    ]
     s = summarize(runs)
     assert s["ratio_per_run_pair"] == pytest.approx([0.25, 0.75])
     assert s["ratio_ours_over_trl"] == pytest.approx(0.5)
@@ -34,8 +45,14 @@ def test_summary_of_one_trainer_has_no_ratio():
 
 
 def test_summary_also_pairs_ours_with_trl_under_our_heap_policy():
-    runs = [_run("ours", [9.0, 2.0]), _run("trl", [9.0, 4.0]), _run("trl-keepmem", [9.0, 2.5]),
-            _run("ours", [9.0, 3.0]), _run("trl", [9.0, 5.0]), _run("trl-keepmem", [9.0, 5.0])]
+    runs = [
+        _run("ours", [9.0, 2.0]),
+        _run("trl", [9.0, 4.0]),
+        _run("trl-keepmem", [9.0, 2.5]),
+        _run("ours", [9.0, 3.0]),
+        _run("trl", [9.0, 5.0]),
+        _run("trl-keepmem", [9.0, 5.0]),
+    ]
     s = summarize(runs)
     assert s["ratio_per_run_pair"] == pytest.approx([0.5, 0.6])
     assert s["ratio_per_run_pair_keepmem"] == pytest.approx([0.8, 0.6])
@@ -44,8 +61,14 @@ def test_summary_also_pairs_ours_with_trl_under_our_heap_policy():
 
 
 def test_summary_pairs_the_bf16_variants_with_each_other():
-    runs = [_run("ours", [9.0, 2.0]), _run("ours-bf16", [9.0, 1.0]), _run("trl-bf16", [9.0, 4.0]),
-            _run("ours", [9.0, 2.0]), _run("ours-bf16", [9.0, 1.5]), _run("trl-bf16", [9.0, 5.0])]
+    runs = [
+        _run("ours", [9.0, 2.0]),
+        _run("ours-bf16", [9.0, 1.0]),
+        _run("trl-bf16", [9.0, 4.0]),
+        _run("ours", [9.0, 2.0]),
+        _run("ours-bf16", [9.0, 1.5]),
+        _run("trl-bf16", [9.0, 5.0]),
+    ]
     s = summarize(runs)
     assert "ratio_ours_over_trl" not in s  # no fp32 TRL ran
     assert s["ratio_per_run_pair_bf16"] == pytest.approx([0.25, 0.3])

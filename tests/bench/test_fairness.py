@@ -12,8 +12,24 @@ def test_fairness_bench_smoke(tmp_path):
     from bench.fairness import main
 
     out = tmp_path / "fairness.json"
-    code = main(["--seconds", "3", "--victims", "4", "--upload-mb", "2", "--api-workers", "1",
-                 "--redis-url", REDIS_URL, "--run-samples", "2", "--json", str(out)])
+    code = main(
+        [
+            "--seconds",
+            "3",
+            "--victims",
+            "4",
+            "--upload-mb",
+            "2",
+            "--api-workers",
+            "1",
+            "--redis-url",
+            REDIS_URL,
+            "--run-samples",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     baseline, hostile = json.loads(out.read_text())
     assert code == 0  # no victim request failed
     for report in (baseline, hostile):

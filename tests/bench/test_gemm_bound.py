@@ -19,8 +19,12 @@ def test_every_product_raced_is_x_times_w_transposed(dtype):
     products = _products(w)
     assert len(products) >= 2  # torch's linear and oneDNN's, on every CPU wheel
     for product in products:
-        torch.testing.assert_close(product(x).float(), want, atol=0.05 if dtype == torch.bfloat16 else 1e-5,
-                                   rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
+        torch.testing.assert_close(
+            product(x).float(),
+            want,
+            atol=0.05 if dtype == torch.bfloat16 else 1e-5,
+            rtol=0.02 if dtype == torch.bfloat16 else 1e-5,
+        )
 
 
 def test_the_bound_counts_the_models_products(tiny_model_dir):
@@ -57,5 +61,6 @@ def test_the_block_shared_bound_prefills_each_samples_partial_block(tiny_model_d
     assert out["gemm_bound_tokens_per_s"] == pytest.approx(seqs * tokens / shared_s)
     # Blocks as long as the longest prompt share nothing: every sample prefills its whole prompt.
     alone = gemm_bound(model, prompts, group, tokens, kv_block=32)["gemm_bound_block_shared_tokens_per_s"]
-    assert alone == pytest.approx(seqs * tokens / (1e-12 * (body * sum(prompts) * group + head * seqs)
-                                                   + (tokens - 1) * decode))
+    assert alone == pytest.approx(
+        seqs * tokens / (1e-12 * (body * sum(prompts) * group + head * seqs) + (tokens - 1) * decode)
+    )

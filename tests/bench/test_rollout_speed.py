@@ -16,8 +16,10 @@ class _Recorder:
 
     def generate(self, prompts, spec):
         self.calls.append(self.name)
-        return [[Completion(i, p, [1] * spec.max_tokens, [], "", "length") for _ in range(spec.n)]
-                for i, p in enumerate(prompts)]
+        return [
+            [Completion(i, p, [1] * spec.max_tokens, [], "", "length") for _ in range(spec.n)]
+            for i, p in enumerate(prompts)
+        ]
 
 
 def test_engines_take_turns_after_one_warm_up_each():

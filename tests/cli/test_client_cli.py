@@ -18,8 +18,9 @@ from tests.e2e.test_dashboard import ROOT, service  # noqa: F401  (module fixtur
 def gspo(service, *args, key: str | None = None):  # noqa: F811
     url, default_key, _, _ = service
     env = {**os.environ, "GSPO_BASE_URL": url, "GSPO_API_KEY": key or default_key, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "gspo_cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=180, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_cli.main", *args], capture_output=True, text=True, env=env, timeout=180, cwd=ROOT
+    )
 
 
 def test_files_jobs_metrics_checkpoints(service, tmp_path):  # noqa: F811
@@ -49,8 +50,16 @@ def test_jobs_create_from_file_with_set_and_cancel(service, tmp_path):  # noqa: 
     data = write_toy_dataset(tmp_path / "toy.jsonl", n=8)
     file_id = json.loads(gspo(service, "files", "upload", str(data)).stdout)["id"]
     spec = tmp_path / "job.yaml"
-    spec.write_text(yaml.safe_dump({"model": "toy", "training_file": file_id, "reward": TOY_REWARD,
-                                    "hyperparameters": {"steps": 500, "group_size": 4, "prompts_per_step": 2}}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": "toy",
+                "training_file": file_id,
+                "reward": TOY_REWARD,
+                "hyperparameters": {"steps": 500, "group_size": 4, "prompts_per_step": 2},
+            }
+        )
+    )
     created = gspo(service, "jobs", "create", str(spec), "--set", "group_size=8", "--name", "from-file")
     assert created.returncode == 0, created.stderr
     job = json.loads(created.stdout)

@@ -18,8 +18,14 @@ def test_demo_twice_loads_each_runs_own_checkpoint(tmp_path):
     env.pop("DATABASE_URL", None), env.pop("REDIS_URL", None)
     loaded = []
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "gspo_cli.main", "demo", "--steps", "3", "--engine", "transformers"],
-                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "gspo_cli.main", "demo", "--steps", "3", "--engine", "transformers"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         m = re.search(r"downloaded \S*/(ckpt_\w+)\.tar\.gz .* loaded with transformers from (\S+)", out.stdout)
         assert m and f"/{m.group(1)}/" in m.group(2), out.stdout[-2000:]

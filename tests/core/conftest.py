@@ -16,11 +16,13 @@ def sampled(tiny_model_dir):
     ``(model, pad_id, completions, rewards_N)``."""
     with one_torch_thread():
         model, tok = load_policy(str(tiny_model_dir), UPDATE_CFG, torch.device("cpu"))
-        eng = make_engine("transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
-                          max_model_len=64)
+        eng = make_engine(
+            "transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=64
+        )
         ids = [tok(f"say {c}:", add_special_tokens=False)["input_ids"] for c in "abcd"]
-        groups = eng.generate(ids, SamplingSpec(n=UPDATE_CFG.group_size, max_tokens=UPDATE_CFG.max_new_tokens,
-                                                seed=0, logprobs=True))
+        groups = eng.generate(
+            ids, SamplingSpec(n=UPDATE_CFG.group_size, max_tokens=UPDATE_CFG.max_new_tokens, seed=0, logprobs=True)
+        )
     comps = [c for g in groups for c in g]
     rewards_N = torch.rand(len(comps), generator=torch.Generator().manual_seed(0))
     return model, tok.pad_token_id, comps, rewards_N

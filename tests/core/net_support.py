@@ -53,7 +53,7 @@ class Server:
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_POST = do_GET = _any  # noqa: N815 (http.server's names)
+            do_POST = do_GET = _any
 
             def log_message(self, *args):
                 pass

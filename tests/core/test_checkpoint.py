@@ -50,8 +50,13 @@ def test_checkpoint_layout_and_trainer_state(tiny_model_dir, tmp_path):
     ckpt = Path(result.final_checkpoint)
     assert ckpt == tmp_path / "out" / "checkpoints" / "step-000002"
     model_dir = ckpt / "model"
-    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (model_dir / name).is_file(), name
     assert not (ckpt / "adapter").exists()
     model = AutoModelForCausalLM.from_pretrained(model_dir)

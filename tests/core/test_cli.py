@@ -11,8 +11,17 @@ from gspo_core.platform import RuntimeOptions
 
 def _job(tmp_path, **extra) -> str:
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({"model": "m", "training_file": "t.jsonl", "reward": {"type": "regex", "pattern": "a"},
-                                    "hyperparameters": {"steps": 2}, **extra}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": "m",
+                "training_file": "t.jsonl",
+                "reward": {"type": "regex", "pattern": "a"},
+                "hyperparameters": {"steps": 2},
+                **extra,
+            }
+        )
+    )
     return str(path)
 
 
@@ -27,12 +36,19 @@ def test_the_runtime_section_and_flags_are_not_hyperparameters(tmp_path):
     assert runtime.rollout_engine == "vllm" and not runtime.keep_freed_memory
 
 
-@pytest.mark.parametrize("extra,overrides,message", [
-    ({"hyperparameters": {"rollout_engine": "transformers"}}, {}, "hyperparameters.rollout_engine: .*--rollout-engine"),
-    ({}, {"keep_freed_memory": False}, "hyperparameters.keep_freed_memory: .*--return-freed-memory"),
-    ({"runtime": {"rollout_engine": "tgi"}}, {}, "runtime: rollout_engine"),
-    ({"runtime": {"cpu_gemm": "onednn"}}, {}, "runtime: unknown runtime option"),
-])
+@pytest.mark.parametrize(
+    "extra,overrides,message",
+    [
+        (
+            {"hyperparameters": {"rollout_engine": "transformers"}},
+            {},
+            "hyperparameters.rollout_engine: .*--rollout-engine",
+        ),
+        ({}, {"keep_freed_memory": False}, "hyperparameters.keep_freed_memory: .*--return-freed-memory"),
+        ({"runtime": {"rollout_engine": "tgi"}}, {}, "runtime: rollout_engine"),
+        ({"runtime": {"cpu_gemm": "onednn"}}, {}, "runtime: unknown runtime option"),
+    ],
+)
 def test_misplaced_or_bad_runtime_options_are_refused_by_name(tmp_path, extra, overrides, message):
     with pytest.raises(ValueError, match=message):
         load_job(_job(tmp_path, **extra), None, overrides)

@@ -20,25 +20,34 @@ def test_crlf_no_trailing_newline_and_unicode():
     assert [r["prompt"] for r in rows] == ["é", "日本"]
 
 
-@pytest.mark.parametrize("data,line,field", [
-    pytest.param(b'{"prompt": "a"}\n\xff\n', 2, None, id="non-utf8"),
-    pytest.param(b'{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "\xc3"}\n', 4, None, id="non-utf8-after-blank"),
-    pytest.param(b'{"prompt": "a"}\n{bad\n', 2, None, id="non-json"),
-    pytest.param(b"[1]\n", 1, None, id="array"),
-    pytest.param(b'{"prompt": "a"}\n"text"\n', 2, None, id="string"),
-    pytest.param(b'{"prompt": "a"}\nnull\n', 2, None, id="null"),
-    pytest.param(b'{"q": 1}\n', 1, "prompt", id="neither"),
-    pytest.param(b'{"prompt": "a"}\n\n{"prompt": ""}\n', 3, "prompt", id="empty-prompt"),
-    pytest.param(b'{"prompt": 3}\n', 1, "prompt", id="prompt-not-str"),
-    pytest.param(b'{"messages": []}\n', 1, "messages", id="empty-messages"),
-    pytest.param(b'{"messages": "hi"}\n', 1, "messages", id="messages-not-list"),
-    pytest.param(b'{"messages": [{"role": "user", "content": 1}]}\n', 1, "messages[0]", id="content-not-str"),
-    pytest.param(b'{"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}\n', 1, "messages[1]",
-                 id="message-no-role"),
-    pytest.param(b'{"messages": [{"role": "user", "content": "a"}, "b"]}\n', 1, "messages[1]", id="message-not-obj"),
-    pytest.param(b"", None, None, id="empty-file"),
-    pytest.param(b"\n  \n\n", None, None, id="blank-file"),
-])
+@pytest.mark.parametrize(
+    "data,line,field",
+    [
+        pytest.param(b'{"prompt": "a"}\n\xff\n', 2, None, id="non-utf8"),
+        pytest.param(b'{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "\xc3"}\n', 4, None, id="non-utf8-after-blank"),
+        pytest.param(b'{"prompt": "a"}\n{bad\n', 2, None, id="non-json"),
+        pytest.param(b"[1]\n", 1, None, id="array"),
+        pytest.param(b'{"prompt": "a"}\n"text"\n', 2, None, id="string"),
+        pytest.param(b'{"prompt": "a"}\nnull\n', 2, None, id="null"),
+        pytest.param(b'{"q": 1}\n', 1, "prompt", id="neither"),
+        pytest.param(b'{"prompt": "a"}\n\n{"prompt": ""}\n', 3, "prompt", id="empty-prompt"),
+        pytest.param(b'{"prompt": 3}\n', 1, "prompt", id="prompt-not-str"),
+        pytest.param(b'{"messages": []}\n', 1, "messages", id="empty-messages"),
+        pytest.param(b'{"messages": "hi"}\n', 1, "messages", id="messages-not-list"),
+        pytest.param(b'{"messages": [{"role": "user", "content": 1}]}\n', 1, "messages[0]", id="content-not-str"),
+        pytest.param(
+            b'{"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}\n',
+            1,
+            "messages[1]",
+            id="message-no-role",
+        ),
+        pytest.param(
+            b'{"messages": [{"role": "user", "content": "a"}, "b"]}\n', 1, "messages[1]", id="message-not-obj"
+        ),
+        pytest.param(b"", None, None, id="empty-file"),
+        pytest.param(b"\n  \n\n", None, None, id="blank-file"),
+    ],
+)
 def test_bad_rows(data, line, field):
     with pytest.raises(DataError) as exc:
         validate_jsonl_bytes(data)
@@ -139,10 +148,18 @@ def test_loads_strict_names_the_path():
     from gspo_core.data import JsonValueError, loads_strict
 
     assert loads_strict('{"a": [1, 2.5, -3, "x", {"b": null}], "e": "\\ud83d\\ude00"}') == {
-        "a": [1, 2.5, -3, "x", {"b": None}], "e": "\U0001F600"}
-    cases = {'{"a": [1, NaN]}': "a[1]", '{"a": {"b": -Infinity}}': "a.b", '{"x": 1e999}': "x",
-             '{"n": ' + "1" * 1001 + "}": "n", '{"s": ["ok", "\\udfff"]}': "s[1]",
-             '{"d": ' + "[" * 40 + "]" * 40 + "}": "d" + "[0]" * 31, "[" * 100_000 + "]" * 100_000: ""}
+        "a": [1, 2.5, -3, "x", {"b": None}],
+        "e": "\U0001f600",
+    }
+    cases = {
+        '{"a": [1, NaN]}': "a[1]",
+        '{"a": {"b": -Infinity}}': "a.b",
+        '{"x": 1e999}': "x",
+        '{"n": ' + "1" * 1001 + "}": "n",
+        '{"s": ["ok", "\\udfff"]}': "s[1]",
+        '{"d": ' + "[" * 40 + "]" * 40 + "}": "d" + "[0]" * 31,
+        "[" * 100_000 + "]" * 100_000: "",
+    }
     for text, path in cases.items():
         with pytest.raises(JsonValueError) as exc:
             loads_strict(text)

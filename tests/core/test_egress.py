@@ -39,23 +39,62 @@ def _policy(*allow: str) -> GraderPolicy:
     return GraderPolicy(egress_allow=allow)
 
 
-LOOPBACK_SPELLINGS = ["127.0.0.1", "localhost", "localhost.", "LocalHost", "127.1", "127.0.1", "2130706433",
-                      "0x7f000001", "0x7f.0.0.1", "0x7f.1", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]",
-                      "[::127.0.0.1]", "[64:ff9b::7f00:1]", "[2002:7f00:1::]", "[::ffff:0:7f00:1]", "0", "0.0.0.0",
-                      "a.localhost"]
-OTHER_REFUSED = ["[::1]", "[::]", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.1", "169.254.169.254",
-                 "169.254.170.2", "[fd00:ec2::254]", "168.63.129.16", "100.100.100.200", "[fe80::1]", "[fc00::1]",
-                 "224.0.0.1", "240.0.0.1", "255.255.255.255", "198.18.0.1", "[::ffff:10.0.0.1]",
-                 "[::ffff:169.254.169.254]", "[fe80::1%25eth0]"]
+LOOPBACK_SPELLINGS = [
+    "127.0.0.1",
+    "localhost",
+    "localhost.",
+    "LocalHost",
+    "127.1",
+    "127.0.1",
+    "2130706433",
+    "0x7f000001",
+    "0x7f.0.0.1",
+    "0x7f.1",
+    "[::ffff:127.0.0.1]",
+    "[::ffff:7f00:1]",
+    "[::127.0.0.1]",
+    "[64:ff9b::7f00:1]",
+    "[2002:7f00:1::]",
+    "[::ffff:0:7f00:1]",
+    "0",
+    "0.0.0.0",
+    "a.localhost",
+]
+OTHER_REFUSED = [
+    "[::1]",
+    "[::]",
+    "10.0.0.1",
+    "172.16.5.4",
+    "192.168.1.1",
+    "100.64.0.1",
+    "169.254.169.254",
+    "169.254.170.2",
+    "[fd00:ec2::254]",
+    "168.63.129.16",
+    "100.100.100.200",
+    "[fe80::1]",
+    "[fc00::1]",
+    "224.0.0.1",
+    "240.0.0.1",
+    "255.255.255.255",
+    "198.18.0.1",
+    "[::ffff:10.0.0.1]",
+    "[::ffff:169.254.169.254]",
+    "[fe80::1%25eth0]",
+]
 
 
 @pytest.mark.parametrize("host", LOOPBACK_SPELLINGS + OTHER_REFUSED)
 def test_internal_literal_urls_are_spec_errors_and_never_connected(listener, host):
     url = f"http://{host}:{listener.port}"
-    for spec, field in (({"type": "http", "url": url + "/score"}, "url"),
-                        ({"type": "score_model", "base_url": url + "/v1", "model": "m",
-                          "input": [{"role": "user", "content": "x"}]}, "base_url"),
-                        ({"type": "multi", "graders": {"h": {"type": "http", "url": url}}}, "graders.h.url")):
+    for spec, field in (
+        ({"type": "http", "url": url + "/score"}, "url"),
+        (
+            {"type": "score_model", "base_url": url + "/v1", "model": "m", "input": [{"role": "user", "content": "x"}]},
+            "base_url",
+        ),
+        ({"type": "multi", "graders": {"h": {"type": "http", "url": url}}}, "graders.h.url"),
+    ):
         with pytest.raises(RewardSpecError) as exc:
             build_reward(spec)
         assert exc.value.field == field and "not reachable" in exc.value.message
@@ -77,8 +116,14 @@ def test_a_name_that_resolves_inside_is_refused_at_run_time_without_connecting()
         assert r.reward == 0.0 and r.errors["h"].startswith("egress_refused:"), r.errors
         assert "loopback" in r.errors["h"] or "private" in r.errors["h"]
         assert lst.accepted == 0
-        judge = {"type": "score_model", "name": "j", "base_url": f"http://{name.upper()}:{lst.port}/v1", "model": "m",
-                 "input": [{"role": "user", "content": "x"}], "api_key": "sk"}
+        judge = {
+            "type": "score_model",
+            "name": "j",
+            "base_url": f"http://{name.upper()}:{lst.port}/v1",
+            "model": "m",
+            "input": [{"role": "user", "content": "x"}],
+            "api_key": "sk",
+        }
         assert score(judge).errors["j"].startswith("egress_refused:") and lst.accepted == 0
         # the operator's allow-list opens it, by name or by address
         srv = Server(addr, {})
@@ -93,8 +138,14 @@ def test_a_name_that_resolves_inside_is_refused_at_run_time_without_connecting()
 
 
 def test_allow_list_opens_only_what_it_names(listener):
-    assert score({"type": "http", "name": "h", "url": f"http://127.0.0.1:{listener.port}/", "retries": 0},
-                 _policy("127.0.0.1")).errors["h"].startswith("http_error")  # allowed: connected (a bare socket)
+    assert (
+        score(
+            {"type": "http", "name": "h", "url": f"http://127.0.0.1:{listener.port}/", "retries": 0},
+            _policy("127.0.0.1"),
+        )
+        .errors["h"]
+        .startswith("http_error")
+    )  # allowed: connected (a bare socket)
     assert listener.accepted == 1
     with pytest.raises(RewardSpecError):
         build_reward({"type": "http", "url": f"http://127.0.0.2:{listener.port}/"}, _policy("127.0.0.1"))
@@ -105,11 +156,13 @@ def test_allow_list_opens_only_what_it_names(listener):
 
 def test_redirect_to_a_refused_host_is_refused_without_connecting(listener):
     name, addr = loopback_name()
-    routes = {"/lit": (307, {"Location": f"http://127.0.0.1:{listener.port}/x"}, b""),
-              "/name": (302, {"Location": f"http://{name}:{listener.port}/x"}, b""),
-              "/meta": (301, {"Location": "http://169.254.169.254/latest/meta-data/"}, b""),
-              "/file": (302, {"Location": "file:///etc/passwd"}, b""),
-              "/loop": (302, {"Location": "/loop"}, b"")}
+    routes = {
+        "/lit": (307, {"Location": f"http://127.0.0.1:{listener.port}/x"}, b""),
+        "/name": (302, {"Location": f"http://{name}:{listener.port}/x"}, b""),
+        "/meta": (301, {"Location": "http://169.254.169.254/latest/meta-data/"}, b""),
+        "/file": (302, {"Location": "file:///etc/passwd"}, b""),
+        "/loop": (302, {"Location": "/loop"}, b""),
+    }
     srv = Server("127.0.0.2", routes)
     try:
         base = f"http://127.0.0.2:{srv.port}"
@@ -129,8 +182,13 @@ def test_redirect_to_a_refused_host_is_refused_without_connecting(listener):
 
 def test_credentials_and_tenant_headers_stay_with_their_origin():
     b = Server("127.0.0.3", {})
-    a = Server("127.0.0.2", {"/away": (307, {"Location": f"http://127.0.0.3:{b.port}/score"}, b""),
-                             "/here": (308, {"Location": "/score"}, b"")})
+    a = Server(
+        "127.0.0.2",
+        {
+            "/away": (307, {"Location": f"http://127.0.0.3:{b.port}/score"}, b""),
+            "/here": (308, {"Location": "/score"}, b""),
+        },
+    )
     try:
         spec = {"type": "http", "name": "h", "headers": {"Authorization": "Bearer tenant-secret", "X-Token": "t"}}
         policy = _policy("127.0.0.2", "127.0.0.3")
@@ -193,23 +251,36 @@ def _tls_pair(tmp_path, name: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(2)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = lambda c: c.public_bytes(serialization.Encoding.PEM)  # noqa: E731
     (tmp_path / "cert.pem").write_bytes(pem(cert) + pem(ca))
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                         serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
     client = ssl.create_default_context(cadata=pem(ca).decode())
@@ -235,15 +306,34 @@ def test_tls_verifies_the_name_while_connecting_to_the_pinned_address(tmp_path):
 def test_error_texts_carry_no_remote_body_and_no_port_state(listener):
     secret = b"SECRET-internal-detail"
     chat = {"choices": [{"message": {"content": "SECRET-internal-detail"}}]}
-    srv = Server("127.0.0.1", {"/400": (400, {}, secret), "/500": (500, {}, secret), "/html": (200, {}, secret),
-                               "/v1/chat/completions": (200, {}, json.dumps(chat).encode())})
+    srv = Server(
+        "127.0.0.1",
+        {
+            "/400": (400, {}, secret),
+            "/500": (500, {}, secret),
+            "/html": (200, {}, secret),
+            "/v1/chat/completions": (200, {}, json.dumps(chat).encode()),
+        },
+    )
     local = _policy("127.0.0.1")
     try:
         base = f"http://127.0.0.1:{srv.port}"
-        errors = [score({"type": "http", "name": "h", "url": base + p, "retries": 0}, local).errors["h"]
-                  for p in ("/400", "/500", "/html")]
-        errors.append(score({"type": "score_model", "name": "h", "base_url": base + "/v1", "model": "m",
-                             "input": [{"role": "user", "content": "x"}]}, local).errors["h"])
+        errors = [
+            score({"type": "http", "name": "h", "url": base + p, "retries": 0}, local).errors["h"]
+            for p in ("/400", "/500", "/html")
+        ]
+        errors.append(
+            score(
+                {
+                    "type": "score_model",
+                    "name": "h",
+                    "base_url": base + "/v1",
+                    "model": "m",
+                    "input": [{"role": "user", "content": "x"}],
+                },
+                local,
+            ).errors["h"]
+        )
         assert errors[0].startswith("http_error") and "400" in errors[0] and "500" in errors[1]
         assert all("SECRET" not in e for e in errors), errors
     finally:
@@ -252,13 +342,19 @@ def test_error_texts_carry_no_remote_body_and_no_port_state(listener):
     closed.bind(("127.0.0.1", 0))
     closed_port = closed.getsockname()[1]
     closed.close()  # nothing listens there: connection refused
-    texts = [score({"type": "http", "name": "h", "url": f"http://127.0.0.1:{port}/x", "retries": 0}, local)
-             .errors["h"].replace(str(port), "PORT") for port in (closed_port, listener.port)]
+    texts = [
+        score({"type": "http", "name": "h", "url": f"http://127.0.0.1:{port}/x", "retries": 0}, local)
+        .errors["h"]
+        .replace(str(port), "PORT")
+        for port in (closed_port, listener.port)
+    ]
     assert texts[0] == texts[1] == "http_error: could not get an answer from http://127.0.0.1:PORT", texts
 
 
-@pytest.mark.parametrize("header", ["Host", "content-length", "Transfer-Encoding", "Connection", "Proxy-Authorization",
-                                    "X-Forwarded-For", "Bad Name"])
+@pytest.mark.parametrize(
+    "header",
+    ["Host", "content-length", "Transfer-Encoding", "Connection", "Proxy-Authorization", "X-Forwarded-For", "Bad Name"],
+)
 def test_routing_headers_are_refused_naming_the_field(header):
     with pytest.raises(RewardSpecError) as exc:
         build_reward({"type": "http", "url": "https://rm.example/score", "headers": {header: "x"}})
@@ -270,8 +366,16 @@ def test_header_values_and_api_keys_cannot_inject_lines():
         build_reward({"type": "http", "url": "https://rm.example/score", "headers": {"X-A": "a\r\nHost: evil"}})
     assert exc.value.field == "headers.X-A"
     with pytest.raises(RewardSpecError) as exc:
-        build_reward({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "api_key": "k\nX: y",
-                      "input": [{"role": "user", "content": "x"}]})
+        build_reward(
+            {
+                "type": "score_model",
+                "base_url": "https://j.example/v1",
+                "model": "m",
+                "api_key": "k\nX: y",
+                "input": [{"role": "user", "content": "x"}],
+            }
+        )
     assert exc.value.field == "api_key"
-    build_reward({"type": "http", "url": "https://rm.example/score",
-                  "headers": {"Authorization": "Bearer t", "X-Api-Key": "k"}}).close()
+    build_reward(
+        {"type": "http", "url": "https://rm.example/score", "headers": {"Authorization": "Bearer t", "X-Api-Key": "k"}}
+    ).close()

@@ -25,10 +25,14 @@ def sample(text: str) -> dict:
     return {"output_text": text, "output_tokens": len(text), "finish_reason": "stop"}
 
 
-SPEC = {"type": "multi", "graders": {
-    "math": {"type": "math_answer", "reference": "{{item.answer}}"},
-    "schema": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(a+)+$"}},
-    "fuzzy": {"type": "text_similarity", "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"}}}
+SPEC = {
+    "type": "multi",
+    "graders": {
+        "math": {"type": "math_answer", "reference": "{{item.answer}}"},
+        "schema": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(a+)+$"}},
+        "fuzzy": {"type": "text_similarity", "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"},
+    },
+}
 
 
 def _ready(policy: GraderPolicy, holding: str | None = None, timeout: float = 120.0) -> list[int]:
@@ -48,8 +52,10 @@ def test_samples_that_never_yield_score_a_timeout_and_the_next_batch_works():
         for part in fn.parts.values():
             _ready(FAST, holding=part.pool_key)
         t0 = time.monotonic()
-        res = fn.score_batch([{"answer": "1"}, {"answer": "0.5"}, {"answer": "x"}],
-                             [sample(SLOW_MATH), sample("\\boxed{\\frac{1}{2}}"), sample(BACKTRACK)])
+        res = fn.score_batch(
+            [{"answer": "1"}, {"answer": "0.5"}, {"answer": "x"}],
+            [sample(SLOW_MATH), sample("\\boxed{\\frac{1}{2}}"), sample(BACKTRACK)],
+        )
         elapsed = time.monotonic() - t0
         assert res[0].errors["math"].startswith("timeout") and res[0].scores["math"] == 0.0
         assert res[2].errors["schema"].startswith("timeout") and res[2].scores["schema"] == 0.0
@@ -93,8 +99,9 @@ def test_a_process_that_stops_answering_is_killed_and_replaced():
         res = fn.score_batch([{}] * 16, [sample(t) for t in texts])
         assert time.monotonic() - t0 < 2 * (policy.local_timeout_s + GRACE_S) + 10
         stuck = [k for k, r in enumerate(res) if r.errors]
-        assert len(stuck) == 2 and all("timeout" in res[k].errors["j"] and "stopped" in res[k].errors["j"]
-                                       for k in stuck), [r.errors for r in res]
+        assert len(stuck) == 2 and all(
+            "timeout" in res[k].errors["j"] and "stopped" in res[k].errors["j"] for k in stuck
+        ), [r.errors for r in res]
         assert all(r.reward == (1.0 if texts[k] == "{}" else 0.0) for k, r in enumerate(res) if k not in stuck)
         after = _ready(policy)
         assert not set(before) & set(after)
@@ -113,12 +120,15 @@ def test_pool_processes_have_a_memory_cap():
 
 
 def test_pool_processes_die_with_their_parent(tmp_path):
-    code = ("import time\nfrom gspo_core.rewards import build_reward\nfrom gspo_core.rewards.pool import pool_for\n"
-            "fn = build_reward({'type': 'math_answer', 'reference': '1'})\n"
-            "print(fn.score_batch([{}], [{'output_text': '1', 'output_tokens': 1, 'finish_reason': 'stop'}])[0].reward)\n"
-            "print(*pool_for(fn.root.policy).pids(), flush=True)\ntime.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    code = (
+        "import time\nfrom gspo_core.rewards import build_reward\nfrom gspo_core.rewards.pool import pool_for\n"
+        "fn = build_reward({'type': 'math_answer', 'reference': '1'})\n"
+        "print(fn.score_batch([{}], [{'output_text': '1', 'output_tokens': 1, 'finish_reason': 'stop'}])[0].reward)\n"
+        "print(*pool_for(fn.root.policy).pids(), flush=True)\ntime.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     try:
         assert proc.stdout.readline().strip() == "1.0"
         pids = [int(p) for p in proc.stdout.readline().split()]

@@ -241,8 +241,9 @@ def test_loss_works_in_float32_and_returns_scalar():
     new = torch.randn(2, 5, dtype=torch.float32, requires_grad=True)
     old = new.detach() + 0.01
     for name in ("gspo", "gspo_token", "grpo"):
-        loss, m = LOSSES.get(name)(new, old, torch.tensor([1.0, -1.0], dtype=torch.float32),
-                                     torch.ones(2, 5, dtype=torch.long), EL, EH)
+        loss, m = LOSSES.get(name)(
+            new, old, torch.tensor([1.0, -1.0], dtype=torch.float32), torch.ones(2, 5, dtype=torch.long), EL, EH
+        )
         assert loss.dim() == 0 and loss.dtype == torch.float32 and torch.isfinite(loss)
         assert set(m) == {"clip/low_frac", "clip/high_frac", "ratio/mean", "ratio/min", "ratio/max"}
 
@@ -255,8 +256,11 @@ def test_the_names_a_job_may_give_are_the_registered_ones():
     from gspo_core.registry import ADVANTAGES
 
     assert sorted(get_args(LossName)) == LOSSES.names() and sorted(get_args(AdvantageName)) == ADVANTAGES.names()
-    assert {n: LOSSES.get(n).ratio_unit for n in LOSSES.names()} == {"gspo": "sequence", "gspo_token": "token",
-                                                                    "grpo": "token"}
+    assert {n: LOSSES.get(n).ratio_unit for n in LOSSES.names()} == {
+        "gspo": "sequence",
+        "gspo_token": "token",
+        "grpo": "token",
+    }
 
 
 @pytest.mark.parametrize("name", LOSSES.names())

@@ -23,8 +23,10 @@ def test_every_row_exactly_once(order):
 def test_length_order_pads_less_and_keeps_batch_order_random():
     lengths_N = torch.randint(16, 512, (64,), generator=torch.Generator().manual_seed(0))
     real = int(lengths_N.sum())
-    waste = {order: 1 - real / _padded_tokens(lengths_N, minibatches(lengths_N, 4, order, torch.Generator().manual_seed(2)))
-             for order in ("random", "length")}
+    waste = {
+        order: 1 - real / _padded_tokens(lengths_N, minibatches(lengths_N, 4, order, torch.Generator().manual_seed(2)))
+        for order in ("random", "length")
+    }
     assert waste["length"] < 0.2 < waste["random"], waste
     firsts = set()
     for seed in range(8):

@@ -64,8 +64,10 @@ class BiasedSampler:
 
     def generate(self, prompt_ids, spec):
         self.asked.append(spec.logprobs)
-        return [[replace(c, logprobs=[lp + self.bias for lp in c.logprobs]) for c in g]
-                for g in self.inner.generate(prompt_ids, spec)]
+        return [
+            [replace(c, logprobs=[lp + self.bias for lp in c.logprobs]) for c in g]
+            for g in self.inner.generate(prompt_ids, spec)
+        ]
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -127,8 +129,11 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
     if engine == "vllm" and not vllm_available():
         pytest.skip("vllm not installed")
     rec = Recorder()
-    tr = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2, precision="bf16", logprob_gap_every=0), rec,
-                 runtime=RuntimeOptions(rollout_engine=engine))
+    tr = Trainer(
+        toy_spec(tiny_model_dir, tmp_path, steps=2, precision="bf16", logprob_gap_every=0),
+        rec,
+        runtime=RuntimeOptions(rollout_engine=engine),
+    )
     try:
         built = tr.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else tr.engine.amp_dtype
         assert built == torch.bfloat16

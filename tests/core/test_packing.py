@@ -23,8 +23,11 @@ def _rows(vocab: int, seed: int = 0):
     """Three prompts of 3, 5 and 8 tokens with 1, 3 and 4 rows each, completions of 1..7 tokens, shuffled."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(6, vocab) for _ in range(n)] for n in (3, 5, 8)]
-    rows = [(prompts[g], [rng.randrange(6, vocab) for _ in range(rng.randint(1, 7))]) for g, k in enumerate((1, 3, 4))
-            for _ in range(k)]
+    rows = [
+        (prompts[g], [rng.randrange(6, vocab) for _ in range(rng.randint(1, 7))])
+        for g, k in enumerate((1, 3, 4))
+        for _ in range(k)
+    ]
     rng.shuffle(rows)
     return [p for p, _ in rows], [c for _, c in rows]
 
@@ -36,9 +39,16 @@ def _qwen2(tmp_path):
 
     tok = build_tokenizer(tmp_path)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                      pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     return tmp_path
 
@@ -52,8 +62,16 @@ def _mistral_sliding(tmp_path):
 
     tok = build_tokenizer(tmp_path)
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=4, pad_token_id=tok.pad_token_id)
+    cfg = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+        pad_token_id=tok.pad_token_id,
+    )
     MistralForCausalLM(cfg).save_pretrained(tmp_path)
     return tmp_path
 
@@ -66,10 +84,14 @@ def _logprobs_and_grads(model, batch, temperature, weights_BT):
     return logp_BT.detach(), entropy, grads
 
 
-@pytest.mark.parametrize("arch,lora_rank,temperature", [("llama", 0, 1.0), ("llama", 0, 0.7), ("llama", 4, 1.0),
-                                                         ("qwen2", 0, 1.0), ("mistral_sliding", 0, 1.0)])
+@pytest.mark.parametrize(
+    "arch,lora_rank,temperature",
+    [("llama", 0, 1.0), ("llama", 0, 0.7), ("llama", 4, 1.0), ("qwen2", 0, 1.0), ("mistral_sliding", 0, 1.0)],
+)
 def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model_dir, tmp_path, arch, lora_rank, temperature):
-    model_dir = {"llama": lambda _: tiny_model_dir, "qwen2": _qwen2, "mistral_sliding": _mistral_sliding}[arch](tmp_path)
+    model_dir = {"llama": lambda _: tiny_model_dir, "qwen2": _qwen2, "mistral_sliding": _mistral_sliding}[arch](
+        tmp_path
+    )
     model, tok = load_policy(str(model_dir), GSPOConfig(lora_rank=lora_rank), torch.device("cpu"))
     prompts, comps = _rows(len(tok))
     plain, shared = pack(prompts, comps, tok.pad_token_id), pack_shared(prompts, comps, tok.pad_token_id)
@@ -94,24 +116,25 @@ def test_sharing_is_chosen_where_it_saves_tokens():
     distinct = [[i, *p] for i in range(8)]
     assert isinstance(pack_rows(distinct, [c] * 8, 0), PackedBatch)  # nothing repeats
     long_c = [c * 200] * 2  # one repeat of an 8-token prompt beside 800 completion tokens
-    assert 8 < SHARE_MIN_SAVED * (2 * 8 + 800) and isinstance(pack_rows([p, p], long_c, 0), PackedBatch)
+    assert SHARE_MIN_SAVED * (2 * 8 + 800) > 8 and isinstance(pack_rows([p, p], long_c, 0), PackedBatch)
     assert isinstance(pack_rows([p] * 8, [c] * 7 + [[]], 0), PackedBatch)  # an empty completion: plain rows
 
 
 def test_a_training_step_is_the_same_with_and_without_sharing(tiny_model_dir, tmp_path, monkeypatch):
-    from tests.core.trainer_support import train
-    from tests.core.trainer_support import Recorder, toy_spec
+    from tests.core.trainer_support import Recorder, toy_spec, train
 
     calls: list[str] = []
     for cls in (SharedPrefixBatch, PackedBatch):
         real = cls.hidden_BTH
-        monkeypatch.setattr(cls, "hidden_BTH", lambda self, trunk, real=real: calls.append(type(self).__name__)
-                            or real(self, trunk))
+        monkeypatch.setattr(
+            cls, "hidden_BTH", lambda self, trunk, real=real: calls.append(type(self).__name__) or real(self, trunk)
+        )
     metrics, used = {}, {}
     for share in (True, False):
         rec, calls[:] = Recorder(), []
-        train(toy_spec(tiny_model_dir, tmp_path / str(share), steps=1, share_prompts=share,
-                       old_logprobs="recompute"), rec)
+        train(
+            toy_spec(tiny_model_dir, tmp_path / str(share), steps=1, share_prompts=share, old_logprobs="recompute"), rec
+        )
         metrics[share], used[share] = rec.steps[0][1], set(calls)
     # toy prompts are ~10 tokens beside <= 4 completion tokens: every forward shares, or none
     assert used == {True: {"SharedPrefixBatch"}, False: {"PackedBatch"}}

@@ -44,8 +44,15 @@ def test_a_step_runs_its_phases_once_each_in_order_and_times_each(tiny_model_dir
         tr.close()
     assert calls == PHASES * 2
     timed = {k for k in rec.steps[0][1] if k.startswith("time/")}
-    assert timed == {"time/rollout", "time/reward", "time/advantages", "time/old_logprobs", "time/train",
-                     "time/weight_sync", "time/step"}
+    assert timed == {
+        "time/rollout",
+        "time/reward",
+        "time/advantages",
+        "time/old_logprobs",
+        "time/train",
+        "time/weight_sync",
+        "time/step",
+    }
     m = rec.steps[0][1]
     assert all(m[k] >= 0 for k in timed)
     assert sum(m[k] for k in timed - {"time/step"}) <= m["time/step"]

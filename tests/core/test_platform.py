@@ -40,8 +40,14 @@ print(json.dumps({"applied": applied, "mp": os.environ.get("VLLM_ENABLE_V1_MULTI
 
 def _prepare_in_child(mode: str, **env) -> dict:
     child_env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True,
-                         env={**child_env, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**child_env, "PYTHONPATH": str(ROOT), **env},
+        cwd=ROOT,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -58,10 +64,14 @@ def test_prepare_process_applies_the_heap_policy_only_when_asked():
 def test_the_vllm_engine_refuses_multiprocess_mode(tiny_model_dir):
     if not vllm_available():
         pytest.skip("vllm not installed")
-    code = ("from gspo_core.rollout.vllm_engine import VLLMEngine\n"
-            f"VLLMEngine({str(tiny_model_dir)!r})")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    code = f"from gspo_core.rollout.vllm_engine import VLLMEngine\nVLLMEngine({str(tiny_model_dir)!r})"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
     assert out.returncode != 0 and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in out.stderr
 
 
@@ -70,13 +80,19 @@ def test_cpu_vllm_arguments(tiny_model_dir):
     """Eager, no chunked prefill, 16-token blocks for short fp32 completions on x86, a cache sized to the job."""
     if not vllm_available():
         pytest.skip("vllm not installed")
-    args = CpuPlatform().vllm_engine_args(model_dir=str(tiny_model_dir), dtype="float32", max_model_len=64,
-                                          max_num_seqs=8, max_new_tokens=16)
+    args = CpuPlatform().vllm_engine_args(
+        model_dir=str(tiny_model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_new_tokens=16
+    )
     block = CPU_SHORT_KV_BLOCK if X86 else CPU_KV_BLOCK
-    assert args == {"enforce_eager": True, "enable_chunked_prefill": False, "block_size": block,
-                    **cpu_kv_cache(str(tiny_model_dir), "float32", 8, 64, block)}
-    unsized = CpuPlatform().vllm_engine_args(model_dir=str(tiny_model_dir), dtype="float32", max_model_len=64,
-                                             max_num_seqs=None, max_new_tokens=None)
+    assert args == {
+        "enforce_eager": True,
+        "enable_chunked_prefill": False,
+        "block_size": block,
+        **cpu_kv_cache(str(tiny_model_dir), "float32", 8, 64, block),
+    }
+    unsized = CpuPlatform().vllm_engine_args(
+        model_dir=str(tiny_model_dir), dtype="float32", max_model_len=64, max_num_seqs=None, max_new_tokens=None
+    )
     assert unsized == {"enforce_eager": True, "enable_chunked_prefill": False, "block_size": CPU_KV_BLOCK}
 
 
@@ -93,11 +109,13 @@ def test_16_token_blocks_from_the_precision_and_the_cpu_flags(tmp_path):
 def test_runtime_options_are_checked_by_name():
     assert RuntimeOptions() == RuntimeOptions.from_mapping({})
     assert RuntimeOptions.from_mapping({"rollout_engine": "transformers"}).rollout_engine == "transformers"
-    for bad, name in [({"rollout_engine": "tgi"}, "rollout_engine"),
-                      ({"vllm_gpu_memory_utilization": 0.99}, "vllm_gpu_memory_utilization"),
-                      ({"vllm_gpu_memory_utilization": True}, "vllm_gpu_memory_utilization"),
-                      ({"keep_freed_memory": "yes"}, "keep_freed_memory"),
-                      ({"cpu_gemm": "onednn"}, "cpu_gemm")]:
+    for bad, name in [
+        ({"rollout_engine": "tgi"}, "rollout_engine"),
+        ({"vllm_gpu_memory_utilization": 0.99}, "vllm_gpu_memory_utilization"),
+        ({"vllm_gpu_memory_utilization": True}, "vllm_gpu_memory_utilization"),
+        ({"keep_freed_memory": "yes"}, "keep_freed_memory"),
+        ({"cpu_gemm": "onednn"}, "cpu_gemm"),
+    ]:
         with pytest.raises(ValueError, match=name):
             RuntimeOptions.from_mapping(bad)
 

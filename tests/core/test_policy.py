@@ -26,10 +26,12 @@ def _save(tmp_path, family: str, **extra):
     import transformers
 
     tok = build_tokenizer(tmp_path)
-    config_cls, model_cls = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-                             "cohere": ("CohereConfig", "CohereForCausalLM"),
-                             "granite": ("GraniteConfig", "GraniteForCausalLM"),
-                             "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+    config_cls, model_cls = {
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "cohere": ("CohereConfig", "CohereForCausalLM"),
+        "granite": ("GraniteConfig", "GraniteForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }[family]
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **_SMALL, **extra)
     model = getattr(transformers, model_cls)(cfg)
@@ -51,13 +53,18 @@ def _model_logprobs(model, prompts, comps, temperature):
     with torch.no_grad():
         for b, (p, c) in enumerate(zip(prompts, comps)):
             lp = (model(input_ids=torch.tensor([p + c])).logits[0].float() / temperature).log_softmax(-1)
-            out[b, :len(c)] = lp[len(p) - 1: len(p) + len(c) - 1].gather(1, torch.tensor(c)[:, None])[:, 0]
+            out[b, : len(c)] = lp[len(p) - 1 : len(p) + len(c) - 1].gather(1, torch.tensor(c)[:, None])[:, 0]
     return out
 
 
-@pytest.mark.parametrize("family,extra", [("gemma2", dict(final_logit_softcapping=3.0, head_dim=16)),
-                                          ("cohere", dict(logit_scale=0.25)),
-                                          ("granite", dict(logits_scaling=8.0))])
+@pytest.mark.parametrize(
+    "family,extra",
+    [
+        ("gemma2", dict(final_logit_softcapping=3.0, head_dim=16)),
+        ("cohere", dict(logit_scale=0.25)),
+        ("granite", dict(logits_scaling=8.0)),
+    ],
+)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_follow_the_model_familys_logit_postprocessing(tmp_path, family, extra, temperature):
     model_dir, tok = _save(tmp_path, family, **extra)
@@ -70,7 +77,7 @@ def test_logprobs_follow_the_model_familys_logit_postprocessing(tmp_path, family
     # the plain formula without the family's step is far off: the test can see the difference
     trunk, head = model.get_decoder(), model.get_output_embeddings()
     with torch.no_grad():
-        raw = (head(trunk(input_ids=torch.tensor([prompts[0] + comps[0]])).last_hidden_state)[0] / temperature)
+        raw = head(trunk(input_ids=torch.tensor([prompts[0] + comps[0]])).last_hidden_state)[0] / temperature
     raw_lp = raw.log_softmax(-1)[2:6].gather(1, torch.tensor(comps[0])[:, None])[:, 0]
     assert (raw_lp - want[0, :4]).abs().max() > 1e-2
 
@@ -90,8 +97,9 @@ def test_dropout_is_off_in_training_mode(tmp_path):
     assert model.training and model.config.attention_dropout == 0.5  # the saved config keeps its rate
     prompts, comps = _rows()
     batch = pack(prompts, comps, tok.pad_token_id)
-    torch.testing.assert_close(completion_logprobs(model, batch, 1.0), completion_logprobs(model, batch, 1.0),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        completion_logprobs(model, batch, 1.0), completion_logprobs(model, batch, 1.0), atol=0, rtol=0
+    )
 
 
 def test_lora_dropout_is_refused_by_name():

@@ -24,18 +24,42 @@ def score(spec, text, item=None, tokens=None):
 
 
 def test_every_grader_type_is_registered():
-    assert set(GRADERS) == {"string_check", "regex", "math_answer", "json_schema", "length", "text_similarity",
-                            "python", "http", "score_model", "reward_model", "multi"}
+    assert set(GRADERS) == {
+        "string_check",
+        "regex",
+        "math_answer",
+        "json_schema",
+        "length",
+        "text_similarity",
+        "python",
+        "http",
+        "score_model",
+        "reward_model",
+        "multi",
+    }
 
 
-@pytest.mark.parametrize("op,text,ref,expected", [
-    ("eq", "Paris", "Paris", 1.0), ("eq", "paris", "Paris", 0.0), ("ne", "a", "b", 1.0), ("ne", "a", "a", 0.0),
-    ("like", "it is Paris.", "Paris", 1.0), ("like", "it is paris.", "Paris", 0.0),
-    ("ilike", "it is PARIS.", "paris", 1.0), ("ilike", "x", "Paris", 0.0),
-])
+@pytest.mark.parametrize(
+    "op,text,ref,expected",
+    [
+        ("eq", "Paris", "Paris", 1.0),
+        ("eq", "paris", "Paris", 0.0),
+        ("ne", "a", "b", 1.0),
+        ("ne", "a", "a", 0.0),
+        ("like", "it is Paris.", "Paris", 1.0),
+        ("like", "it is paris.", "Paris", 0.0),
+        ("ilike", "it is PARIS.", "paris", 1.0),
+        ("ilike", "x", "Paris", 0.0),
+    ],
+)
 def test_string_check(op, text, ref, expected):
-    spec = {"type": "string_check", "name": "s", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
-            "operation": op}
+    spec = {
+        "type": "string_check",
+        "name": "s",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": op,
+    }
     assert score(spec, text, {"answer": ref}).reward == expected
 
 
@@ -73,8 +97,10 @@ def test_math_answer():
 
 
 def test_json_schema():
-    schema = {"type": "json_schema", "schema": {"type": "object", "required": ["a"],
-                                                "properties": {"a": {"type": "integer"}}}}
+    schema = {
+        "type": "json_schema",
+        "schema": {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}},
+    }
     assert score(schema, '{"a": 1}').reward == 1.0
     assert score(schema, '```json\n{"a": 2}\n```').reward == 1.0
     assert score(schema, '{"a": "x"}').reward == 0.0 and score(schema, "not json").reward == 0.0
@@ -108,8 +134,12 @@ def test_text_similarity_metrics():
 
 
 def test_templates_nested_fields_lists_and_json():
-    spec = {"type": "string_check", "input": "{{item.meta.tags[1]}}|{{item.obj}}",
-            "reference": 'b|{"k": 1}', "operation": "eq"}
+    spec = {
+        "type": "string_check",
+        "input": "{{item.meta.tags[1]}}|{{item.obj}}",
+        "reference": 'b|{"k": 1}',
+        "operation": "eq",
+    }
     fn = build_reward(spec)
     assert fn.item_fields() == {"meta", "obj"}
     assert fn.score_batch([{"meta": {"tags": ["a", "b"]}, "obj": {"k": 1}}], [sample("")])[0].reward == 1.0
@@ -117,20 +147,33 @@ def test_templates_nested_fields_lists_and_json():
 
 
 def test_item_fields_include_defaults_and_every_sub_grader():
-    spec = {"type": "multi", "graders": {
-        "a": {"type": "string_check", "reference": "{{ item.answer }}", "operation": "eq"},
-        "b": {"type": "score_model", "base_url": "http://judge.invalid/v1", "model": "m",
-              "input": [{"role": "user", "content": "{{item.rubric.text}} {{sample.output_text}}"}]},
-        "c": {"type": "regex", "pattern": "x", "input": "{{item.other}}"}}}
+    spec = {
+        "type": "multi",
+        "graders": {
+            "a": {"type": "string_check", "reference": "{{ item.answer }}", "operation": "eq"},
+            "b": {
+                "type": "score_model",
+                "base_url": "http://judge.invalid/v1",
+                "model": "m",
+                "input": [{"role": "user", "content": "{{item.rubric.text}} {{sample.output_text}}"}],
+            },
+            "c": {"type": "regex", "pattern": "x", "input": "{{item.other}}"},
+        },
+    }
     fn = build_reward(spec)
     assert fn.item_fields() == {"answer", "rubric", "other"} and fn.grader_names == ["a", "b", "c"]
     fn.close()
 
 
 def test_multi_formula():
-    spec = {"type": "multi", "graders": {
-        "correct": {"type": "string_check", "reference": "{{item.answer}}", "operation": "eq"},
-        "fmt": {"type": "regex", "pattern": "^[a-z]+$"}}, "calculate_output": "0.8*correct + 0.2*fmt"}
+    spec = {
+        "type": "multi",
+        "graders": {
+            "correct": {"type": "string_check", "reference": "{{item.answer}}", "operation": "eq"},
+            "fmt": {"type": "regex", "pattern": "^[a-z]+$"},
+        },
+        "calculate_output": "0.8*correct + 0.2*fmt",
+    }
     fn = build_reward(spec)
     r = fn.score_batch([{"answer": "abc"}] * 3, [sample("abc"), sample("ABC"), sample("abd")])
     assert [x.reward for x in r] == pytest.approx([1.0, 0.0, 0.2])
@@ -146,65 +189,105 @@ def test_multi_formula():
 
 
 def test_nested_multi():
-    inner = {"type": "multi", "graders": {"x": {"type": "regex", "pattern": "a"}, "y": {"type": "regex", "pattern": "b"}},
-             "calculate_output": "x * y"}
-    spec = {"type": "multi", "graders": {"both": inner, "c": {"type": "regex", "pattern": "c"}},
-            "calculate_output": "both + c"}
+    inner = {
+        "type": "multi",
+        "graders": {"x": {"type": "regex", "pattern": "a"}, "y": {"type": "regex", "pattern": "b"}},
+        "calculate_output": "x * y",
+    }
+    spec = {
+        "type": "multi",
+        "graders": {"both": inner, "c": {"type": "regex", "pattern": "c"}},
+        "calculate_output": "both + c",
+    }
     assert score(spec, "abc").reward == 2.0 and score(spec, "ac").reward == 1.0
 
 
-@pytest.mark.parametrize("spec,field", [
-    ("not a dict", "reward"),
-    ({"type": "nope"}, "type"),
-    ({"type": "string_check", "reference": "x", "operation": "zz"}, "operation"),
-    ({"type": "string_check", "operation": "eq"}, "reference"),
-    ({"type": "string_check", "reference": 3, "operation": "eq"}, "reference"),
-    ({"type": "string_check", "reference": "{{sample.nope}}", "operation": "eq"}, "reference"),
-    ({"type": "string_check", "name": 5, "reference": "x", "operation": "eq"}, "name"),
-    ({"type": "regex", "pattern": "("}, "pattern"),
-    ({"type": "regex", "pattern": "a", "mode": "find"}, "mode"),
-    ({"type": "regex", "pattern": "a", "flags": "q"}, "flags"),
-    ({"type": "regex", "pattern": "a", "score_match": "1"}, "score_match"),
-    ({"type": "regex", "pattern": "a", "bogus": 1}, "bogus"),
-    ({"type": "math_answer"}, "reference"),
-    ({"type": "math_answer", "reference": "1", "tolerance": -1}, "tolerance"),
-    ({"type": "json_schema", "schema": {"type": 5}}, "schema"),
-    ({"type": "json_schema"}, "schema"),
-    ({"type": "length"}, "target"),
-    ({"type": "length", "min": 5, "max": 2}, "max"),
-    ({"type": "length", "max": 5, "unit": "bytes"}, "unit"),
-    ({"type": "length", "target": 5, "max": 8}, "target"),
-    ({"type": "text_similarity", "reference": "x", "evaluation_metric": "meteor"}, "evaluation_metric"),
-    ({"type": "text_similarity", "reference": "x", "pass_threshold": 2}, "pass_threshold"),
-    ({"type": "multi", "graders": {}}, "graders"),
-    ({"type": "multi", "graders": {"a": {"type": "regex"}}}, "graders.a.pattern"),
-    ({"type": "multi", "graders": {"a": {"type": "multi", "graders": {"b": {"type": "x"}}}}}, "graders.a.graders.b.type"),
-    ({"type": "multi", "graders": {"a b": {"type": "regex", "pattern": "a"}}}, "graders.a b"),
-    ({"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "a + b"},
-     "calculate_output"),
-    ({"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "__import__('os')"},
-     "calculate_output"),
-    ({"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "a.__class__"},
-     "calculate_output"),
-    ({"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "a +"},
-     "calculate_output"),
-    ({"type": "python", "source": "def grade(:"}, "source"),
-    ({"type": "python", "source": "x = 1"}, "source"),
-    ({"type": "python", "source": "def grade(s, i): return 1", "timeout_s": 0}, "timeout_s"),
-    ({"type": "python", "source": "def grade(s, i): return 1", "memory_mb": 1.5}, "memory_mb"),
-    ({"type": "http", "url": "ftp://x"}, "url"),
-    ({"type": "http", "url": "http://x", "retries": 99}, "retries"),
-    ({"type": "http", "url": "http://x", "headers": {"a": 1}}, "headers.a"),
-    ({"type": "score_model", "base_url": "http://x", "model": "m", "input": [{"role": 1}]}, "input[0]"),
-    ({"type": "score_model", "base_url": "http://x", "model": "m", "input": []}, "input"),
-    ({"type": "score_model", "base_url": "http://x", "input": [{"role": "user", "content": "x"}]}, "model"),
-    ({"type": "score_model", "base_url": "http://x", "model": "m", "input": [{"role": "user", "content": "x"}],
-      "range": [5, 1]}, "range"),
-    ({"type": "score_model", "base_url": "http://x", "model": "m", "input": [{"role": "user", "content": "x"}],
-      "sampling_params": {"logit_bias": {}}}, "sampling_params.logit_bias"),
-    ({"type": "reward_model"}, "model"),
-    ({"type": "reward_model", "model": "/m", "activation": "tanh"}, "activation"),
-])
+@pytest.mark.parametrize(
+    "spec,field",
+    [
+        ("not a dict", "reward"),
+        ({"type": "nope"}, "type"),
+        ({"type": "string_check", "reference": "x", "operation": "zz"}, "operation"),
+        ({"type": "string_check", "operation": "eq"}, "reference"),
+        ({"type": "string_check", "reference": 3, "operation": "eq"}, "reference"),
+        ({"type": "string_check", "reference": "{{sample.nope}}", "operation": "eq"}, "reference"),
+        ({"type": "string_check", "name": 5, "reference": "x", "operation": "eq"}, "name"),
+        ({"type": "regex", "pattern": "("}, "pattern"),
+        ({"type": "regex", "pattern": "a", "mode": "find"}, "mode"),
+        ({"type": "regex", "pattern": "a", "flags": "q"}, "flags"),
+        ({"type": "regex", "pattern": "a", "score_match": "1"}, "score_match"),
+        ({"type": "regex", "pattern": "a", "bogus": 1}, "bogus"),
+        ({"type": "math_answer"}, "reference"),
+        ({"type": "math_answer", "reference": "1", "tolerance": -1}, "tolerance"),
+        ({"type": "json_schema", "schema": {"type": 5}}, "schema"),
+        ({"type": "json_schema"}, "schema"),
+        ({"type": "length"}, "target"),
+        ({"type": "length", "min": 5, "max": 2}, "max"),
+        ({"type": "length", "max": 5, "unit": "bytes"}, "unit"),
+        ({"type": "length", "target": 5, "max": 8}, "target"),
+        ({"type": "text_similarity", "reference": "x", "evaluation_metric": "meteor"}, "evaluation_metric"),
+        ({"type": "text_similarity", "reference": "x", "pass_threshold": 2}, "pass_threshold"),
+        ({"type": "multi", "graders": {}}, "graders"),
+        ({"type": "multi", "graders": {"a": {"type": "regex"}}}, "graders.a.pattern"),
+        (
+            {"type": "multi", "graders": {"a": {"type": "multi", "graders": {"b": {"type": "x"}}}}},
+            "graders.a.graders.b.type",
+        ),
+        ({"type": "multi", "graders": {"a b": {"type": "regex", "pattern": "a"}}}, "graders.a b"),
+        (
+            {"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "a + b"},
+            "calculate_output",
+        ),
+        (
+            {
+                "type": "multi",
+                "graders": {"a": {"type": "regex", "pattern": "a"}},
+                "calculate_output": "__import__('os')",
+            },
+            "calculate_output",
+        ),
+        (
+            {"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "a.__class__"},
+            "calculate_output",
+        ),
+        (
+            {"type": "multi", "graders": {"a": {"type": "regex", "pattern": "a"}}, "calculate_output": "a +"},
+            "calculate_output",
+        ),
+        ({"type": "python", "source": "def grade(:"}, "source"),
+        ({"type": "python", "source": "x = 1"}, "source"),
+        ({"type": "python", "source": "def grade(s, i): return 1", "timeout_s": 0}, "timeout_s"),
+        ({"type": "python", "source": "def grade(s, i): return 1", "memory_mb": 1.5}, "memory_mb"),
+        ({"type": "http", "url": "ftp://x"}, "url"),
+        ({"type": "http", "url": "http://x", "retries": 99}, "retries"),
+        ({"type": "http", "url": "http://x", "headers": {"a": 1}}, "headers.a"),
+        ({"type": "score_model", "base_url": "http://x", "model": "m", "input": [{"role": 1}]}, "input[0]"),
+        ({"type": "score_model", "base_url": "http://x", "model": "m", "input": []}, "input"),
+        ({"type": "score_model", "base_url": "http://x", "input": [{"role": "user", "content": "x"}]}, "model"),
+        (
+            {
+                "type": "score_model",
+                "base_url": "http://x",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "range": [5, 1],
+            },
+            "range",
+        ),
+        (
+            {
+                "type": "score_model",
+                "base_url": "http://x",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "sampling_params": {"logit_bias": {}},
+            },
+            "sampling_params.logit_bias",
+        ),
+        ({"type": "reward_model"}, "model"),
+        ({"type": "reward_model", "model": "/m", "activation": "tanh"}, "activation"),
+    ],
+)
 def test_bad_specs_name_the_field(spec, field):
     with pytest.raises(RewardSpecError) as exc:
         build_reward(spec)
@@ -213,10 +296,14 @@ def test_bad_specs_name_the_field(spec, field):
 
 
 def test_grader_errors_score_zero_and_are_recorded():
-    spec = {"type": "multi", "graders": {
-        "ok": {"type": "regex", "pattern": "a"},
-        "missing": {"type": "string_check", "reference": "{{item.nope}}", "operation": "eq"},
-        "badpat": {"type": "regex", "pattern": "{{item.p}}"}}}
+    spec = {
+        "type": "multi",
+        "graders": {
+            "ok": {"type": "regex", "pattern": "a"},
+            "missing": {"type": "string_check", "reference": "{{item.nope}}", "operation": "eq"},
+            "badpat": {"type": "regex", "pattern": "{{item.p}}"},
+        },
+    }
     r = score(spec, "a", {"p": "("})
     assert r.scores == {"ok": 1.0, "missing": 0.0, "badpat": 0.0}
     assert r.errors["missing"].startswith("missing_field") and "item.nope" in r.errors["missing"]
@@ -225,9 +312,11 @@ def test_grader_errors_score_zero_and_are_recorded():
 
 
 def test_importing_rewards_is_cheap():
-    code = ("import sys, gspo_core.rewards\n"
-            "heavy = [m for m in ('torch', 'transformers', 'httpx', 'jsonschema', 'math_verify', 'sympy') "
-            "if m in sys.modules]\nprint(heavy)")
+    code = (
+        "import sys, gspo_core.rewards\n"
+        "heavy = [m for m in ('torch', 'transformers', 'httpx', 'jsonschema', 'math_verify', 'sympy') "
+        "if m in sys.modules]\nprint(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -235,11 +324,19 @@ def test_importing_rewards_is_cheap():
 def _junk():
     from hypothesis import strategies as st
 
-    scalar = st.one_of(st.none(), st.booleans(), st.integers(-10, 10 ** 12), st.floats(allow_nan=True),
-                       st.text(max_size=20), st.sampled_from(["{{item.a}}", "{{sample.x}}", "(", "\x00", "a+b"]))
-    return st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                        st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                        max_leaves=8)
+    scalar = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-10, 10**12),
+        st.floats(allow_nan=True),
+        st.text(max_size=20),
+        st.sampled_from(["{{item.a}}", "{{sample.x}}", "(", "\x00", "a+b"]),
+    )
+    return st.recursive(
+        scalar,
+        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+        max_leaves=8,
+    )
 
 
 def test_junk_specs_only_ever_raise_reward_spec_errors():
@@ -247,9 +344,34 @@ def test_junk_specs_only_ever_raise_reward_spec_errors():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    keys = ["input", "reference", "operation", "pattern", "mode", "flags", "schema", "min", "max", "target", "unit",
-            "evaluation_metric", "source", "url", "graders", "calculate_output", "range", "model", "timeout_s",
-            "retries", "headers", "sampling_params", "tolerance", "name", "memory_mb", "activation"]
+    keys = [
+        "input",
+        "reference",
+        "operation",
+        "pattern",
+        "mode",
+        "flags",
+        "schema",
+        "min",
+        "max",
+        "target",
+        "unit",
+        "evaluation_metric",
+        "source",
+        "url",
+        "graders",
+        "calculate_output",
+        "range",
+        "model",
+        "timeout_s",
+        "retries",
+        "headers",
+        "sampling_params",
+        "tolerance",
+        "name",
+        "memory_mb",
+        "activation",
+    ]
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(sorted(GRADERS)), st.dictionaries(st.sampled_from(keys), _junk(), max_size=5))
@@ -276,33 +398,79 @@ def _deep(depth: int) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("spec,field", [
-    (_nested_multi(9), "graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders"),
-    (_nested_multi(500), None),  # refused by the spec's depth bound before any recursion
-    ({"type": "multi", "graders": {f"g{i}": {"type": "length", "target": 1} for i in range(65)}}, "graders"),
-    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}}, "calculate_output": "+".join(["a"] * 600)},
-     "calculate_output"),
-    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}}, "calculate_output": "-" * 1900 + "a"},
-     "calculate_output"),
-    ({"type": "multi", "graders": {"a": {"type": "length", "target": 1}},
-      "calculate_output": "abs(" * 120 + "a" + ")" * 120}, "calculate_output"),
-    ({"type": "json_schema", "schema": _deep(20)}, "schema"),
-    ({"type": "python", "source": "def grade(s, i):\n    return " + "-" * 50000 + "1\n"}, "source"),
-    ({"type": "python", "source": "x = " + "+".join(["a"] * 30000) + "\ndef grade(s, i):\n    return 1\n"}, "source"),
-    ({"type": "length", "target": float("nan")}, "target"),
-    ({"type": "multi", "graders": {"a": {"type": "math_answer", "reference": "1", "tolerance": float("inf")}}},
-     "graders.a.tolerance"),
-    ({"type": "json_schema", "schema": {"type": "number", "maximum": float("-inf")}}, "schema.maximum"),
-    ({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "range": [0, float("nan")],
-      "input": [{"role": "user", "content": "x"}]}, "range[1]"),
-    ({"type": "length", "target": True}, "target"),
-    ({"type": "regex", "pattern": "a", "score_match": False}, "score_match"),
-    ({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "range": [False, 1],
-      "input": [{"role": "user", "content": "x"}]}, "range"),
-    ({"type": "score_model", "base_url": "https://j.example/v1", "model": "m", "sampling_params": {"max_tokens": True},
-      "input": [{"role": "user", "content": "x"}]}, "sampling_params.max_tokens"),
-    ({"type": "python", "source": "def grade(s, i):\n    return 1\n", "memory_mb": True}, "memory_mb"),
-])
+@pytest.mark.parametrize(
+    "spec,field",
+    [
+        (_nested_multi(9), "graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders.g.graders"),
+        (_nested_multi(500), None),  # refused by the spec's depth bound before any recursion
+        ({"type": "multi", "graders": {f"g{i}": {"type": "length", "target": 1} for i in range(65)}}, "graders"),
+        (
+            {
+                "type": "multi",
+                "graders": {"a": {"type": "length", "target": 1}},
+                "calculate_output": "+".join(["a"] * 600),
+            },
+            "calculate_output",
+        ),
+        (
+            {"type": "multi", "graders": {"a": {"type": "length", "target": 1}}, "calculate_output": "-" * 1900 + "a"},
+            "calculate_output",
+        ),
+        (
+            {
+                "type": "multi",
+                "graders": {"a": {"type": "length", "target": 1}},
+                "calculate_output": "abs(" * 120 + "a" + ")" * 120,
+            },
+            "calculate_output",
+        ),
+        ({"type": "json_schema", "schema": _deep(20)}, "schema"),
+        ({"type": "python", "source": "def grade(s, i):\n    return " + "-" * 50000 + "1\n"}, "source"),
+        (
+            {"type": "python", "source": "x = " + "+".join(["a"] * 30000) + "\ndef grade(s, i):\n    return 1\n"},
+            "source",
+        ),
+        ({"type": "length", "target": float("nan")}, "target"),
+        (
+            {"type": "multi", "graders": {"a": {"type": "math_answer", "reference": "1", "tolerance": float("inf")}}},
+            "graders.a.tolerance",
+        ),
+        ({"type": "json_schema", "schema": {"type": "number", "maximum": float("-inf")}}, "schema.maximum"),
+        (
+            {
+                "type": "score_model",
+                "base_url": "https://j.example/v1",
+                "model": "m",
+                "range": [0, float("nan")],
+                "input": [{"role": "user", "content": "x"}],
+            },
+            "range[1]",
+        ),
+        ({"type": "length", "target": True}, "target"),
+        ({"type": "regex", "pattern": "a", "score_match": False}, "score_match"),
+        (
+            {
+                "type": "score_model",
+                "base_url": "https://j.example/v1",
+                "model": "m",
+                "range": [False, 1],
+                "input": [{"role": "user", "content": "x"}],
+            },
+            "range",
+        ),
+        (
+            {
+                "type": "score_model",
+                "base_url": "https://j.example/v1",
+                "model": "m",
+                "sampling_params": {"max_tokens": True},
+                "input": [{"role": "user", "content": "x"}],
+            },
+            "sampling_params.max_tokens",
+        ),
+        ({"type": "python", "source": "def grade(s, i):\n    return 1\n", "memory_mb": True}, "memory_mb"),
+    ],
+)
 def test_oversized_deep_and_non_finite_specs_name_the_field(spec, field):
     with pytest.raises(RewardSpecError) as exc:
         build_reward(spec)
@@ -313,8 +481,11 @@ def test_oversized_deep_and_non_finite_specs_name_the_field(spec, field):
 
 
 def test_spec_bounds_leave_room_for_real_specs():
-    ok = {"type": "multi", "graders": {f"g{i}": {"type": "length", "target": 1} for i in range(64)},
-          "calculate_output": " + ".join(f"g{i}" for i in range(64))}
+    ok = {
+        "type": "multi",
+        "graders": {f"g{i}": {"type": "length", "target": 1} for i in range(64)},
+        "calculate_output": " + ".join(f"g{i}" for i in range(64)),
+    }
     build_reward(ok).close()
     build_reward(_nested_multi(8)).close()
     build_reward({"type": "json_schema", "schema": _deep(12)}).close()

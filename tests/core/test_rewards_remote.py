@@ -36,7 +36,7 @@ class _Handler(BaseHTTPRequestHandler):
     fail_first = 0
     delay = 0.0
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls = type(self)
         cls.calls.append((self.path, body, dict(self.headers)))
@@ -47,9 +47,14 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/chat/completions":
             text = body["messages"][-1]["content"]
             content = "I cannot say" if "refuse" in text else f"Score: {8 if 'good' in text else 2}/10"
-            reply = {"id": "c1", "object": "chat.completion", "model": body["model"],
-                     "choices": [{"index": 0, "finish_reason": "stop",
-                                  "message": {"role": "assistant", "content": content}}]}
+            reply = {
+                "id": "c1",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                ],
+            }
         elif self.path == "/bad-request":
             return self._send(400, b'{"detail": "nope"}')
         elif self.path == "/not-a-number":
@@ -118,10 +123,19 @@ def test_http_grader_timeout_4xx_bad_output_and_refused(server):
 
 
 def judge_spec(server, **extra):
-    return {"type": "score_model", "name": "judge", "base_url": server + "/v1", "model": "judge-1", "range": [0, 10],
-            "api_key": "sk-test", "input": [
-                {"role": "system", "content": "Rate the answer to {{item.question}} from 0 to 10."},
-                {"role": "user", "content": "Answer: {{sample.output_text}}"}], **extra}
+    return {
+        "type": "score_model",
+        "name": "judge",
+        "base_url": server + "/v1",
+        "model": "judge-1",
+        "range": [0, 10],
+        "api_key": "sk-test",
+        "input": [
+            {"role": "system", "content": "Rate the answer to {{item.question}} from 0 to 10."},
+            {"role": "user", "content": "Answer: {{sample.output_text}}"},
+        ],
+        **extra,
+    }
 
 
 def test_score_model_judge(server):
@@ -144,8 +158,10 @@ def test_score_model_range_clips_and_retries(server):
 
 
 def test_batch_of_slow_graders_takes_one_graders_time(server):
-    spec = {"type": "multi", "graders": {f"g{i}": {"type": "http", "url": server + "/score", "retries": 0}
-                                         for i in range(4)}}
+    spec = {
+        "type": "multi",
+        "graders": {f"g{i}": {"type": "http", "url": server + "/score", "retries": 0} for i in range(4)},
+    }
     fn = build_reward(spec, LOCAL)
     fn.score_batch([{}], [sample("warm-up")])  # imports httpx, opens the clients
     _Handler.delay = 0.5
@@ -169,7 +185,12 @@ def test_reward_model_grader(reward_model_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     texts = ["hello", "a different, longer text", "hello", "x"]
-    items = [{"prompt": "Q: "}, {"messages": [{"role": "user", "content": "Q: "}]}, {"prompt": "Q: "}, {"prompt": "Q: "}]
+    items = [
+        {"prompt": "Q: "},
+        {"messages": [{"role": "user", "content": "Q: "}]},
+        {"prompt": "Q: "},
+        {"prompt": "Q: "},
+    ]
     fn = build_reward({"type": "reward_model", "name": "rm", "model": str(reward_model_dir), "batch_size": 3})
     res = fn.score_batch(items, [sample(t) for t in texts])
     fn.close()
@@ -181,8 +202,14 @@ def test_reward_model_grader(reward_model_dir):
     assert [r.reward for r in res] == pytest.approx(expected, abs=1e-5)  # padded batches == one by one
     assert res[0].reward != res[1].reward
 
-    logit = build_reward({"type": "reward_model", "model": str(reward_model_dir), "activation": "none",
-                          "input": "{{sample.output_text}}"})
+    logit = build_reward(
+        {
+            "type": "reward_model",
+            "model": str(reward_model_dir),
+            "activation": "none",
+            "input": "{{sample.output_text}}",
+        }
+    )
     r = logit.score_batch([{}], [sample("hello")])[0]
     logit.close()
     with torch.inference_mode():
@@ -221,8 +248,10 @@ def test_reward_models_are_loaded_once_per_process_and_the_cache_is_bounded(rewa
     small = ModelCache(max_models=4, max_bytes=1)  # no model fits: each leaves as soon as it is unused
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    load = lambda: (AutoTokenizer.from_pretrained(dirs[1]),  # noqa: E731
-                    AutoModelForSequenceClassification.from_pretrained(dirs[1]))
+    load = lambda: (
+        AutoTokenizer.from_pretrained(dirs[1]),
+        AutoModelForSequenceClassification.from_pretrained(dirs[1]),
+    )
     entry = small.acquire((str(dirs[1]), "cpu"), load)
     assert small.acquire((str(dirs[1]), "cpu"), load) is entry and small.loads == 1  # held: kept and shared
     small.release((str(dirs[1]), "cpu"))

@@ -24,7 +24,7 @@ def reference_logprobs(model, prompt_ids, completion_ids, temperature=1.0, top_p
     with torch.no_grad():
         logits_LV = model(input_ids=ids).logits[0].float()
     P, T = len(prompt_ids), len(completion_ids)
-    scores_TV = top_p_mask(logits_LV[P - 1:P + T - 1] / temperature, top_p)
+    scores_TV = top_p_mask(logits_LV[P - 1 : P + T - 1] / temperature, top_p)
     return scores_TV.log_softmax(-1).gather(1, torch.tensor(completion_ids).unsqueeze(1)).squeeze(1)
 
 
@@ -63,8 +63,9 @@ def policy(tiny_model_dir):
 @pytest.fixture
 def engine(policy, tiny_model_dir):
     model, tok = policy
-    return make_engine("transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
-                       max_model_len=512)
+    return make_engine(
+        "transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +196,12 @@ def test_make_engine_names_the_bad_kind(policy, tiny_model_dir):
     if not vllm_available():
         with pytest.raises(RuntimeError, match="vLLM is not installed"):
             make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=64)
-        assert make_engine("auto", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
-                           max_model_len=64).name == "transformers"
+        assert (
+            make_engine(
+                "auto", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=64
+            ).name
+            == "transformers"
+        )
 
 
 def test_importing_the_package_does_not_import_vllm():
@@ -229,8 +234,15 @@ def test_a_bfloat16_sampler_computes_under_autocast_on_fp32_weights(policy, tiny
     """dtype="bfloat16": every forward of the rollout (shared prompt pass included) runs bf16 products,
     its logprobs are a bf16 forward's (off the fp32 ones by bf16's rounding), the weights stay fp32."""
     model, tok = policy
-    eng = make_engine("transformers", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0,
-                      max_model_len=64, dtype="bfloat16")
+    eng = make_engine(
+        "transformers",
+        model_dir=str(tiny_model_dir),
+        policy=model,
+        tokenizer=tok,
+        seed=0,
+        max_model_len=64,
+        dtype="bfloat16",
+    )
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(out.dtype))
     try:

@@ -27,8 +27,15 @@ def engine(request, tiny_model_dir, policy):
     if not vllm_available():
         pytest.skip("vllm not installed")
     model, tok = policy
-    eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=512,
-                      max_new_tokens=request.param)
+    eng = make_engine(
+        "vllm",
+        model_dir=str(tiny_model_dir),
+        policy=model,
+        tokenizer=tok,
+        seed=0,
+        max_model_len=512,
+        max_new_tokens=request.param,
+    )
     yield eng
     eng.close()
     assert eng.llm is None
@@ -114,10 +121,14 @@ def test_text_is_the_completion_decoded_on_its_own(engine, policy, prompts):
     assert any(c.finish_reason == "stop" for c in comps) and any(c.text for c in comps)
     for c in comps:
         assert c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
-    own = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                              SamplingParams(n=8, max_tokens=24, seed=5, skip_special_tokens=True), use_tqdm=False)
+    own = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(n=8, max_tokens=24, seed=5, skip_special_tokens=True),
+        use_tqdm=False,
+    )
     for c in (c for out in own for c in out.outputs):
         assert c.text == tok.decode(list(c.token_ids), skip_special_tokens=True)
+
 
 def test_seeds_reproduce_and_differ(engine, prompts):
     ids = lambda groups: [c.completion_ids for g in groups for c in g]  # noqa: E731
@@ -140,8 +151,9 @@ def test_weight_push_takes_effect_and_resets_prefix_cache(engine, policy, tiny_m
     prompt = long_prompt(engine, tok)
     spec = SamplingSpec(n=1, max_tokens=8, ignore_eos=True, seed=5)
     before = engine.generate([prompt], spec)[0][0]
-    assert torch.allclose(torch.tensor(before.logprobs), reference_logprobs(model, prompt, before.completion_ids),
-                          atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(before.logprobs), reference_logprobs(model, prompt, before.completion_ids), atol=1e-4
+    )
     assert_push_samples_from(engine, perturbed(tiny_model_dir), model, prompt, spec)
     back = engine.generate([prompt], spec)[0][0]
     assert back.completion_ids == before.completion_ids
@@ -167,8 +179,9 @@ def test_the_cache_reset_is_what_keeps_long_prompts_fresh(engine, policy, tiny_m
     engine.generate([prompt], spec)  # fill the prefix cache with the old weights' keys
     new = perturbed(tiny_model_dir, seed=1)
     try:
-        engine.llm.collective_rpc("reload_weights", kwargs=dict(
-            weights_iterator=iter(list(export_weights(new))), is_checkpoint_format=True))
+        engine.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=iter(list(export_weights(new))), is_checkpoint_format=True)
+        )
         stale = engine.generate([prompt], spec)[0][0]
         gap = (torch.tensor(stale.logprobs) - reference_logprobs(new, prompt, stale.completion_ids)).abs().max()
         assert gap > 1e-3
@@ -196,8 +209,9 @@ def test_the_samples_of_a_prompt_share_its_full_kv_blocks(request, engine, polic
     assert block == engine.kv_block == (16 if short and x86 else 32)
     ids = tok("say a: and then b; " * 10)["input_ids"][:length]
     engine.llm.reset_prefix_cache()
-    out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(n=4, max_tokens=4, seed=0),
-                              use_tqdm=False)[0]
+    out = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)], SamplingParams(n=4, max_tokens=4, seed=0), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 4 and out.num_cached_tokens == (length - 1) // block * block
 
 
@@ -222,8 +236,9 @@ def test_sampled_tokens_follow_the_processed_distribution(engine, policy, prompt
 
     model, _ = policy
     prompt, temperature, top_p = prompts[1], 0.7, 0.8
-    groups = engine.generate([prompt] * 8, SamplingSpec(n=500, max_tokens=1, temperature=temperature, top_p=top_p,
-                                                        seed=4))
+    groups = engine.generate(
+        [prompt] * 8, SamplingSpec(n=500, max_tokens=1, temperature=temperature, top_p=top_p, seed=4)
+    )
     tokens = torch.tensor([c.completion_ids[0] for g in groups for c in g])
     with torch.no_grad():
         logits_V = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()

@@ -28,8 +28,16 @@ def engine(request, tiny_model_dir, policy):
     from gspo_core.platform.cpu import cpu_kv_block
 
     model, tok = policy
-    eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=128,
-                      dtype="bfloat16", max_new_tokens=request.param)
+    eng = make_engine(
+        "vllm",
+        model_dir=str(tiny_model_dir),
+        policy=model,
+        tokenizer=tok,
+        seed=0,
+        max_model_len=128,
+        dtype="bfloat16",
+        max_new_tokens=request.param,
+    )
     assert eng.kv_block == cpu_kv_block(request.param, "bfloat16")
     yield eng
     eng.close()
@@ -48,8 +56,10 @@ def test_weights_are_bf16_and_logprobs_a_bf16_forwards(engine, policy):
     """vLLM holds bf16 weights; its logprobs are off the fp32 forward's by bf16 rounding (not more)."""
     model, tok = policy
     assert weight_dtypes(engine) == {torch.bfloat16}
-    groups = engine.generate([tok("say a:")["input_ids"], tok("say bb, then c:")["input_ids"]],
-                             SamplingSpec(n=2, max_tokens=8, ignore_eos=True, seed=0, logprobs=True))
+    groups = engine.generate(
+        [tok("say a:")["input_ids"], tok("say bb, then c:")["input_ids"]],
+        SamplingSpec(n=2, max_tokens=8, ignore_eos=True, seed=0, logprobs=True),
+    )
     for c in groups[0] + groups[1]:
         assert 1e-4 < gap(c, model) < 0.1 and gap(c, model, bf16_reference_logprobs) < 0.1
 

@@ -126,13 +126,21 @@ def test_short_completions_get_16_token_blocks_where_the_32_token_kernel_has_tha
         pytest.skip("the kernels named are x86's")
     assert runs_16_token_blocks("float32")
     assert runs_16_token_blocks("bfloat16") == (not torch.cpu._is_amx_tile_supported())
-    assert [C.cpu_kv_block(n, "float32") for n in (None, 1, C.SHORT_COMPLETION_TOKENS,
-                                                   C.SHORT_COMPLETION_TOKENS + 1)] == [32, 16, 16, 32]
+    assert [
+        C.cpu_kv_block(n, "float32") for n in (None, 1, C.SHORT_COMPLETION_TOKENS, C.SHORT_COMPLETION_TOKENS + 1)
+    ] == [32, 16, 16, 32]
 
 
 def test_kv_bytes_and_the_sequence_cap(tmp_path):
-    LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=48, num_hidden_layers=3,
-                intermediate_size=512, vocab_size=100).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=48,
+        num_hidden_layers=3,
+        intermediate_size=512,
+        vocab_size=100,
+    ).save_pretrained(tmp_path)
     # K and V x 3 layers x 2 KV heads x 48 dims x 2 bytes
     assert C.kv_bytes_per_token(str(tmp_path), "bfloat16") == 2 * 3 * 2 * 48 * 2
     plan = C.cpu_kv_cache(str(tmp_path), "float32", max_num_seqs=10_000, max_model_len=100)
@@ -143,8 +151,10 @@ def test_kv_bytes_and_the_sequence_cap(tmp_path):
 
 def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_model_dir, tmp_path):
     data = tmp_path / "data.jsonl"
-    data.write_text('{"prompt": "say a:", "target": "aaaa"}\n'
-                    '{"prompt": "say b, then c, then b again, then stop:", "target": "bbbb"}\n')
+    data.write_text(
+        '{"prompt": "say a:", "target": "aaaa"}\n'
+        '{"prompt": "say b, then c, then b again, then stop:", "target": "bbbb"}\n'
+    )
     spec = toy_spec(tiny_model_dir, tmp_path, steps=1, prompts_per_step=2, group_size=4, max_new_tokens=30)
     spec = spec.model_copy(update={"training_file": str(data), "validation_file": str(data)})
     tr = Trainer(spec, None, runtime=VLLM_RUNTIME)
@@ -159,10 +169,20 @@ def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_m
     finally:
         tr.close()
     # Truncated prompts count as sampled; an evaluation of more prompts than a step's B x G sets the count.
-    many = toy_spec(tiny_model_dir, tmp_path, max_prompt_tokens=8, prompts_per_step=1, group_size=2,
-                    mini_batches=1, eval_every=1, eval_prompts=3, max_new_tokens=5)
-    tr = Trainer(many.model_copy(update={"training_file": str(data), "validation_file": str(data)}), None,
-                 runtime=VLLM_RUNTIME)
+    many = toy_spec(
+        tiny_model_dir,
+        tmp_path,
+        max_prompt_tokens=8,
+        prompts_per_step=1,
+        group_size=2,
+        mini_batches=1,
+        eval_every=1,
+        eval_prompts=3,
+        max_new_tokens=5,
+    )
+    tr = Trainer(
+        many.model_copy(update={"training_file": str(data), "validation_file": str(data)}), None, runtime=VLLM_RUNTIME
+    )
     try:
         assert tr.sampling_bounds() == (8 + 5, 2)
         tr.val_rows = tr.val_rows * 2

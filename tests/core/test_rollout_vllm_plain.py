@@ -16,8 +16,15 @@ def test_plain_sampling_engine(tiny_model_dir):
     if not vllm_available():
         pytest.skip("vllm not installed")
     model, tok = load_policy(str(tiny_model_dir), GSPOConfig(), torch.device("cpu"))
-    eng = make_engine("vllm", model_dir=str(tiny_model_dir), policy=model, tokenizer=tok, seed=0, max_model_len=128,
-                      plain_sampling=True)
+    eng = make_engine(
+        "vllm",
+        model_dir=str(tiny_model_dir),
+        policy=model,
+        tokenizer=tok,
+        seed=0,
+        max_model_len=128,
+        plain_sampling=True,
+    )
     try:
         prompts = [tok("say a:")["input_ids"], tok("say bb, then c:")["input_ids"]]
         groups = eng.generate(prompts, SamplingSpec(n=4, max_tokens=12, ignore_eos=True, seed=3))

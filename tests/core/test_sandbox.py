@@ -53,20 +53,22 @@ def test_user_grader_scores_and_sees_sample_and_item():
 def test_the_sandbox_sees_only_its_own_root_processes_and_environment(monkeypatch):
     monkeypatch.setenv("DATABASE_URL", "postgresql://admin:hunter2@db/prod")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-live")
-    src = ("import os\n"
-           "def grade(sample, item):\n"
-           "    assert set(os.environ) <= set(item['env']) | {'LC_CTYPE', 'PWD'}, sorted(os.environ)\n"
-           "    assert os.getuid() == 65534 and os.getgid() == 65534\n"
-           "    top = set(os.listdir('/'))\n"
-           "    assert top <= set(item['top']), top\n"
-           "    assert not os.path.exists('/root') and not os.path.exists('/home') and not os.path.exists('/etc')\n"
-           "    assert not os.path.exists(item['repo'] + '/store') and not os.path.exists('/usr/local')\n"
-           "    pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-           "    assert len(pids) <= 3, pids\n"
-           "    for p in pids:\n"
-           "        data = open('/proc/%s/environ' % p, 'rb').read() + open('/proc/%s/cmdline' % p, 'rb').read()\n"
-           "        assert b'hunter2' not in data and b'sk-live' not in data and b'pytest' not in data\n"
-           "    return 0.5\n")
+    src = (
+        "import os\n"
+        "def grade(sample, item):\n"
+        "    assert set(os.environ) <= set(item['env']) | {'LC_CTYPE', 'PWD'}, sorted(os.environ)\n"
+        "    assert os.getuid() == 65534 and os.getgid() == 65534\n"
+        "    top = set(os.listdir('/'))\n"
+        "    assert top <= set(item['top']), top\n"
+        "    assert not os.path.exists('/root') and not os.path.exists('/home') and not os.path.exists('/etc')\n"
+        "    assert not os.path.exists(item['repo'] + '/store') and not os.path.exists('/usr/local')\n"
+        "    pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "    assert len(pids) <= 3, pids\n"
+        "    for p in pids:\n"
+        "        data = open('/proc/%s/environ' % p, 'rb').read() + open('/proc/%s/cmdline' % p, 'rb').read()\n"
+        "        assert b'hunter2' not in data and b'sk-live' not in data and b'pytest' not in data\n"
+        "    return 0.5\n"
+    )
     binds = isolation_for(grader_policy()).binds
     top = {b.split("/")[1] for b in binds} | {"bin", "lib", "lib32", "lib64", "libx32", "sbin", "proc", "dev", "tmp"}
     assert not top & {"etc", "root", "home", "var", "srv", "run", "data"}, top
@@ -84,16 +86,18 @@ def test_infinite_loop_times_out_and_next_sample_is_scored():
 
 
 def test_loop_that_ignores_the_alarm_is_killed():
-    src = ("import signal\n"
-           "def grade(sample, item):\n"
-           "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-           "    if sample['output_text'] == 'loop':\n"
-           "        while True:\n"
-           "            try:\n"
-           "                pass\n"
-           "            except BaseException:\n"
-           "                pass\n"
-           "    return 1.0\n")
+    src = (
+        "import signal\n"
+        "def grade(sample, item):\n"
+        "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+        "    if sample['output_text'] == 'loop':\n"
+        "        while True:\n"
+        "            try:\n"
+        "                pass\n"
+        "            except BaseException:\n"
+        "                pass\n"
+        "    return 1.0\n"
+    )
     t0 = time.perf_counter()
     res = run(src, ["loop", "fine"], timeout_s=0.5)
     assert time.perf_counter() - t0 < 20
@@ -109,19 +113,21 @@ def test_memory_hog_is_stopped():
 
 
 def test_fork_bomb_is_contained_and_reaped():
-    src = ("import os, time\n"
-           "def grade(sample, item):\n"
-           "    n = 0\n"
-           "    while True:\n"
-           "        try:\n"
-           "            if os.fork() == 0:\n"
-           "                os.setsid()  # try to leave the process group the worker kills\n"
-           "                time.sleep(600)\n"
-           "                os._exit(0)\n"
-           "            n += 1\n"
-           "        except OSError:\n"
-           "            if n > 16:\n"
-           "                raise RuntimeError(f'forked {n}')\n")
+    src = (
+        "import os, time\n"
+        "def grade(sample, item):\n"
+        "    n = 0\n"
+        "    while True:\n"
+        "        try:\n"
+        "            if os.fork() == 0:\n"
+        "                os.setsid()  # try to leave the process group the worker kills\n"
+        "                time.sleep(600)\n"
+        "                os._exit(0)\n"
+        "            n += 1\n"
+        "        except OSError:\n"
+        "            if n > 16:\n"
+        "                raise RuntimeError(f'forked {n}')\n"
+    )
     t0 = time.perf_counter()
     res = run(src, ["a", "b"], timeout_s=1.0)
     assert time.perf_counter() - t0 < 30
@@ -133,43 +139,49 @@ def test_fork_bomb_is_contained_and_reaped():
 
 @needs_root
 def test_escaped_background_child_is_killed():
-    src = ("import os, time\n"
-           "def grade(sample, item):\n"
-           "    if os.fork() == 0:\n"
-           "        os.setsid()\n"
-           "        time.sleep(600)\n"
-           "        os._exit(0)\n"
-           "    return 1.0\n")
+    src = (
+        "import os, time\n"
+        "def grade(sample, item):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        time.sleep(600)\n"
+        "        os._exit(0)\n"
+        "    return 1.0\n"
+    )
     res = run(src, ["a"])
     assert res[0].reward == 1.0 and no_sandbox_processes_left()
 
 
 def test_no_network():
-    src = ("import socket\n"
-           "def grade(sample, item):\n"
-           "    assert [n for _, n in socket.if_nameindex()] in ([], ['lo'])\n"
-           "    for host, port in [('127.0.0.1', 5432), ('127.0.0.1', 6379), ('10.0.0.1', 80)]:\n"
-           "        try:\n"
-           "            socket.create_connection((host, port), timeout=1).close()\n"
-           "            return 1.0\n"
-           "        except OSError:\n"
-           "            pass\n"
-           "    return 0.25\n")
+    src = (
+        "import socket\n"
+        "def grade(sample, item):\n"
+        "    assert [n for _, n in socket.if_nameindex()] in ([], ['lo'])\n"
+        "    for host, port in [('127.0.0.1', 5432), ('127.0.0.1', 6379), ('10.0.0.1', 80)]:\n"
+        "        try:\n"
+        "            socket.create_connection((host, port), timeout=1).close()\n"
+        "            return 1.0\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return 0.25\n"
+    )
     assert run(src, ["a"])[0].reward == 0.25
 
 
 def test_files_go_to_a_private_capped_tmp_that_is_gone_afterwards():
     before = set(os.listdir(tempfile.gettempdir()))
-    src = ("import os\n"
-           "def grade(sample, item):\n"
-           "    assert os.getcwd() == '/tmp' and os.listdir('.') == [] and os.listdir('/dev/shm') == [], os.listdir('.')\n"
-           "    open('note.txt', 'w').write('x')\n"
-           "    if sample['output_text'] == 'big':\n"
-           "        open('big.bin', 'wb').write(b'0' * (64 * 1024 * 1024))\n"
-           "    if sample['output_text'] == 'fill':\n"
-           "        for k in range(100):\n"
-           "            open(f'/tmp/fill{k}', 'wb').write(b'0' * (8 * 1024 * 1024))\n"
-           "    return 1.0\n")
+    src = (
+        "import os\n"
+        "def grade(sample, item):\n"
+        "    assert os.getcwd() == '/tmp' and os.listdir('.') == [] and os.listdir('/dev/shm') == [], os.listdir('.')\n"
+        "    open('note.txt', 'w').write('x')\n"
+        "    if sample['output_text'] == 'big':\n"
+        "        open('big.bin', 'wb').write(b'0' * (64 * 1024 * 1024))\n"
+        "    if sample['output_text'] == 'fill':\n"
+        "        for k in range(100):\n"
+        "            open(f'/tmp/fill{k}', 'wb').write(b'0' * (8 * 1024 * 1024))\n"
+        "    return 1.0\n"
+    )
     res = run(src, ["small", "big", "fill"], max_concurrency=3)
     assert res[0].reward == 1.0 and not res[0].errors
     assert res[1].reward == 0.0 and "File too large" in res[1].errors["py"]
@@ -178,14 +190,16 @@ def test_files_go_to_a_private_capped_tmp_that_is_gone_afterwards():
 
 
 def test_bad_output_and_exceptions_are_recorded():
-    src = ("def grade(sample, item):\n"
-           "    t = sample['output_text']\n"
-           "    if t == 'a': raise ValueError('boom')\n"
-           "    if t == 'b': return 'high'\n"
-           "    if t == 'c': return float('nan')\n"
-           "    if t == 'd': import os; os._exit(3)\n"
-           "    if t == 'f': return object()\n"
-           "    return 0.75\n")
+    src = (
+        "def grade(sample, item):\n"
+        "    t = sample['output_text']\n"
+        "    if t == 'a': raise ValueError('boom')\n"
+        "    if t == 'b': return 'high'\n"
+        "    if t == 'c': return float('nan')\n"
+        "    if t == 'd': import os; os._exit(3)\n"
+        "    if t == 'f': return object()\n"
+        "    return 0.75\n"
+    )
     res = run(src, ["a", "b", "c", "d", "e", "f"])
     assert res[0].errors["py"].startswith("exception") and "boom" in res[0].errors["py"]
     assert res[1].errors["py"].startswith("invalid_output") and res[2].errors["py"].startswith("invalid_output")
@@ -198,7 +212,9 @@ def test_source_that_fails_at_import_scores_zero():
     assert all(r.reward == 0.0 and r.errors["py"].startswith("exception") for r in res)
     assert "does_not_exist" in res[0].errors["py"]
     limits = SandboxLimits(timeout_s=0.3, setup_s=0.5)
-    out = run_sandboxed("while True:\n    pass\ndef grade(s, i):\n    return 1.0\n", [[{}, {}]], limits, grader_policy())
+    out = run_sandboxed(
+        "while True:\n    pass\ndef grade(s, i):\n    return 1.0\n", [[{}, {}]], limits, grader_policy()
+    )
     assert out[0].kind == "timeout" and "module code" in str(out[0])
 
 

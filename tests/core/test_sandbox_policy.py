@@ -18,26 +18,53 @@ from tests.conftest import grader_policy
 from tests.core.test_sandbox import OK, run
 
 POSITIVE = {
-    "datetime": ("import datetime\ndef grade(sample, item):\n"
-                 "    d = datetime.date.fromisoformat(sample['output_text'])\n"
-                 "    return float((d - datetime.date(2024, 1, 1)).days)\n", "2024-01-31", 30.0),
-    "dataclasses": ("from dataclasses import dataclass, asdict\n@dataclass\nclass P:\n    x: int\n    y: int\n"
-                    "def grade(sample, item):\n    return float(sum(asdict(P(2, 3)).values()))\n", "", 5.0),
-    "re_json": ("import json, re\ndef grade(sample, item):\n"
-                "    m = re.search(r'\\{.*\\}', sample['output_text'])\n"
-                "    return float(json.loads(m.group(0))['answer'] == item['answer'])\n", 'so {"answer": "4"}', 1.0),
-    "numpy": ("import numpy as np\ndef grade(sample, item):\n"
-              "    return np.mean(np.array([1.0, 2.0, 3.0]) * 2)\n", "", 4.0),
-    "sympy": ("import sympy\ndef grade(sample, item):\n"
-              "    x = sympy.Symbol('x')\n"
-              "    ok = sympy.simplify(sympy.sympify(sample['output_text']) - (x + 1) ** 2) == 0\n"
-              "    return float(ok)\n", "x**2 + 2*x + 1", 1.0),
-    "rapidfuzz": ("from rapidfuzz import fuzz\ndef grade(sample, item):\n"
-                  "    return fuzz.ratio(sample['output_text'], item['answer']) / 100\n", "4", 1.0),
-    "jsonschema": ("import json, jsonschema\nS = {'type': 'object', 'required': ['a'], 'properties': {'a': {'type': 'integer'}}}\n"
-                   "def grade(sample, item):\n"
-                   "    try:\n        jsonschema.validate(json.loads(sample['output_text']), S)\n        return 1.0\n"
-                   "    except jsonschema.ValidationError:\n        return 0.0\n", '{"a": 3}', 1.0),
+    "datetime": (
+        "import datetime\ndef grade(sample, item):\n"
+        "    d = datetime.date.fromisoformat(sample['output_text'])\n"
+        "    return float((d - datetime.date(2024, 1, 1)).days)\n",
+        "2024-01-31",
+        30.0,
+    ),
+    "dataclasses": (
+        "from dataclasses import dataclass, asdict\n@dataclass\nclass P:\n    x: int\n    y: int\n"
+        "def grade(sample, item):\n    return float(sum(asdict(P(2, 3)).values()))\n",
+        "",
+        5.0,
+    ),
+    "re_json": (
+        "import json, re\ndef grade(sample, item):\n"
+        "    m = re.search(r'\\{.*\\}', sample['output_text'])\n"
+        "    return float(json.loads(m.group(0))['answer'] == item['answer'])\n",
+        'so {"answer": "4"}',
+        1.0,
+    ),
+    "numpy": (
+        "import numpy as np\ndef grade(sample, item):\n    return np.mean(np.array([1.0, 2.0, 3.0]) * 2)\n",
+        "",
+        4.0,
+    ),
+    "sympy": (
+        "import sympy\ndef grade(sample, item):\n"
+        "    x = sympy.Symbol('x')\n"
+        "    ok = sympy.simplify(sympy.sympify(sample['output_text']) - (x + 1) ** 2) == 0\n"
+        "    return float(ok)\n",
+        "x**2 + 2*x + 1",
+        1.0,
+    ),
+    "rapidfuzz": (
+        "from rapidfuzz import fuzz\ndef grade(sample, item):\n"
+        "    return fuzz.ratio(sample['output_text'], item['answer']) / 100\n",
+        "4",
+        1.0,
+    ),
+    "jsonschema": (
+        "import json, jsonschema\nS = {'type': 'object', 'required': ['a'], 'properties': {'a': {'type': 'integer'}}}\n"
+        "def grade(sample, item):\n"
+        "    try:\n        jsonschema.validate(json.loads(sample['output_text']), S)\n        return 1.0\n"
+        "    except jsonschema.ValidationError:\n        return 0.0\n",
+        '{"a": 3}',
+        1.0,
+    ),
 }
 
 
@@ -50,29 +77,50 @@ def test_graders_written_for_openai_environment_work(name):
 
 
 def test_grader_package_set_and_every_stdlib_module_import():
-    src = ("import contextlib, importlib, io, sys\n"
-           "GUI_OR_OTHER_OS = {'antigravity', 'this', 'tkinter', '_tkinter', 'turtle', 'turtledemo', 'idlelib', 'msilib',\n"
-           "                   '_msi', 'msvcrt', 'nt', 'winreg', 'winsound', '_winapi', '_overlapped', '_scproxy', '_wmi'}\n"
-           "def grade(sample, item):\n"
-           "    bad = {}\n"
-           "    for name in sorted(set(sys.stdlib_module_names) - GUI_OR_OTHER_OS) + item['packages']:\n"
-           "        try:\n"
-           "            with contextlib.redirect_stdout(io.StringIO()):\n"
-           "                importlib.import_module(name)\n"
-           "        except BaseException as exc:\n"
-           "            bad[name] = repr(exc)\n"
-           "    assert not bad, bad\n"
-           "    return 1.0\n")
-    packages = ["numpy", "scipy", "sympy", "pandas", "rapidfuzz", "sklearn", "jsonschema", "pydantic", "yaml",
-                "sqlparse", "deepdiff", "rouge_score.rouge_scorer", "nltk"]
-    out = run_sandboxed(src, [[{}, {"packages": packages}]], SandboxLimits(timeout_s=60, memory_mb=1024), grader_policy())
+    src = (
+        "import contextlib, importlib, io, sys\n"
+        "GUI_OR_OTHER_OS = {'antigravity', 'this', 'tkinter', '_tkinter', 'turtle', 'turtledemo', 'idlelib', 'msilib',\n"
+        "                   '_msi', 'msvcrt', 'nt', 'winreg', 'winsound', '_winapi', '_overlapped', '_scproxy', '_wmi'}\n"
+        "def grade(sample, item):\n"
+        "    bad = {}\n"
+        "    for name in sorted(set(sys.stdlib_module_names) - GUI_OR_OTHER_OS) + item['packages']:\n"
+        "        try:\n"
+        "            with contextlib.redirect_stdout(io.StringIO()):\n"
+        "                importlib.import_module(name)\n"
+        "        except BaseException as exc:\n"
+        "            bad[name] = repr(exc)\n"
+        "    assert not bad, bad\n"
+        "    return 1.0\n"
+    )
+    packages = [
+        "numpy",
+        "scipy",
+        "sympy",
+        "pandas",
+        "rapidfuzz",
+        "sklearn",
+        "jsonschema",
+        "pydantic",
+        "yaml",
+        "sqlparse",
+        "deepdiff",
+        "rouge_score.rouge_scorer",
+        "nltk",
+    ]
+    out = run_sandboxed(
+        src, [[{}, {"packages": packages}]], SandboxLimits(timeout_s=60, memory_mb=1024), grader_policy()
+    )
     assert out == [1.0], out
 
 
 def test_over_max_specs_are_spec_errors_naming_the_field():
     policy = grader_policy(max_timeout_s=10, max_memory_mb=512, max_concurrency=2, sandbox_memory_budget_mb=400)
-    for spec, field in [({"timeout_s": 11}, "timeout_s"), ({"memory_mb": 600}, "memory_mb"),
-                        ({"max_concurrency": 3}, "max_concurrency"), ({"memory_mb": 400}, "memory_mb")]:
+    for spec, field in [
+        ({"timeout_s": 11}, "timeout_s"),
+        ({"memory_mb": 600}, "memory_mb"),
+        ({"max_concurrency": 3}, "max_concurrency"),
+        ({"memory_mb": 400}, "memory_mb"),
+    ]:
         with pytest.raises(RewardSpecError) as exc:
             build_reward({"type": "python", "source": OK, **spec}, policy)
         assert exc.value.field == field, (spec, exc.value)
@@ -85,8 +133,9 @@ def test_no_isolation_refuses_python_graders_unless_the_operator_allows_weak():
     missing = grader_policy(bwrap="/nonexistent/bwrap")
     assert isolation_for(missing).mode == REFUSED and "not installed" in isolation_for(missing).reason
     with pytest.raises(RewardSpecError) as exc:
-        build_reward({"type": "multi", "graders": {"py": {"type": "python", "source": OK}}, "calculate_output": "py"},
-                     missing)
+        build_reward(
+            {"type": "multi", "graders": {"py": {"type": "python", "source": OK}}, "calculate_output": "py"}, missing
+        )
     assert exc.value.field == "graders.py.type" and "cannot isolate" in exc.value.message
     broken = grader_policy(bwrap="/bin/false")  # installed, but cannot build a sandbox
     assert isolation_for(broken).mode == REFUSED
@@ -123,8 +172,10 @@ def test_concurrent_graders_wait_for_the_memory_budget():
     limits = SandboxLimits(timeout_s=5.0, memory_mb=200)
     policy = grader_policy(sandbox_memory_budget_mb=2 * limits.reserve_mb)
     src = "import time\ndef grade(sample, item):\n    time.sleep(0.6)\n    return 1.0\n"
-    fns = [build_reward({"type": "python", "source": src, "memory_mb": 200, "max_concurrency": 2}, policy)
-           for _ in range(3)]
+    fns = [
+        build_reward({"type": "python", "source": src, "memory_mb": 200, "max_concurrency": 2}, policy)
+        for _ in range(3)
+    ]
     assert all(fn.parts["python"].concurrency == 2 for fn in fns)
     peak, stop = [0], threading.Event()
 
@@ -137,8 +188,10 @@ def test_concurrent_graders_wait_for_the_memory_budget():
     watcher.start()
     t0 = time.perf_counter()
     outs: list = [None] * 3
-    threads = [threading.Thread(target=lambda k=k: outs.__setitem__(k, fns[k].score_batch([{}] * 2, [{}] * 2)))
-               for k in range(3)]
+    threads = [
+        threading.Thread(target=lambda k=k: outs.__setitem__(k, fns[k].score_batch([{}] * 2, [{}] * 2)))
+        for k in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

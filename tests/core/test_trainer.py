@@ -24,20 +24,46 @@ def _one_thread():
 
 
 REQUIRED_METRICS = [
-    "reward/mean", "reward/std", "reward/match/mean", "reward/frac_zero_std", "clip/low_frac", "clip/high_frac",
-    "ratio/mean", "ratio/min", "ratio/max", "loss", "grad_norm", "lr", "entropy", "completion/len_mean",
-    "completion/len_max", "completion/truncated_frac", "logprob_gap/mean", "logprob_gap/max",
-    "grader_errors/match", "time/rollout", "time/reward", "time/old_logprobs", "time/train", "time/weight_sync",
-    "time/step", "throughput/tokens_per_s", "step", "total_steps", "update/rows_skipped_frac",
-    "tokens/sampled", "tokens/trained",
+    "reward/mean",
+    "reward/std",
+    "reward/match/mean",
+    "reward/frac_zero_std",
+    "clip/low_frac",
+    "clip/high_frac",
+    "ratio/mean",
+    "ratio/min",
+    "ratio/max",
+    "loss",
+    "grad_norm",
+    "lr",
+    "entropy",
+    "completion/len_mean",
+    "completion/len_max",
+    "completion/truncated_frac",
+    "logprob_gap/mean",
+    "logprob_gap/max",
+    "grader_errors/match",
+    "time/rollout",
+    "time/reward",
+    "time/old_logprobs",
+    "time/train",
+    "time/weight_sync",
+    "time/step",
+    "throughput/tokens_per_s",
+    "step",
+    "total_steps",
+    "update/rows_skipped_frac",
+    "tokens/sampled",
+    "tokens/trained",
 ]
 
 
 def test_metrics_samples_eval_and_checkpoints(tiny_model_dir, tmp_path):
     rec = Recorder()
     val = write_toy_dataset(tmp_path / "val.jsonl", n=8, seed=1)
-    spec = toy_spec(tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2, logprob_gap_every=2,
-                    old_logprobs="recompute")
+    spec = toy_spec(
+        tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2, logprob_gap_every=2, old_logprobs="recompute"
+    )
     result = train(spec.model_copy(update={"validation_file": str(val)}), rec)
     assert [s for s, _ in rec.steps] == [1, 2, 3, 4] and [s for s, _ in rec.samples] == [1, 2, 3, 4]
     last = rec.steps[-1][1]
@@ -135,8 +161,15 @@ def test_bad_inputs_fail_before_training_naming_the_problem(tiny_model_dir, tmp_
 
 def test_warmup_then_cosine_schedule():
     lin = torch.nn.Linear(2, 2)
-    cfg = GSPOConfig(steps=4, prompts_per_step=2, group_size=2, mini_batches=2, learning_rate=1.0,
-                     warmup_steps=1, lr_schedule="cosine")
+    cfg = GSPOConfig(
+        steps=4,
+        prompts_per_step=2,
+        group_size=2,
+        mini_batches=2,
+        learning_rate=1.0,
+        warmup_steps=1,
+        lr_schedule="cosine",
+    )
     opt, sched = make_optimizer(lin, cfg)
     lrs = []
     for _ in range(cfg.steps * cfg.mini_batches):

@@ -17,8 +17,12 @@ def _one_thread():
 
 
 def _comps(lengths: list[tuple[int, int]]) -> list[Completion]:
-    return [Completion(prompt_index=0, prompt_ids=[1] * p, completion_ids=[2] * c, text="", logprobs=[],
-                       finish_reason="length") for p, c in lengths]
+    return [
+        Completion(
+            prompt_index=0, prompt_ids=[1] * p, completion_ids=[2] * c, text="", logprobs=[], finish_reason="length"
+        )
+        for p, c in lengths
+    ]
 
 
 def test_micro_batches_keep_order_and_budget():
@@ -45,9 +49,24 @@ def _recording_grads(monkeypatch) -> list[list[torch.Tensor]]:
     return seen
 
 
-def _assert_same_update(a, b, grads_a, grads_b, keys=("loss", "entropy", "ratio/mean", "ratio/min", "ratio/max",
-                                                      "clip/low_frac", "clip/high_frac", "grad_norm",
-                                                      "logprob_gap/mean", "logprob_gap/max")):
+def _assert_same_update(
+    a,
+    b,
+    grads_a,
+    grads_b,
+    keys=(
+        "loss",
+        "entropy",
+        "ratio/mean",
+        "ratio/min",
+        "ratio/max",
+        "clip/low_frac",
+        "clip/high_frac",
+        "grad_norm",
+        "logprob_gap/mean",
+        "logprob_gap/max",
+    ),
+):
     """Same gradients at every update (up to fp32 summation order), hence the same weights and metrics.
     (AdamW's first steps move each weight by ~lr whatever its gradient's size, so a weight whose gradient
     is ~0 moves by an amount rounding decides: the weights are compared at a tolerance of 2 % of lr.)"""

@@ -69,7 +69,7 @@ def train(spec: JobSpec, callbacks=None, **kw):
     return T.train(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
 
 
-def Trainer(spec: JobSpec, callbacks=None, **kw) -> T.Trainer:  # noqa: N802 (stands in for the class)
+def Trainer(spec: JobSpec, callbacks=None, **kw) -> T.Trainer:
     """`gspo_core.trainer.Trainer` with the toy runtime unless ``runtime`` is given."""
     return T.Trainer(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
 
@@ -78,8 +78,13 @@ def toy_spec(model_dir, tmp_path, **hp) -> JobSpec:
     """The toy task ("say a:" -> "aaaa") on the tiny model (run with `TOY_RUNTIME`: the transformers engine)."""
     data = write_toy_dataset(tmp_path / "toy.jsonl", n=64)
     base = dict(steps=3, prompts_per_step=8, group_size=8, max_new_tokens=4, learning_rate=3e-3)
-    return JobSpec(model=str(model_dir), training_file=str(data), reward=TOY_REWARD,
-                   hyperparameters=GSPOConfig(**{**base, **hp}), output_dir=str(tmp_path / "out"))
+    return JobSpec(
+        model=str(model_dir),
+        training_file=str(data),
+        reward=TOY_REWARD,
+        hyperparameters=GSPOConfig(**{**base, **hp}),
+        output_dir=str(tmp_path / "out"),
+    )
 
 
 #: The update tests' config: 4 prompts x 4 completions of 6 tokens, 4 mini-batches.
@@ -102,7 +107,12 @@ def update_step(sampled, cfg: GSPOConfig, logprob_bias: float = 0.0):
     plan = S.plan_minibatches(ro, adv_N, cfg, torch.Generator().manual_seed(1))
     old = S.old_logprobs(policy, ro, plan, cfg)
     result = S.update(policy, ro, old, adv_N, plan, cfg)
-    view = SimpleNamespace(completions=comps, batches=list(plan.batches), old_logp_NT=result.old.logp_NT,
-                           verify_sampler=old.verify, first_batch_on_policy=old.first_on_policy,
-                           recomputed=result.sampler_rejected)
+    view = SimpleNamespace(
+        completions=comps,
+        batches=list(plan.batches),
+        old_logp_NT=result.old.logp_NT,
+        verify_sampler=old.verify,
+        first_batch_on_policy=old.first_on_policy,
+        recomputed=result.sampler_rejected,
+    )
     return view, {**result.metrics, **adv_metrics}, model

@@ -15,8 +15,10 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed")]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +34,22 @@ def service(tmp_path_factory):
     from store.tenants import create_tenant_and_key
 
     tmp = tmp_path_factory.mktemp("dash")
-    env_vals = {"GSPO_DATA_DIR": str(tmp), "GSPO_MODELS_DIR": str(tmp / "models"), "GSPO_ROLLOUT_ENGINE": "transformers"}
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tmp / "models"),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+    }
     settings = Settings(data_dir=tmp, models_dir=tmp / "models")
     run_migrations(settings.resolved_database_url())
     build_tiny_model(settings.models_dir / "toy")
     env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
-    worker = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "worker", "--loglevel", "WARNING"], env=env,
-                              cwd=ROOT, stdout=open(tmp / "worker.log", "w"), stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "gspo_cli.main", "worker", "--loglevel", "WARNING"],
+        env=env,
+        cwd=ROOT,
+        stdout=open(tmp / "worker.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     app = create_app(settings)
     with app.state.db.session() as s:
         _, key = create_tenant_and_key(s, "dash")
@@ -52,11 +63,27 @@ def service(tmp_path_factory):
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     with Client(url, key) as c:
         f = c.upload_file(write_toy_dataset(tmp / "toy.jsonl", n=32))
-        job = c.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="dashboard-demo",
-                           hyperparameters={"steps": 12, "prompts_per_step": 4, "group_size": 8, "max_new_tokens": 4,
-                                            "learning_rate": 3e-3, "save_every": 6})
-        second = c.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="second",
-                              hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4})
+        job = c.create_job(
+            model="toy",
+            training_file=f["id"],
+            reward=TOY_REWARD,
+            name="dashboard-demo",
+            hyperparameters={
+                "steps": 12,
+                "prompts_per_step": 4,
+                "group_size": 8,
+                "max_new_tokens": 4,
+                "learning_rate": 3e-3,
+                "save_every": 6,
+            },
+        )
+        second = c.create_job(
+            model="toy",
+            training_file=f["id"],
+            reward=TOY_REWARD,
+            name="second",
+            hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
+        )
         for j in (job, second):
             for _ in c.events(j["id"]):
                 pass
@@ -73,7 +100,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        )
         yield b
         b.close()
 

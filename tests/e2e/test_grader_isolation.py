@@ -18,24 +18,45 @@ TIMEOUT_S = 3.0  # GSPO_GRADER_LOCAL_TIMEOUT_S of the server under test
 
 
 def _gspo(env: dict, *args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "gspo_cli.main", *args], env=env, cwd=ROOT, check=True,
-                          capture_output=True, text=True, timeout=120).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_cli.main", *args],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
 
 
 def test_healthz_answers_during_a_dry_run_of_graders_that_never_yield(tmp_path):
-    env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "GSPO_MODELS_DIR": str(tmp_path / "models"),
-           "GSPO_GRADER_LOCAL_TIMEOUT_S": str(TIMEOUT_S), "PYTHONPATH": ROOT}
+    env = {
+        **os.environ,
+        "GSPO_DATA_DIR": str(tmp_path / "data"),
+        "GSPO_MODELS_DIR": str(tmp_path / "models"),
+        "GSPO_GRADER_LOCAL_TIMEOUT_S": str(TIMEOUT_S),
+        "PYTHONPATH": ROOT,
+    }
     env.pop("DATABASE_URL", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     _gspo(env, "migrate")
     key = _gspo(env, "admin", "create-key", "--tenant", "iso").splitlines()[-1]
     port = free_port()
-    api = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
-                           env=env, cwd=ROOT, stdout=open(tmp_path / "api.log", "w"), stderr=subprocess.STDOUT)
+    api = subprocess.Popen(
+        [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=open(tmp_path / "api.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     url, h = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
-    spec = {"type": "multi", "graders": {
-        "math": {"type": "math_answer", "reference": "{{item.answer}}"},
-        "schema": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(a+)+$"}}}}
+    spec = {
+        "type": "multi",
+        "graders": {
+            "math": {"type": "math_answer", "reference": "{{item.answer}}"},
+            "schema": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(a+)+$"}},
+        },
+    }
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -46,16 +67,27 @@ def test_healthz_answers_during_a_dry_run_of_graders_that_never_yield(tmp_path):
                 pass
             assert time.monotonic() < deadline and api.poll() is None, (tmp_path / "api.log").read_text()
             time.sleep(0.2)
-        warm = httpx.post(url + "/v1/rewards/run", headers=h, timeout=120,
-                          json={"reward": spec, "item": {"answer": "2"}, "samples": ["\\boxed{2}"]})
+        warm = httpx.post(
+            url + "/v1/rewards/run",
+            headers=h,
+            timeout=120,
+            json={"reward": spec, "item": {"answer": "2"}, "samples": ["\\boxed{2}"]},
+        )
         assert warm.status_code == 200 and warm.json()["results"][0]["scores"]["math"] == 1.0, warm.text
         answer: dict = {}
 
         def dry_run() -> None:
             t0 = time.monotonic()
-            r = httpx.post(url + "/v1/rewards/run", headers=h, timeout=120, json={
-                "reward": spec, "item": {"answer": "1"},
-                "samples": ["\\boxed{(x+1)^{99999}}", '"' + "a" * 40 + '!"', "\\boxed{1}"]})
+            r = httpx.post(
+                url + "/v1/rewards/run",
+                headers=h,
+                timeout=120,
+                json={
+                    "reward": spec,
+                    "item": {"answer": "1"},
+                    "samples": ["\\boxed{(x+1)^{99999}}", '"' + "a" * 40 + '!"', "\\boxed{1}"],
+                },
+            )
             answer.update(status=r.status_code, body=r.json(), elapsed=time.monotonic() - t0)
 
         worker = threading.Thread(target=dry_run)

@@ -13,8 +13,8 @@ import pytest
 
 from gspo_client import ApiError, Client
 from gspo_core.toy import TOY_REWARD, write_toy_dataset
-from tests.worker.conftest import ROOT, build_rig, wait_for
 from tests.conftest import REDIS_URL
+from tests.worker.conftest import ROOT, build_rig, wait_for
 
 
 def free_port() -> int:
@@ -31,8 +31,13 @@ def service(pg_database, tmp_path):
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"
     rig = build_rig(tmp_path, pg_database, redis_url, GSPO_ROLLOUT_ENGINE="vllm")
     port = free_port()
-    api = subprocess.Popen([sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
-                           env=rig.env, cwd=ROOT, stdout=open(tmp_path / "api.log", "w"), stderr=subprocess.STDOUT)
+    api = subprocess.Popen(
+        [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
+        env=rig.env,
+        cwd=ROOT,
+        stdout=open(tmp_path / "api.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     rig.start_worker()
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _up(url), 60, "API up")
@@ -59,9 +64,20 @@ def test_upload_train_follow_download_load(service, tmp_path):
             client.upload_file(tmp_path.joinpath("bad.jsonl").write_bytes(b"[1]\n") and tmp_path / "bad.jsonl")
         assert exc.value.status == 400 and exc.value.line == 1
         f = client.upload_file(write_toy_dataset(tmp_path / "toy.jsonl", n=64))
-        job = client.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, name="e2e",
-                                hyperparameters={"steps": 70, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4,
-                                                 "learning_rate": 2e-3, "save_every": 35})
+        job = client.create_job(
+            model="toy",
+            training_file=f["id"],
+            reward=TOY_REWARD,
+            name="e2e",
+            hyperparameters={
+                "steps": 70,
+                "prompts_per_step": 8,
+                "group_size": 8,
+                "max_new_tokens": 4,
+                "learning_rate": 2e-3,
+                "save_every": 35,
+            },
+        )
         kinds, steps = [], []
         t0 = time.monotonic()
         for event, data, _ in client.events(job["id"]):

@@ -27,7 +27,11 @@ def test_compose_service_env_is_known_to_settings():
         unknown = set(env) - known - FOREIGN
         assert not unknown, f"{name}: {unknown} are not Settings variables"
         settings = Settings(**{k: v for k, v in env.items() if k in known})
-        assert settings.redis_url and settings.s3_bucket and settings.resolved_database_url().startswith("postgresql+psycopg")
+        assert (
+            settings.redis_url
+            and settings.s3_bucket
+            and settings.resolved_database_url().startswith("postgresql+psycopg")
+        )
     worker = compose["services"]["worker"]
     assert worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert worker["command"][:2] == ["gspo", "worker"]

@@ -8,9 +8,9 @@ import pytest
 from sqlalchemy import func, select
 
 from store import jobs
+from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric
 from store.scheduling import TenantQueue, Waiting
 from store.usage import QueuePolicy
-from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric
 from tests.store.conftest import make_job
 
 
@@ -23,8 +23,17 @@ def test_create_job_is_queued_with_an_event(db):
     job_id = make_job(db)
     with db.session() as s:
         tenant_id, file_id = s.get(Job, job_id).tenant_id, s.get(Job, job_id).training_file_id
-        job = jobs.create_job(s, tenant_id=tenant_id, model="toy", training_file_id=file_id, reward={"type": "x"},
-                              hyperparameters={"steps": 3}, total_steps=3, seed=7, max_attempts=2)
+        job = jobs.create_job(
+            s,
+            tenant_id=tenant_id,
+            model="toy",
+            training_file_id=file_id,
+            reward={"type": "x"},
+            hyperparameters={"steps": 3},
+            total_steps=3,
+            seed=7,
+            max_attempts=2,
+        )
         assert job.id.startswith("job_") and job.status == "queued" and job.attempts == 0
         assert _status_events(s, job.id) == ["queued"]
 
@@ -41,8 +50,16 @@ def test_legal_path_stamps_times_and_records_events(db):
         assert _status_events(s, job_id) == ["running", "succeeded"]
 
 
-@pytest.mark.parametrize("path", [["succeeded"], ["cancelled", "running"], ["running", "succeeded", "running"],
-                                  ["running", "failed", "queued"], ["cancelling"]])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ["succeeded"],
+        ["cancelled", "running"],
+        ["running", "succeeded", "running"],
+        ["running", "failed", "queued"],
+        ["cancelling"],
+    ],
+)
 def test_illegal_transitions_are_refused(db, path):
     job_id = make_job(db)
     with db.session() as s:
@@ -108,9 +125,8 @@ def test_writes_are_fenced_by_the_lease(db):
             jobs.hold(s, job_id, "w1")
         jobs.hold(s, job_id, "w2")
         jobs.transition(s, s.get(Job, job_id), "succeeded")
-    with db.session() as s:
-        with pytest.raises(jobs.LeaseLost):
-            jobs.hold(s, job_id, "w2")  # a settled job takes no more writes
+    with db.session() as s, pytest.raises(jobs.LeaseLost):
+        jobs.hold(s, job_id, "w2")  # a settled job takes no more writes
 
 
 def test_a_takeover_waits_for_the_holders_write_in_flight(db):
@@ -164,8 +180,9 @@ def test_step_metrics_samples_and_checkpoints_are_idempotent_per_step(db):
             jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "step": step})
             jobs.record_samples(s, job_id, step, [{"prompt": "p", "completions": []}])
     with db.session() as s:
-        rows = s.execute(select(StepMetric.step, StepMetric.metrics).where(StepMetric.job_id == job_id)
-                         .order_by(StepMetric.step)).all()
+        rows = s.execute(
+            select(StepMetric.step, StepMetric.metrics).where(StepMetric.job_id == job_id).order_by(StepMetric.step)
+        ).all()
         assert [(r.step, r.metrics["reward/mean"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.3)]
         assert s.scalar(select(func.count()).select_from(Sample).where(Sample.job_id == job_id)) == 3
         job = s.get(Job, job_id)
@@ -220,8 +237,10 @@ def test_queue_position_counts_only_the_tenants_own_jobs_and_active_count(db):
     with db.session() as s:
         a, b = s.get(Job, first), s.get(Job, second)
         queue = TenantQueue(s, QueuePolicy(), a.tenant_id)
-        assert [queue.waiting(a), queue.waiting(b)] == [Waiting(1, "waiting for a free worker"),
-                                                         Waiting(2, "queued: 1 of your jobs ahead")]
+        assert [queue.waiting(a), queue.waiting(b)] == [
+            Waiting(1, "waiting for a free worker"),
+            Waiting(2, "queued: 1 of your jobs ahead"),
+        ]
         assert jobs.count_active(s, a.tenant_id) == 2
         jobs.claim(s, first, "w", 60)
         queue = TenantQueue(s, QueuePolicy(), a.tenant_id)

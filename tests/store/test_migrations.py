@@ -50,15 +50,27 @@ def test_0002_backfills_each_jobs_latest_metrics(tmp_path):
     now = "2026-11-22 00:00:00"
     with engine.begin() as c:
         c.execute(text(f"INSERT INTO tenants VALUES ('tn1', 't', '{now}')"))
-        c.execute(text("INSERT INTO files (id, tenant_id, filename, bytes, rows, object_key, item_fields, created_at) "
-                       f"VALUES ('f1', 'tn1', 'a.jsonl', 1, 1, 'files/a', '[]', '{now}')"))
+        c.execute(
+            text(
+                "INSERT INTO files (id, tenant_id, filename, bytes, rows, object_key, item_fields, created_at) "
+                f"VALUES ('f1', 'tn1', 'a.jsonl', 1, 1, 'files/a', '[]', '{now}')"
+            )
+        )
         for job in ("j1", "j2"):
-            c.execute(text("INSERT INTO jobs (id, tenant_id, model, training_file_id, reward, hyperparameters, metadata, "
-                           "seed, status, step, total_steps, created_at, attempts, max_attempts) VALUES "
-                           f"('{job}', 'tn1', 'm', 'f1', '{{}}', '{{}}', '{{}}', 0, 'running', 2, 5, '{now}', 1, 3)"))
+            c.execute(
+                text(
+                    "INSERT INTO jobs (id, tenant_id, model, training_file_id, reward, hyperparameters, metadata, "
+                    "seed, status, step, total_steps, created_at, attempts, max_attempts) VALUES "
+                    f"('{job}', 'tn1', 'm', 'f1', '{{}}', '{{}}', '{{}}', 0, 'running', 2, 5, '{now}', 1, 3)"
+                )
+            )
         for step in (2, 1):  # inserted out of order: the newest step wins, not the last row
-            c.execute(text("INSERT INTO step_metrics (job_id, step, metrics, created_at) VALUES "
-                           f"('j1', {step}, '{{\"loss\": {step}.5}}', '{now}')"))
+            c.execute(
+                text(
+                    "INSERT INTO step_metrics (job_id, step, metrics, created_at) VALUES "
+                    f"('j1', {step}, '{{\"loss\": {step}.5}}', '{now}')"
+                )
+            )
     engine.dispose()
     run_migrations(url)
     engine = make_engine(url)
@@ -84,21 +96,39 @@ def test_0004_keeps_every_row_and_lets_files_go(tmp_path):
     now = "2026-11-22 00:00:00"
     with engine.begin() as c:
         c.execute(text(f"INSERT INTO tenants VALUES ('tn1', 't', '{now}')"))
-        c.execute(text("INSERT INTO files (id, tenant_id, filename, bytes, rows, object_key, item_fields, created_at) "
-                       f"VALUES ('f1', 'tn1', 'a.jsonl', 1, 1, 'files/a', '[]', '{now}')"))
-        c.execute(text("INSERT INTO jobs (id, tenant_id, model, training_file_id, validation_file_id, reward, "
-                       "hyperparameters, metadata, seed, status, step, total_steps, created_at, attempts, max_attempts) "
-                       f"VALUES ('j1', 'tn1', 'm', 'f1', 'f1', '{{}}', '{{}}', '{{}}', 0, 'succeeded', 2, 5, '{now}', 1, 3)"))
-        c.execute(text(f"INSERT INTO job_events (job_id, kind, message, created_at) VALUES ('j1', 'log', 'x', '{now}')"))
-        c.execute(text(f"INSERT INTO step_metrics (job_id, step, metrics, created_at) VALUES ('j1', 1, '{{}}', '{now}')"))
-        c.execute(text("INSERT INTO checkpoints (id, job_id, tenant_id, step, object_prefix, size_bytes, metrics, final, "
-                       f"created_at) VALUES ('c1', 'j1', 'tn1', 1, 'jobs/j1/c', 1, '{{}}', 1, '{now}')"))
+        c.execute(
+            text(
+                "INSERT INTO files (id, tenant_id, filename, bytes, rows, object_key, item_fields, created_at) "
+                f"VALUES ('f1', 'tn1', 'a.jsonl', 1, 1, 'files/a', '[]', '{now}')"
+            )
+        )
+        c.execute(
+            text(
+                "INSERT INTO jobs (id, tenant_id, model, training_file_id, validation_file_id, reward, "
+                "hyperparameters, metadata, seed, status, step, total_steps, created_at, attempts, max_attempts) "
+                f"VALUES ('j1', 'tn1', 'm', 'f1', 'f1', '{{}}', '{{}}', '{{}}', 0, 'succeeded', 2, 5, '{now}', 1, 3)"
+            )
+        )
+        c.execute(
+            text(f"INSERT INTO job_events (job_id, kind, message, created_at) VALUES ('j1', 'log', 'x', '{now}')")
+        )
+        c.execute(
+            text(f"INSERT INTO step_metrics (job_id, step, metrics, created_at) VALUES ('j1', 1, '{{}}', '{now}')")
+        )
+        c.execute(
+            text(
+                "INSERT INTO checkpoints (id, job_id, tenant_id, step, object_prefix, size_bytes, metrics, final, "
+                f"created_at) VALUES ('c1', 'j1', 'tn1', 1, 'jobs/j1/c', 1, '{{}}', 1, '{now}')"
+            )
+        )
     engine.dispose()
     run_migrations(url)
     assert _diff(url) == []
     engine = make_engine(url)  # foreign keys on, as the service runs
     with engine.begin() as c:
-        counts = [c.execute(text(f"SELECT count(*) FROM {t}")).scalar() for t in ("job_events", "step_metrics", "checkpoints")]
+        counts = [
+            c.execute(text(f"SELECT count(*) FROM {t}")).scalar() for t in ("job_events", "step_metrics", "checkpoints")
+        ]
         assert counts == [1, 1, 1]
         c.execute(text("DELETE FROM files WHERE id = 'f1'"))
         assert c.execute(text("SELECT training_file_id, validation_file_id FROM jobs")).one() == (None, None)

@@ -51,4 +51,6 @@ def test_s3_presigned_urls_use_the_public_endpoint(s3_settings):
     public = s3_settings.model_copy(update={"s3_public_endpoint_url": "http://downloads.example:9000"})
     st = S3ObjectStore(public)
     assert st.presigned_url("t/a.txt").startswith("http://downloads.example:9000/gspo-test/t/a.txt?")
-    assert S3ObjectStore(s3_settings.model_copy(update={"s3_presign_downloads": False})).presigned_url("t/a.txt") is None
+    assert (
+        S3ObjectStore(s3_settings.model_copy(update={"s3_presign_downloads": False})).presigned_url("t/a.txt") is None
+    )

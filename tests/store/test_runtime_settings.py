@@ -15,7 +15,8 @@ def test_settings_map_to_runtime_options(monkeypatch):
     monkeypatch.setenv("GSPO_VLLM_GPU_MEMORY_UTILIZATION", "0.5")
     monkeypatch.setenv("GSPO_KEEP_FREED_MEMORY", "false")
     assert RuntimeOptions.from_mapping(Settings().runtime_options()) == RuntimeOptions(
-        rollout_engine="transformers", vllm_gpu_memory_utilization=0.5, keep_freed_memory=False)
+        rollout_engine="transformers", vllm_gpu_memory_utilization=0.5, keep_freed_memory=False
+    )
 
 
 def test_a_bad_runtime_setting_fails_at_start(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select
@@ -15,7 +15,7 @@ from store.models import File, Job, UsageRecord
 from store.tenants import create_tenant_and_key
 from store.usage import QueuePolicy, RunMeter, budget, record_usage, tenant_periods, tenant_totals
 
-T0 = datetime(2026, 11, 25, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
 
 def tenant(db) -> tuple[str, str]:
@@ -33,8 +33,16 @@ def submit(db, owner: tuple[str, str], n: int = 1, max_active: int | None = None
     ids = []
     for _ in range(n):
         with db.session() as s:
-            job = jobs.create_job(s, tenant_id=owner[0], model="toy", training_file_id=owner[1], reward={},
-                                  hyperparameters={}, total_steps=3, max_active=max_active)
+            job = jobs.create_job(
+                s,
+                tenant_id=owner[0],
+                model="toy",
+                training_file_id=owner[1],
+                reward={},
+                hyperparameters={},
+                total_steps=3,
+                max_active=max_active,
+            )
             ids.append(job.id)
     return ids
 
@@ -49,9 +57,18 @@ def use(db, job_id: str, seconds: float, policy: QueuePolicy = QueuePolicy()) ->
     """Record ``seconds`` of device time of the job in the current period."""
     with db.session() as s:
         job = s.get(Job, job_id)
-        s.add(UsageRecord(tenant_id=job.tenant_id, job_id=job_id, run_id=uuid.uuid4().hex, attempt=job.attempts,
-                          period_start=policy.period_start(jobs._now()), device_seconds=seconds, tokens_sampled=0,
-                          tokens_trained=0))
+        s.add(
+            UsageRecord(
+                tenant_id=job.tenant_id,
+                job_id=job_id,
+                run_id=uuid.uuid4().hex,
+                attempt=job.attempts,
+                period_start=policy.period_start(jobs._now()),
+                device_seconds=seconds,
+                tokens_sampled=0,
+                tokens_trained=0,
+            )
+        )
 
 
 def test_a_tenant_with_many_queued_jobs_does_not_make_another_wait_behind_them(db):
@@ -145,7 +162,7 @@ def test_run_meter_splits_device_time_at_period_boundaries_and_rewrites_absolute
     rows, totals = meter.snapshot(now=start + 130)
     assert [(r[0].timestamp(), r[1], r[2], r[3]) for r in rows] == [(1_000_000, 50.0, 3, 5), (1_000_100, 80.0, 4, 6)]
     assert totals == (137.0, 17, 31)
-    (tid, fid), = [tenant(db)]
+    ((tid, fid),) = [tenant(db)]
     (job_id,) = submit(db, (tid, fid))
     for _ in range(2):  # a retried write counts nothing twice
         with db.session() as s:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,11 +18,13 @@ from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
 from store.models import Job, StepMetric
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
-from tests.conftest import truncate_all
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, truncate_all
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOW_GRADER = {"type": "python", "source": "import time\ndef grade(sample, item):\n    time.sleep(0.03)\n    return 0.0"}
+SLOW_GRADER = {
+    "type": "python",
+    "source": "import time\ndef grade(sample, item):\n    time.sleep(0.03)\n    return 0.0",
+}
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.2):
@@ -68,10 +69,12 @@ class Rig:
         from gspo_cli.service_cmd import worker_command
 
         log = open(self.tmp / f"worker-{len(self.workers)}.log", "w")
-        cmd = worker_command("INFO", name=f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h",
-                             queue=self.settings.worker_queue)
-        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        cmd = worker_command(
+            "INFO", name=f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h", queue=self.settings.worker_queue
+        )
+        proc = subprocess.Popen(
+            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
         self.workers.append(proc)
         return proc
 
@@ -80,15 +83,34 @@ class Rig:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
-    def submit(self, steps: int, slow: bool = True, tenant: tuple[dict, str] | None = None, job: dict | None = None,
-               **hp) -> str:
+    def submit(
+        self, steps: int, slow: bool = True, tenant: tuple[dict, str] | None = None, job: dict | None = None, **hp
+    ) -> str:
         """A job of the rig's tenant (or of ``tenant`` from `add_tenant`); ``job``: more body fields."""
         headers, file_id = tenant or (self.h, self.file_id)
-        reward = {"type": "multi", "graders": {"match": TOY_REWARD, "slow": SLOW_GRADER},
-                  "calculate_output": "match + 0*slow"} if slow else TOY_REWARD
-        body = {"model": "toy", "training_file": file_id, "reward": reward, **(job or {}),
-                "hyperparameters": {"steps": steps, "prompts_per_step": 2, "group_size": 8, "max_new_tokens": 4,
-                                    "learning_rate": 3e-3, **hp}}
+        reward = (
+            {
+                "type": "multi",
+                "graders": {"match": TOY_REWARD, "slow": SLOW_GRADER},
+                "calculate_output": "match + 0*slow",
+            }
+            if slow
+            else TOY_REWARD
+        )
+        body = {
+            "model": "toy",
+            "training_file": file_id,
+            "reward": reward,
+            **(job or {}),
+            "hyperparameters": {
+                "steps": steps,
+                "prompts_per_step": 2,
+                "group_size": 8,
+                "max_new_tokens": 4,
+                "learning_rate": 3e-3,
+                **hp,
+            },
+        }
         r = self.client.post("/v1/jobs", json=body, headers=headers)
         assert r.status_code == 201, r.text
         return r.json()["id"]
@@ -105,8 +127,9 @@ class Rig:
             return s.get(Job, job_id)
 
     def wait_status(self, job_id: str, statuses: set[str], timeout: float = 120, headers: dict | None = None) -> dict:
-        return wait_for(lambda: (j := self.job(job_id, headers))["status"] in statuses and j, timeout,
-                        f"{job_id} in {statuses}")
+        return wait_for(
+            lambda: (j := self.job(job_id, headers))["status"] in statuses and j, timeout, f"{job_id} in {statuses}"
+        )
 
     def logs(self) -> str:
         return "\n".join(p.read_text()[-3000:] for p in sorted(self.tmp.glob("worker-*.log")))
@@ -123,7 +146,9 @@ class Rig:
         if self.settings.redis_url:
             q = self.settings.worker_queue
             try:
-                redis.Redis.from_url(self.settings.redis_url).delete(q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}")
+                redis.Redis.from_url(self.settings.redis_url).delete(
+                    q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}"
+                )
             except redis.ConnectionError:
                 pass
 
@@ -132,12 +157,20 @@ def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 6, *
     from store.db import run_migrations
 
     run_migrations(db_url)
-    env_vals = {"GSPO_DATA_DIR": str(tmp_path), "DATABASE_URL": db_url, "REDIS_URL": redis_url,
-                "GSPO_MODELS_DIR": str(tmp_path / "models"), "GSPO_LEASE_SECONDS": str(lease_s),
-                "GSPO_HEARTBEAT_SECONDS": "1", "GSPO_REAPER_INTERVAL_SECONDS": "1", "GSPO_MAX_ATTEMPTS": "3",
-                "GSPO_ROLLOUT_ENGINE": "transformers",  # the operator's setting (vLLM's start costs seconds a job)
-                # A queue of its own: suites running at the same time on the same Redis never share messages.
-                "GSPO_WORKER_QUEUE": f"gpu-{uuid.uuid4().hex[:8]}", **extra_env}
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp_path),
+        "DATABASE_URL": db_url,
+        "REDIS_URL": redis_url,
+        "GSPO_MODELS_DIR": str(tmp_path / "models"),
+        "GSPO_LEASE_SECONDS": str(lease_s),
+        "GSPO_HEARTBEAT_SECONDS": "1",
+        "GSPO_REAPER_INTERVAL_SECONDS": "1",
+        "GSPO_MAX_ATTEMPTS": "3",
+        "GSPO_ROLLOUT_ENGINE": "transformers",  # the operator's setting (vLLM's start costs seconds a job)
+        # A queue of its own: suites running at the same time on the same Redis never share messages.
+        "GSPO_WORKER_QUEUE": f"gpu-{uuid.uuid4().hex[:8]}",
+        **extra_env,
+    }
     settings = Settings(**{k.removeprefix("GSPO_").lower(): v for k, v in env_vals.items()})
     env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
     return Rig(settings, env, tmp_path)

@@ -29,10 +29,15 @@ class RedisServer:
         self.proc = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        wait_for(lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).returncode == 0,
-                 10, "redis up")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        wait_for(
+            lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).returncode == 0,
+            10,
+            "redis up",
+        )
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -52,8 +57,10 @@ class PgCluster:
         subprocess.run(["su", "postgres", "-c", cmd], check=True, capture_output=True, timeout=60)
 
     def start(self) -> None:
-        self._su(f"{PG_BIN}/pg_ctl -D {self.root}/data -l {self.root}/log -w start "
-                 f"-o '-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1'")
+        self._su(
+            f"{PG_BIN}/pg_ctl -D {self.root}/data -l {self.root}/log -w start "
+            f"-o '-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1'"
+        )
 
     def stop(self) -> None:
         self._su(f"{PG_BIN}/pg_ctl -D {self.root}/data -w stop -m fast")
@@ -78,8 +85,9 @@ def test_redis_restart_mid_job(redis_server, pg_database, tmp_path):
     from tests.conftest import truncate_all
 
     truncate_all(pg_database)
-    rig = build_rig(tmp_path, pg_database, f"redis://127.0.0.1:{redis_server.port}/0",
-                    GSPO_RESEND_LOST_AFTER_SECONDS="3")
+    rig = build_rig(
+        tmp_path, pg_database, f"redis://127.0.0.1:{redis_server.port}/0", GSPO_RESEND_LOST_AFTER_SECONDS="3"
+    )
     try:
         rig.start_worker()
         job_id = rig.submit(steps=10)
@@ -101,9 +109,9 @@ def test_redis_restart_mid_job(redis_server, pg_database, tmp_path):
 
 @pytest.mark.skipif(PG_BIN is None or shutil.which("su") is None, reason="needs PostgreSQL 15 binaries and su")
 def test_postgres_restart_mid_job_and_api_503(tmp_path):
-    from tests.conftest import REDIS_URL
-
     import tempfile
+
+    from tests.conftest import REDIS_URL
 
     pg_root = Path(tempfile.mkdtemp(prefix="gspo-pg-"))  # pytest's tmp dirs are closed to the postgres user
     pg = PgCluster(pg_root)

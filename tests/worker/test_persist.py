@@ -69,8 +69,9 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(db, tmp_path):
     with db.session() as s:
         job = s.get(Job, job_id)
         assert (job.status, job.worker_id, job.error, job.step) == ("running", "w2", None, 2)
-        rows = s.execute(select(StepMetric.step, StepMetric.metrics).where(StepMetric.job_id == job_id)
-                         .order_by(StepMetric.step)).all()
+        rows = s.execute(
+            select(StepMetric.step, StepMetric.metrics).where(StepMetric.job_id == job_id).order_by(StepMetric.step)
+        ).all()
         assert [(r.step, r.metrics["reward/mean"]) for r in rows] == [(1, 0.1), (2, 0.2)]
         ckpt = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id))
         assert ckpt.object_prefix == f"jobs/{job_id}/checkpoints/step-000002-a2"

@@ -60,8 +60,9 @@ def test_a_tenant_that_queued_later_runs_before_the_first_tenants_backlog(make_r
     assert done["status"] == "succeeded", rig.logs()
     a_now = [rig.job(j) for j in a_jobs]
     assert a_now[0]["status"] == "succeeded" and ts(a_now[0]["finished_at"]) <= ts(done["started_at"])
-    assert all(j["started_at"] is None or ts(j["started_at"]) > ts(done["started_at"]) for j in a_now[1:]), \
+    assert all(j["started_at"] is None or ts(j["started_at"]) > ts(done["started_at"]) for j in a_now[1:]), (
         "B ran second, while A still had two jobs queued"
+    )
     # B's usage: its device time is the time it held the worker, its tokens those of the steps it ran.
     usage = done["usage"]
     held = ts(done["finished_at"]) - ts(done["started_at"])
@@ -91,8 +92,9 @@ def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_bound
     assert steps == list(range(1, job["step"] + 1)) and len(steps) > 2, "every completed step's metrics kept"
     with rig.app.state.db.session() as s:
         ckpt = s.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
-        runs = s.execute(select(UsageRecord.run_id, UsageRecord.device_seconds)
-                         .where(UsageRecord.job_id == job_id)).all()
+        runs = s.execute(
+            select(UsageRecord.run_id, UsageRecord.device_seconds).where(UsageRecord.job_id == job_id)
+        ).all()
     assert ckpt == job["step"], "it checkpointed where it stopped"
     assert len({r for r, _ in runs}) == 2 and sum(d for _, d in runs) == pytest.approx(job["usage"]["device_seconds"])
     assert limit <= job["usage"]["device_seconds"] < limit + 25, "stopped at the first step boundary past the limit"
@@ -101,8 +103,11 @@ def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_bound
 
 def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_shown(make_rig):
     period = 30
-    rig = make_rig(GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.01", GSPO_BUDGET_PERIOD_SECONDS=str(period),
-                   GSPO_RESEND_LOST_AFTER_SECONDS="3")
+    rig = make_rig(
+        GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.01",
+        GSPO_BUDGET_PERIOD_SECONDS=str(period),
+        GSPO_RESEND_LOST_AFTER_SECONDS="3",
+    )
     policy = QueuePolicy.of(rig.settings)
     rig.start_worker()
     wait_for(lambda: " ready." in rig.logs(), 120, "the worker to start")
@@ -110,8 +115,18 @@ def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_show
         time.sleep(period - time.time() % period + 0.2)
     with rig.app.state.db.session() as s:  # the tenant's earlier jobs used 40 s of its 36 s this period
         tenant_id = authenticate(s, rig.h["Authorization"].split()[1]).id
-        s.add(UsageRecord(tenant_id=tenant_id, job_id="job_earlier", run_id="r1", attempt=1, tokens_sampled=10,
-                          tokens_trained=20, device_seconds=40.0, period_start=policy.period_start(jobs._now())))
+        s.add(
+            UsageRecord(
+                tenant_id=tenant_id,
+                job_id="job_earlier",
+                run_id="r1",
+                attempt=1,
+                tokens_sampled=10,
+                tokens_trained=20,
+                device_seconds=40.0,
+                period_start=policy.period_start(jobs._now()),
+            )
+        )
     job_id = rig.submit(steps=2, slow=False)
     usage = rig.client.get("/v1/usage", headers=rig.h).json()
     end = usage["budget_exhausted_until"]
@@ -119,8 +134,9 @@ def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_show
     assert usage["current"]["device_seconds"] == 40.0 and usage["current"]["tokens_trained"] == 20
     waiting = rig.job(job_id)
     assert waiting["status"] == "queued" and waiting["queue_position"] == 1
-    assert waiting["waiting_reason"] == (f"tenant device-hour budget used (0.0111 of 0.01 h this period) until "
-                                         f"{datetime.fromisoformat(end).isoformat()}")
+    assert waiting["waiting_reason"] == (
+        f"tenant device-hour budget used (0.0111 of 0.01 h this period) until {datetime.fromisoformat(end).isoformat()}"
+    )
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=period + 120)
     assert job["status"] == "succeeded", rig.logs()
     assert ts(job["started_at"]) >= ts(end), "it started once the next period freed budget"
@@ -131,22 +147,31 @@ def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_show
 
 def test_a_running_job_is_paused_when_its_tenant_spends_the_budget_and_resumes_next_period(make_rig):
     period = 45
-    rig = make_rig(GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.002", GSPO_BUDGET_PERIOD_SECONDS=str(period),
-                   GSPO_RESEND_LOST_AFTER_SECONDS="3")
+    rig = make_rig(
+        GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.002",
+        GSPO_BUDGET_PERIOD_SECONDS=str(period),
+        GSPO_RESEND_LOST_AFTER_SECONDS="3",
+    )
     rig.start_worker()
     wait_for(lambda: " ready." in rig.logs(), 120, "the worker to start")
     if time.time() % period > 5:  # start early in a period: 7.2 s of budget (a step at least), a pause, the next
         time.sleep(period - time.time() % period + 0.2)
     job_id = rig.submit(steps=40)
-    paused = wait_for(lambda: (j := rig.job(job_id))["status"] == "queued" and j["step"] > 0 and j, 60,
-                      "the running job to be paused by the budget")
+    paused = wait_for(
+        lambda: (j := rig.job(job_id))["status"] == "queued" and j["step"] > 0 and j,
+        60,
+        "the running job to be paused by the budget",
+    )
     assert paused["waiting_reason"].startswith("tenant device-hour budget used"), paused
     assert 0 < paused["step"] < 40 and paused["attempts"] == 0, paused
     with rig.app.state.db.session() as s:
         logs = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
         assert s.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id)) == paused["step"]
     assert any("device-hour budget of this period is used" in m for m in logs), logs
-    resumed = wait_for(lambda: (j := rig.job(job_id))["step"] > paused["step"] and j, period + 60,
-                       "the job to go on in the next period")
+    resumed = wait_for(
+        lambda: (j := rig.job(job_id))["step"] > paused["step"] and j,
+        period + 60,
+        "the job to go on in the next period",
+    )
     assert resumed["status"] in ("running", "queued", "succeeded"), resumed
     rig.client.post(f"/v1/jobs/{job_id}/cancel", headers=rig.h)

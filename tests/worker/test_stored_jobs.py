@@ -6,8 +6,15 @@ from __future__ import annotations
 from store.models import Job, StepMetric
 
 #: What the version before the platform seam stored with every job (GSPOConfig's fields then).
-RETIRED = {"rollout_engine": "vllm", "vllm_gpu_memory_utilization": 0.3, "keep_freed_memory": True,
-           "cpu_gemm": "auto", "beta": 0.0, "lora_dropout": 0.0, "save_merged": True}
+RETIRED = {
+    "rollout_engine": "vllm",
+    "vllm_gpu_memory_utilization": 0.3,
+    "keep_freed_memory": True,
+    "cpu_gemm": "auto",
+    "beta": 0.0,
+    "lora_dropout": 0.0,
+    "save_merged": True,
+}
 
 
 def test_a_job_stored_with_retired_keys_runs_with_the_operators_settings(rig):

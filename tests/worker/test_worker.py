@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import signal
-import time
 from datetime import timedelta
 
 import psutil
-import pytest
 
 from gspo_core.toy import build_tiny_reward_model
 from store import jobs
@@ -28,11 +26,20 @@ def test_job_runs_to_success(rig):
     # A later job starts from that checkpoint's weights (`ckpt:<id>`, fetched from object storage),
     # graded by a reward model named like the policy model: a directory under the models directory.
     build_tiny_reward_model(rig.settings.models_dir / "rm")
-    reward = {"type": "multi", "graders": {"fmt": {"type": "regex", "pattern": "a"},
-                                          "rm": {"type": "reward_model", "model": "rm"}}}
-    r = rig.client.post("/v1/jobs", headers=rig.h, json={
-        "model": f"ckpt:{ckpts[-1]['id']}", "training_file": rig.file_id, "reward": reward,
-        "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4}})
+    reward = {
+        "type": "multi",
+        "graders": {"fmt": {"type": "regex", "pattern": "a"}, "rm": {"type": "reward_model", "model": "rm"}},
+    }
+    r = rig.client.post(
+        "/v1/jobs",
+        headers=rig.h,
+        json={
+            "model": f"ckpt:{ckpts[-1]['id']}",
+            "training_file": rig.file_id,
+            "reward": reward,
+            "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
+        },
+    )
     assert r.status_code == 201, r.text
     job = rig.wait_status(r.json()["id"], {"succeeded", "failed"}, timeout=120)
     assert job["status"] == "succeeded", (job, rig.logs())
@@ -140,8 +147,15 @@ def test_reaper_fails_jobs_past_their_retry_budget(rig):
 
 def test_bad_model_fails_with_an_actionable_message(rig):
     rig.start_worker()
-    r = rig.client.post("/v1/jobs", headers=rig.h, json={
-        "model": "nobody/no-such-model", "training_file": rig.file_id,
-        "reward": {"type": "regex", "pattern": "a"}, "hyperparameters": {"steps": 1}})
+    r = rig.client.post(
+        "/v1/jobs",
+        headers=rig.h,
+        json={
+            "model": "nobody/no-such-model",
+            "training_file": rig.file_id,
+            "reward": {"type": "regex", "pattern": "a"},
+            "hyperparameters": {"steps": 1},
+        },
+    )
     job = rig.wait_status(r.json()["id"], {"failed", "succeeded"}, timeout=120)
     assert job["status"] == "failed" and "nobody/no-such-model" in job["error"], job
