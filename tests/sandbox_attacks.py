@@ -166,10 +166,24 @@ ATTACKS = {
 }
 
 
-def attack_spec(names=None, timeout_s: float = 1.0) -> dict:
-    """A `multi` reward whose sub-graders are the attacks (the reward is always 0)."""
+#: Attacks that only the grader's clock stops; every other attack ends by itself (an error or a return).
+CLOCKED = {"fork_bomb", "loop"}
+
+
+def attack_spec(names=None, timeout_s: float = 1.0, ends_by_itself_s: float = 10.0) -> dict:
+    """A `multi` reward whose sub-graders are the attacks (the reward is always 0). The clocked attacks get
+    ``timeout_s``; the others ``ends_by_itself_s``, a margin for a sandbox that starts slowly on a loaded
+    machine (a memory hog timed out at 1 s there instead of failing on its memory limit)."""
     names = list(names or ATTACKS)
-    graders = {n: {"type": "python", "source": ATTACKS[n], "timeout_s": timeout_s, "memory_mb": 256} for n in names}
+    graders = {
+        n: {
+            "type": "python",
+            "source": ATTACKS[n],
+            "timeout_s": timeout_s if n in CLOCKED else ends_by_itself_s,
+            "memory_mb": 256,
+        }
+        for n in names
+    }
     return {"type": "multi", "graders": graders, "calculate_output": "0 * (" + " + ".join(names) + ")"}
 
 
