@@ -23,14 +23,18 @@ from gspo_core.platform.cpu import CPU_KV_BLOCK
 
 
 def _vllm_onednn(w: torch.Tensor):
-    """vLLM's CPU product (a oneDNN matmul on a weight it prepacked), or None where vLLM lacks it."""
+    """vLLM's CPU product (a oneDNN matmul on a weight it prepacked), or None where vLLM lacks it or oneDNN
+    cannot build it for this weight's dtype on this CPU."""
     try:
         from vllm import _custom_ops as ops
     except ImportError:
         return None
     if w.device.type != "cpu" or not getattr(ops, "_supports_onednn", False):
         return None
-    handler = ops.create_onednn_mm(w.t(), 32)
+    try:  # vLLM itself falls back to torch's linear where oneDNN has no primitive (bf16 on AVX2 CPUs)
+        handler = ops.create_onednn_mm(w.t(), 32)
+    except RuntimeError:
+        return None
     return lambda x: ops.onednn_mm(handler, x, None)
 
 

@@ -17,7 +17,8 @@ def test_every_product_raced_is_x_times_w_transposed(dtype):
     w, x = torch.randn(48, 32, generator=g).to(dtype), torch.randn(5, 32, generator=g).to(dtype)
     want = x.float() @ w.float().T
     products = _products(w)
-    assert len(products) >= 2  # torch's linear and oneDNN's, on every CPU wheel
+    # torch's linear everywhere; oneDNN's fp32 linear on every CPU wheel; vLLM's where it builds for the dtype
+    assert len(products) >= (2 if dtype == torch.float32 else 1)
     for product in products:
         torch.testing.assert_close(
             product(x).float(),

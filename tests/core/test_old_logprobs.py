@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,10 +122,17 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(sampled, mon
     assert (ro.old_logp_NT[skipped] == 0).all() and (ref_ro.old_logp_NT[skipped] != 0).any()
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), from its flags."""
+    flags = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
 @pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
     """precision=bf16: the sampler computes in bf16 too. The transformers engine then runs the
-    trainer's own autocast ops, its logprobs within bf16 noise of the trainer's (measured: equal); vLLM's
+    trainer's own autocast ops, its logprobs within bf16 noise of the trainer's (measured: equal on CPUs
+    with native bf16 products; 5e-4 apart on an AVX2 CPU, where step 1 then recomputes); vLLM's
     bf16 kernels differ by bf16's rounding, past the tolerance, so step 1 recomputes."""
     if engine == "vllm" and not vllm_available():
         pytest.skip("vllm not installed")
@@ -143,6 +151,9 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
     first = rec.steps[0][1]
     if engine == "vllm":
         assert first["old_logprobs/recomputed"] == 1.0 and 1e-5 < first["old_logprobs/sampler_err_max"] < 0.1
-    else:  # the fp32 sampler it had before: 7e-4 (step 1 recomputed, and every later step)
-        assert first["old_logprobs/sampler_err_max"] < 1e-4
+    elif native_bf16_cpu():  # the same bf16 kernels for the sampler's and the trainer's products: equal
+        assert first["old_logprobs/sampler_err_max"] < 1e-4  # the fp32 sampler it had before: 7e-4
+    else:  # bf16 emulated (AVX2): decode and full-sequence products round differently, by bf16 noise
+        err = first["old_logprobs/sampler_err_max"]
+        assert err < 1e-2 and first["old_logprobs/recomputed"] == float(err > tr.cfg.rollout_logprob_tol)
     assert len(rec.steps) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for _, m in rec.steps)
