@@ -6,21 +6,21 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from sqlalchemy import func, select
 
 from api import errors
 from api.limits import Limits
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui, usage
-from api.schemas import ErrorBody
+from api.schemas import error_responses
 from api.services.deletion import purge
+from api.services.health import Monitoring
 from store.db import Database
-from store.models import Job
 from store.objects import get_object_store
 from store.settings import Settings, get_settings
 
@@ -43,13 +43,7 @@ def _instrument(app: FastAPI) -> None:
         reg = CollectorRegistry()
         mp.MultiProcessCollector(reg)
 
-    def observe_jobs() -> None:
-        with app.state.db.session() as s:
-            counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-        for status in ("queued", "running", "cancelling", "succeeded", "failed", "cancelled"):
-            job_gauge.labels(status).set(counts.get(status, 0))
-
-    app.state.registry, app.state.observe_jobs = reg, observe_jobs
+    app.state.monitoring = Monitoring(reg, job_gauge, app.state.db)
     settings = app.state.settings
     # Starlette wraps the last added outermost: metrics see the body limit's 413s.
     app.add_middleware(
@@ -77,7 +71,7 @@ def _purge_leftovers(app: FastAPI) -> None:
 
 
 @asynccontextmanager
-async def _lifespan(app: FastAPI):
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose
     # full passes over it stalled every request for ~50 ms (the load test's p99 spikes).
     gc.collect()
@@ -94,11 +88,10 @@ async def _lifespan(app: FastAPI):
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
-    common = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503)}
     app = FastAPI(
         title="GSPO training service",
         version="0.1.0",
-        responses=common,
+        responses=error_responses(400, 401, 404, 413, 422, 429, 503),
         lifespan=_lifespan,
         description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.",
     )

@@ -1,10 +1,11 @@
-"""Annotated dependencies: settings, database session, object store, limits, tenant, owned resources."""
+"""Annotated dependencies: settings, database, session, object store, limits, thread pools, tenant, owned rows."""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import AsyncIterator
-from typing import Annotated
+from concurrent.futures import Executor
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Header, Path, Request
 from sqlalchemy.orm import Session
@@ -12,11 +13,16 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, not_found
 from api.limits import Limits
+from api.services.events import parse_last_event_id
+from api.services.health import Monitoring
+from store.db import Database
 from store.models import Checkpoint, File, Job, Tenant
+from store.objects import ObjectStore
 from store.settings import Settings
 from store.tenants import authenticate, owned_by_key
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+OwnedRow = TypeVar("OwnedRow", Job, File, Checkpoint)
 
 
 # The async dependencies below do no I/O on the event loop; being async saves each request a hop to
@@ -25,9 +31,14 @@ async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
+async def get_database(request: Request) -> Database:
+    return request.app.state.db
+
+
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """The request's session. GET/HEAD read through an autocommit session (no BEGIN/COMMIT, and
-    closing it sends nothing); other methods get one transaction, committed after the handler."""
+    closing it sends nothing); other methods get one transaction, which the service that writes
+    commits (one owner per transaction): closing it rolls back whatever was left uncommitted."""
     db = request.app.state.db
     if request.method in SAFE_METHODS:
         s = db.read_session()
@@ -39,15 +50,11 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     s = db.new_session()
     try:
         yield s
-        await run_in_threadpool(s.commit)
-    except BaseException:
-        await run_in_threadpool(s.rollback)
-        raise
     finally:
         await run_in_threadpool(s.close)
 
 
-async def get_objects(request: Request):
+async def get_objects(request: Request) -> ObjectStore:
     return request.app.state.objects
 
 
@@ -55,12 +62,30 @@ async def get_limits(request: Request) -> Limits:
     return request.app.state.limits
 
 
+async def get_stream_pool(request: Request) -> Executor:
+    """The threads that run event streams' polls (never the shared pool's)."""
+    return request.app.state.stream_pool
+
+
+async def get_grading_pool(request: Request) -> Executor:
+    """The threads that run dry runs' graders (as many as this process's dry-run slots)."""
+    return request.app.state.grading_pool
+
+
+async def get_monitoring(request: Request) -> Monitoring:
+    return request.app.state.monitoring
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
-# Closed (committed) when the handler returns, before the response is sent: a streamed response
+DatabaseDep = Annotated[Database, Depends(get_database)]
+# Closed when the handler returns, before the response is sent: a streamed response
 # (events, downloads) holds no pooled connection while it streams.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
-ObjectsDep = Annotated[object, Depends(get_objects)]
+ObjectsDep = Annotated[ObjectStore, Depends(get_objects)]
 LimitsDep = Annotated[Limits, Depends(get_limits)]
+StreamPoolDep = Annotated[Executor, Depends(get_stream_pool)]
+GradingPoolDep = Annotated[Executor, Depends(get_grading_pool)]
+MonitoringDep = Annotated[Monitoring, Depends(get_monitoring)]
 
 
 def _bearer(authorization: str | None) -> str:
@@ -109,7 +134,7 @@ async def metrics_auth(settings: SettingsDep, authorization: Annotated[str | Non
 MetricsAuthDep = Annotated[None, Depends(metrics_auth)]
 
 
-def _owned(s: Session, model, kind: str, row_id: str, authorization: str | None):
+def _owned(s: Session, model: type[OwnedRow], kind: str, row_id: str, authorization: str | None) -> OwnedRow:
     """The caller's row, found with its key in one query (status polling calls this hundreds of times
     a second); 401 for a bad key, 404 for a row that is missing or another tenant's (indistinguishable)."""
     key = _bearer(authorization)
@@ -156,3 +181,11 @@ async def stream_slot(request: Request, job: JobDep, settings: SettingsDep, limi
 
 
 StreamSlotDep = Annotated[None, Depends(stream_slot)]
+
+
+async def last_event_position(last_event_id: Annotated[str | None, Header(max_length=64)] = None) -> tuple[int, int]:
+    """``(event id, step)`` an event stream resumes after (``Last-Event-ID``); 400 naming the header."""
+    return parse_last_event_id(last_event_id)
+
+
+LastEventDep = Annotated[tuple[int, int], Depends(last_event_position)]

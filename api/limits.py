@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 
@@ -112,7 +113,10 @@ class RedisCounters:
 
     async def spend(self, key: str, window: int, seconds: float, ttl: float) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.incrbyfloat(f"{key}:{window}", seconds).expire(f"{key}:{window}", int(ttl) + 60).execute()
+            # A pipeline's commands are queued (nothing to await) and sent together by execute().
+            pipe.incrbyfloat(f"{key}:{window}", seconds)
+            pipe.expire(f"{key}:{window}", int(ttl) + 60)
+            await pipe.execute()
 
     async def close(self) -> None:
         if self.renewer is not None:
@@ -126,9 +130,9 @@ class Limits:
 
     def __init__(self, redis_url: str | None) -> None:
         self.process = LocalCounters()
-        self.shared = RedisCounters(redis_url) if redis_url else self.process
+        self.shared: LocalCounters | RedisCounters = RedisCounters(redis_url) if redis_url else self.process
 
-    async def _counters(self, call: str, *args):
+    async def _counters(self, call: str, *args: Any) -> tuple[LocalCounters | RedisCounters, Any]:
         """``(counters that answered, answer)``: the shared ones, or this process's when Redis fails."""
         try:
             return self.shared, await getattr(self.shared, call)(*args)

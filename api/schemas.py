@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.json_schema import JsonDict
 
 from gspo_core.config import GSPOConfig
+
+if TYPE_CHECKING:
+    from fastapi.responses import Response
 
 T = TypeVar("T")
 
@@ -18,7 +22,7 @@ def as_utc(value: datetime) -> datetime:
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
-EXAMPLE_REWARD = {
+EXAMPLE_REWARD: JsonDict = {
     "type": "string_check",
     "name": "exact",
     "input": "{{sample.output_text}}",
@@ -28,7 +32,7 @@ EXAMPLE_REWARD = {
 JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
 
-def json_response(model: BaseModel, status_code: int = 200):
+def json_response(model: BaseModel, status_code: int = 200) -> Response:
     """The model as a JSON response, serialized once. For hot read endpoints: FastAPI would dump a
     returned model to a dict, validate it again against ``response_model`` and then serialize it
     (measured: about a third of a metrics poll). Use only with a model of the declared type."""
@@ -46,6 +50,24 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that answers ``codes`` with the error body."""
+    return {code: {"model": ErrorBody} for code in codes}
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyOut(BaseModel):
+    """``GET /readyz``: 200 when the database and the broker answer, else 503 with the same body."""
+
+    database: Literal["ok", "unreachable"]
+    broker: Literal["ok", "unreachable"]
+    sandbox: str = Field(description="How python graders run: bubblewrap (isolated), weak (rlimits only) or refused")
+    sandbox_reason: str | None = Field(None, description="Why python graders are not isolated by bubblewrap")
 
 
 class Page(BaseModel, Generic[T]):

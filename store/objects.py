@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from store.private import open_private, private_dir
 from store.settings import Settings
@@ -25,7 +25,37 @@ def check_key(key: str) -> str:
     return key
 
 
-class LocalObjectStore:
+@runtime_checkable
+class ObjectStore(Protocol):
+    """What the API and the worker need of object storage; every store (local, S3) implements it.
+    Keys are ``/``-separated paths checked by :func:`check_key`; a prefix names a folder-like key."""
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    def put_file(self, key: str, src: str | Path) -> None: ...
+
+    def put_fileobj(self, key: str, f: BinaryIO) -> None:
+        """Store what ``f`` holds from its current position, copied in chunks."""
+        ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def open_stream(self, key: str) -> Iterator[bytes]: ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``, or the object ``prefix`` itself."""
+        ...
+
+    def presigned_url(self, key: str, expires: int = 3600) -> str | None:
+        """A URL the user's client can download ``key`` from, or None where the store has none."""
+        ...
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix``, sorted by key."""
+        ...
+
+
+class LocalObjectStore(ObjectStore):
     """Objects as files under ``root``; keys are validated so nothing escapes it. Directories are 0700
     and files 0600: other users of the host (a sandboxed grader's uid among them) read nothing."""
 
@@ -93,7 +123,7 @@ class LocalObjectStore:
         return None
 
 
-class S3ObjectStore:
+class S3ObjectStore(ObjectStore):
     """Objects in an S3 bucket through boto3 (AWS, MinIO, or moto's server in tests)."""
 
     def __init__(self, settings: Settings) -> None:
@@ -101,7 +131,7 @@ class S3ObjectStore:
 
         self.bucket = settings.s3_bucket
 
-        def client(endpoint: str | None):
+        def client(endpoint: str | None) -> Any:  # boto3's clients are generated at run time: untyped
             return boto3.client(
                 "s3",
                 endpoint_url=endpoint,
@@ -163,7 +193,7 @@ class S3ObjectStore:
         )
 
 
-def get_object_store(settings: Settings):
+def get_object_store(settings: Settings) -> ObjectStore:
     """S3 when ``S3_BUCKET`` is set, else ``<data_dir>/objects``. Makes the data directory private (0700)."""
     private_dir(settings.data_dir)
     if settings.s3_bucket:
@@ -171,7 +201,7 @@ def get_object_store(settings: Settings):
     return LocalObjectStore(settings.data_dir / "objects")
 
 
-def put_dir(store, prefix: str, src: Path) -> int:
+def put_dir(store: ObjectStore, prefix: str, src: Path) -> int:
     """Upload every file under ``src`` to ``prefix/<relative path>``; returns total bytes."""
     total = 0
     for path in sorted(Path(src).rglob("*")):
@@ -181,7 +211,7 @@ def put_dir(store, prefix: str, src: Path) -> int:
     return total
 
 
-def get_dir(store, prefix: str, dest: Path) -> Path:
+def get_dir(store: ObjectStore, prefix: str, dest: Path) -> Path:
     """Download every object under ``prefix`` into ``dest`` (relative layout kept)."""
     dest = Path(dest)
     for key, _ in store.list(prefix):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from store.db import Database
-from store.objects import get_object_store
+from store.objects import ObjectStore, get_object_store
 from store.settings import Settings
 
 _DBS: dict[str, Database] = {}
@@ -20,7 +20,7 @@ def get_db(settings: Settings) -> Database:
     return _DBS[url]
 
 
-def get_store(settings: Settings):
+def get_store(settings: Settings) -> ObjectStore:
     return get_object_store(settings)
 
 

@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 from gspo_core.callbacks import Callbacks
 from store import jobs
 from store.models import Checkpoint, Job
-from store.objects import ARCHIVE_NAME, put_dir
+from store.objects import ARCHIVE_NAME, ObjectStore, put_dir
 from store.usage import Budget, RunMeter, budget, record_usage
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def build_archive(ckpt_dir: Path, root: str) -> Path:
     return out
 
 
-def drop_orphan_uploads(s, objects, job_id: str) -> list[str]:
+def drop_orphan_uploads(s, objects: ObjectStore, job_id: str) -> list[str]:
     """Delete checkpoint uploads of the job that no checkpoint row references: those of an earlier
     attempt that died (or lost the job) between its upload and its row. Run by the lease holder
     before it trains, so no live attempt of this job is uploading. Returns the prefixes removed."""
@@ -108,7 +108,7 @@ class PersistCallbacks(Callbacks):
     def __init__(
         self,
         db,
-        objects,
+        objects: ObjectStore,
         job_id: str,
         worker_id: str,
         attempt: int,

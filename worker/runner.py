@@ -18,7 +18,7 @@ from gspo_core.rewards import GraderPolicy, map_reward_models
 from store import jobs
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
-from store.objects import get_dir
+from store.objects import ObjectStore, get_dir
 from store.private import private_dir
 from store.queue import enqueue_run_job
 from store.scheduling import claim_next
@@ -34,7 +34,9 @@ class JobInputError(Exception):
     """The job's model or data cannot be used; the message tells the user what to fix."""
 
 
-def _fetch_inputs(s, objects, job: Job, work: Path, settings_models_dir: Path) -> tuple[str, str, str | None]:
+def _fetch_inputs(
+    s, objects: ObjectStore, job: Job, work: Path, settings_models_dir: Path
+) -> tuple[str, str, str | None]:
     """Local paths of the model, training file and validation file of ``job``."""
 
     def fetch_file(file_id: str, name: str) -> str:
@@ -56,7 +58,7 @@ def _fetch_inputs(s, objects, job: Job, work: Path, settings_models_dir: Path) -
     return model, train_path, val_path
 
 
-def _resume_dir(s, objects, job_id: str, out_dir: Path) -> str | None:
+def _resume_dir(s, objects: ObjectStore, job_id: str, out_dir: Path) -> str | None:
     """Download the job's latest checkpoint (model + trainer state) for an exact resume."""
     ckpt = jobs.latest_checkpoint(s, job_id)
     if ckpt is None:
@@ -140,7 +142,14 @@ def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None 
 
 
 def _train(
-    db, objects, settings: Settings, job_id: str, worker_id: str, usage: RunUsage, work: Path, runtime: RuntimeOptions
+    db,
+    objects: ObjectStore,
+    settings: Settings,
+    job_id: str,
+    worker_id: str,
+    usage: RunUsage,
+    work: Path,
+    runtime: RuntimeOptions,
 ) -> str:
     """Fetch the claimed job's inputs, train it (resuming from its checkpoint) and settle its status."""
     with Heartbeat(db, job_id, worker_id, settings.lease_seconds, settings.heartbeat_seconds, usage) as hb:

@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
 
-from api.deps import FileDep, LimitsDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import ErrorBody, FileOut, Page
+from api.deps import DatabaseDep, FileDep, LimitsDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
+from api.schemas import FileOut, Page, error_responses
+from api.services import deletion
 from api.services import files as svc
-from api.services.deletion import delete_file as delete_file_rows
-from api.services.deletion import purge
-from store.models import File
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
-ERRORS = {
-    400: {"model": ErrorBody},
-    401: {"model": ErrorBody},
-    404: {"model": ErrorBody},
-    413: {"model": ErrorBody},
-    422: {"model": ErrorBody},
-}
+ERRORS = error_responses(400, 401, 404, 413, 422)
 # The body is read by the handler (after the key and the tenant's upload slot are checked), so its
 # shape is declared here for the OpenAPI document.
-UPLOAD_BODY = {
+UPLOAD_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {
@@ -47,43 +38,38 @@ UPLOAD_BODY = {
 }
 
 
-def _out(f: File) -> FileOut:
-    return FileOut(
-        id=f.id,
-        filename=f.filename,
-        bytes=f.bytes,
-        rows=f.rows,
-        item_fields=f.item_fields or [],
-        created_at=f.created_at,
-    )
-
-
 @router.post(
     "",
     response_model=FileOut,
     status_code=201,
     openapi_extra=UPLOAD_BODY,
-    responses={429: {"model": ErrorBody}, 503: {"model": ErrorBody}, **ERRORS},
+    responses={**error_responses(429, 503), **ERRORS},
 )
-async def upload_file(request: Request, settings: SettingsDep, limits: LimitsDep, tenant: TenantDep):
+async def upload_file(
+    request: Request,
+    db: DatabaseDep,
+    objects: ObjectsDep,
+    settings: SettingsDep,
+    limits: LimitsDep,
+    tenant: TenantDep,
+) -> FileOut:
     """At most GSPO_MAX_UPLOADS_PER_TENANT at once (429); a tenant's files hold at most
     GSPO_MAX_FILE_STORAGE_BYTES_PER_TENANT (413)."""
-    return _out(await svc.upload(request, settings, limits, tenant))
+    return await svc.upload(lambda: request.form(max_files=1, max_fields=8), db, objects, settings, limits, tenant)
 
 
 @router.get("", response_model=Page[FileOut], responses=ERRORS)
-def list_files(s: SessionDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
-    rows = s.scalars(select(File).where(File.tenant_id == tenant.id).order_by(File.created_at.desc()).limit(limit))
-    return Page[FileOut](data=[_out(f) for f in rows])
+def list_files(s: SessionDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Page[FileOut]:
+    return svc.list_files(s, tenant, limit)
 
 
 @router.get("/{file_id}", response_model=FileOut, responses=ERRORS)
-def get_file(f: FileDep):
-    return _out(f)
+def get_file(f: FileDep) -> FileOut:
+    return svc.file_out(f)
 
 
 @router.get("/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}}, **ERRORS})
-def file_content(f: FileDep, objects: ObjectsDep):
+def file_content(f: FileDep, objects: ObjectsDep) -> StreamingResponse:
     return StreamingResponse(
         svc.open_content(objects, f.object_key),
         media_type="application/jsonl",
@@ -91,8 +77,7 @@ def file_content(f: FileDep, objects: ObjectsDep):
     )
 
 
-@router.delete("/{file_id}", status_code=204, responses={409: {"model": ErrorBody}, **ERRORS})
-def delete_file(f: FileDep, s: SessionDep, request: Request):
+@router.delete("/{file_id}", status_code=204, responses={**error_responses(409), **ERRORS})
+def delete_file(f: FileDep, s: SessionDep, db: DatabaseDep, objects: ObjectsDep) -> None:
     """409 while a queued or running job uses it; jobs that finished keep `training_file: null`."""
-    delete_file_rows(s, f)
-    purge(request.app.state.db, request.app.state.objects)
+    deletion.delete_file(s, f, db, objects)

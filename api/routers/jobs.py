@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Response
 
 from api.bodies import StrictJsonRoute
-from api.deps import JobDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import ErrorBody, JobCreate, JobOut, JobStatus, Page, json_response
+from api.deps import DatabaseDep, JobDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
+from api.schemas import JobCreate, JobOut, JobStatus, Page, error_responses, json_response
+from api.services import deletion
 from api.services import jobs as svc
-from api.services.deletion import delete_job as delete_job_rows
-from api.services.deletion import purge
-from store import jobs as job_state
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=StrictJsonRoute)
-ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 422, 429)}
+ERRORS = error_responses(400, 401, 404, 422, 429)
 
 
 @router.post(
@@ -34,11 +32,11 @@ def create_job(
     tenant: TenantDep,
     response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-):
+) -> JobOut:
     job, created = svc.create_job(s, settings, tenant, req, idempotency_key)
     if not created:
         response.status_code = 200
-    return svc.to_out(s, settings, job)
+    return job
 
 
 @router.get("", response_model=Page[JobOut], responses=ERRORS)
@@ -49,26 +47,22 @@ def list_jobs(
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
-):
-    rows, nxt = svc.list_jobs(s, tenant, status, limit, cursor)
-    queue = svc.queue_view(s, settings, tenant.id)
-    return Page[JobOut](data=[svc.to_out(s, settings, j, queue) for j in rows], next_cursor=nxt)
+) -> Page[JobOut]:
+    return svc.list_jobs(s, settings, tenant, status, limit, cursor)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
-def get_job(job: JobDep, s: SessionDep, settings: SettingsDep):
+def get_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> Response:
     return json_response(svc.to_out(s, settings, job))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)
-def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep):
-    job_state.request_cancel(s, job)
-    return svc.to_out(s, settings, job)
+def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> JobOut:
+    return svc.cancel_job(s, settings, job)
 
 
-@router.delete("/{job_id}", status_code=204, responses={409: {"model": ErrorBody}, **ERRORS})
-def delete_job(job: JobDep, s: SessionDep, request: Request):
+@router.delete("/{job_id}", status_code=204, responses={**error_responses(409), **ERRORS})
+def delete_job(job: JobDep, s: SessionDep, db: DatabaseDep, objects: ObjectsDep) -> None:
     """A finished job (succeeded, failed, cancelled) with its metrics, samples, events and checkpoints;
     409 naming its status while it is queued or running."""
-    delete_job_rows(s, job)
-    purge(request.app.state.db, request.app.state.objects)
+    deletion.delete_job(s, job, db, objects)

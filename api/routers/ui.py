@@ -14,17 +14,17 @@ router = APIRouter(include_in_schema=False)
 
 
 @router.get("/")
-def jobs_page():
+def jobs_page() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 
 
 @router.get("/jobs/{job_id}")
-def job_page(job_id: str):
+def job_page(job_id: str) -> FileResponse:
     return FileResponse(STATIC / "job.html")
 
 
 @router.get("/compare")
-def compare_page():
+def compare_page() -> FileResponse:
     return FileResponse(STATIC / "compare.html")
 
 

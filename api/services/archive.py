@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import queue
 import tarfile
 import threading
 import time
 from collections.abc import Iterator
 
+from store.objects import ObjectStore
+
 CHUNK = 1024 * 1024
-_DONE = object()
 
 
 class _Abandoned(Exception):
@@ -17,12 +19,14 @@ class _Abandoned(Exception):
 
 
 class _QueueWriter:
-    """A write-only file object whose writes become chunks in a bounded queue."""
+    """A write-only file object whose writes become chunks in a bounded queue. tarfile's stream mode
+    (``w|gz``) only writes to it; ``read``, ``seek``, ``tell`` and ``close`` complete the file object
+    tarfile.open accepts."""
 
-    def __init__(self, q: queue.Queue, stop: threading.Event) -> None:
-        self.q, self.stop, self.buf = q, stop, bytearray()
+    def __init__(self, q: queue.Queue[bytes | Exception | None], stop: threading.Event) -> None:
+        self.q, self.stop, self.buf, self.written = q, stop, bytearray(), 0
 
-    def put(self, item) -> None:
+    def put(self, item: bytes | Exception | None) -> None:
         while True:
             if self.stop.is_set():
                 raise _Abandoned
@@ -33,6 +37,7 @@ class _QueueWriter:
                 continue
 
     def write(self, data: bytes) -> int:
+        self.written += len(data)
         self.buf += data
         if len(self.buf) >= CHUNK:
             self.put(bytes(self.buf))
@@ -43,6 +48,18 @@ class _QueueWriter:
         if self.buf:
             self.put(bytes(self.buf))
             self.buf.clear()
+
+    def tell(self) -> int:
+        return self.written
+
+    def read(self, size: int = -1, /) -> bytes:
+        raise io.UnsupportedOperation("write-only")
+
+    def seek(self, pos: int, /) -> int:
+        raise io.UnsupportedOperation("not seekable")
+
+    def close(self) -> None:
+        self.flush()
 
 
 class _StreamReader:
@@ -64,7 +81,7 @@ class _StreamReader:
         return out
 
 
-def archive_members(objects, prefix: str) -> list[tuple[str, str, int]]:
+def archive_members(objects: ObjectStore, prefix: str) -> list[tuple[str, str, int]]:
     """``(key, name in archive, size)`` of the downloadable parts: model/ and adapter/."""
     out = []
     for part in ("model", "adapter"):
@@ -73,9 +90,9 @@ def archive_members(objects, prefix: str) -> list[tuple[str, str, int]]:
     return out
 
 
-def stream_tar_gz(objects, members: list[tuple[str, str, int]], root: str) -> Iterator[bytes]:
+def stream_tar_gz(objects: ObjectStore, members: list[tuple[str, str, int]], root: str) -> Iterator[bytes]:
     """Yield a gzip'd tar of ``members`` under ``root/``; a producer thread fills a bounded queue."""
-    q: queue.Queue = queue.Queue(maxsize=8)
+    q: queue.Queue[bytes | Exception | None] = queue.Queue(maxsize=8)
     stop = threading.Event()
 
     def produce() -> None:
@@ -92,13 +109,13 @@ def stream_tar_gz(objects, members: list[tuple[str, str, int]], root: str) -> It
                 raise
             except Exception as exc:  # surfaces as a broken download, never a silent truncation
                 writer.put(exc)
-            writer.put(_DONE)
+            writer.put(None)  # the end
         except _Abandoned:
             pass
 
     threading.Thread(target=produce, name="tar-stream", daemon=True).start()
     try:
-        while (item := q.get()) is not _DONE:
+        while (item := q.get()) is not None:
             if isinstance(item, Exception):
                 raise item
             yield item

@@ -1,7 +1,7 @@
 """Deleting a tenant's data: jobs (with their metrics, samples, events and checkpoints), checkpoints, files.
 
-Rows go first, in one transaction that also records their objects' prefixes as pending deletions;
-the objects go after the commit, and then the record. A failure in between leaves objects that no
+Rows go first, in one transaction (committed here) that also records their objects' prefixes as
+pending deletions; the objects go after the commit, and then the record. A failure in between leaves objects that no
 row points to (never readable through the API, never a row without its content), and the record
 makes the next ``purge`` (each deletion, and every API start) remove them.
 """
@@ -9,15 +9,19 @@ makes the next ``purge`` (each deletion, and every API start) remove them.
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from api.errors import ApiError
+from api.errors import ApiError, not_found
+from store.db import Database
 from store.jobs import ACTIVE
 from store.models import Checkpoint, File, Job, JobEvent, PendingDeletion, Sample, StepMetric
+from store.objects import ObjectStore
 
 log = logging.getLogger(__name__)
+Row = TypeVar("Row", Job, File, Checkpoint)
 
 
 def _active_job_on(s: Session, tenant_id: str, checkpoint_ids: list[str]) -> tuple[str, str] | None:
@@ -32,14 +36,18 @@ def _active_job_on(s: Session, tenant_id: str, checkpoint_ids: list[str]) -> tup
     return (row.id, row.model[5:]) if row else None
 
 
-def _locked(s: Session, model, row_id: str):
-    """The row again, locked until commit on PostgreSQL (SQLite's writer lock serializes the rest)."""
-    return s.scalar(select(model).where(model.id == row_id).with_for_update().execution_options(populate_existing=True))
+def _locked(s: Session, model: type[Row], row_id: str, kind: str) -> Row:
+    """The row again, locked until commit on PostgreSQL (SQLite's writer lock serializes the rest);
+    404 when a concurrent deletion removed it first."""
+    row = s.scalar(select(model).where(model.id == row_id).with_for_update().execution_options(populate_existing=True))
+    if row is None:
+        raise not_found(kind, row_id)
+    return row
 
 
-def delete_job(s: Session, job: Job) -> None:
+def _delete_job_rows(s: Session, job: Job) -> None:
     """A finished job and everything it produced; 409 naming the status while it is active."""
-    job = _locked(s, Job, job.id)
+    job = _locked(s, Job, job.id, "job")
     if job.status in ACTIVE:
         raise ApiError(
             409, "job_active", f"job {job.id} is {job.status}; cancel it and delete it once it has stopped", "job_id"
@@ -59,11 +67,11 @@ def delete_job(s: Session, job: Job) -> None:
     s.commit()
 
 
-def delete_checkpoint(s: Session, ckpt: Checkpoint) -> None:
+def _delete_checkpoint_rows(s: Session, ckpt: Checkpoint) -> None:
     """A checkpoint and its stored files; 409 while its job runs (it resumes from its checkpoints) or
     while an active job trains from it (``model: ckpt:<id>``). Finished jobs that started from it keep
     their ``model`` as a record; new jobs naming it get a 404."""
-    ckpt = _locked(s, Checkpoint, ckpt.id)
+    ckpt = _locked(s, Checkpoint, ckpt.id, "checkpoint")
     status = s.scalar(select(Job.status).where(Job.id == ckpt.job_id))
     if status in ACTIVE:
         raise ApiError(
@@ -79,10 +87,10 @@ def delete_checkpoint(s: Session, ckpt: Checkpoint) -> None:
     s.commit()
 
 
-def delete_file(s: Session, f: File) -> None:
+def _delete_file_rows(s: Session, f: File) -> None:
     """A file and its content; 409 while an active job uses it. Finished jobs keep their history with
     the file's id set to null."""
-    f = _locked(s, File, f.id)
+    f = _locked(s, File, f.id, "file")
     used = s.execute(
         select(Job.id, Job.status)
         .where((Job.training_file_id == f.id) | (Job.validation_file_id == f.id), Job.status.in_(ACTIVE))
@@ -100,7 +108,25 @@ def delete_file(s: Session, f: File) -> None:
     s.commit()
 
 
-def purge(db, objects, limit: int = 50) -> int:
+def delete_job(s: Session, job: Job, db: Database, objects: ObjectStore) -> None:
+    """A finished job and everything it produced; 409 naming the status while it is active."""
+    _delete_job_rows(s, job)
+    purge(db, objects)
+
+
+def delete_checkpoint(s: Session, ckpt: Checkpoint, db: Database, objects: ObjectStore) -> None:
+    """A checkpoint and its stored files; 409 while its job is active or an active job trains from it."""
+    _delete_checkpoint_rows(s, ckpt)
+    purge(db, objects)
+
+
+def delete_file(s: Session, f: File, db: Database, objects: ObjectStore) -> None:
+    """A file and its content; 409 while an active job uses it."""
+    _delete_file_rows(s, f)
+    purge(db, objects)
+
+
+def purge(db: Database, objects: ObjectStore, limit: int = 50) -> int:
     """Remove the objects of up to ``limit`` pending deletions, oldest first; returns how many went.
     Deleting an object twice is harmless, so concurrent purges need no coordination."""
     with db.session() as s:

@@ -12,11 +12,13 @@ import json
 import re
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
+from typing import Any
 
 from sqlalchemy import select
 
 from api.errors import ApiError
 from api.schemas import as_utc
+from store.db import Database
 from store.jobs import TERMINAL
 from store.models import Job, JobEvent, StepMetric
 
@@ -38,7 +40,9 @@ def parse_last_event_id(value: str | None) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def _poll(db, job_id: str, ev_after: int, step_after: int):
+def _poll(
+    db: Database, job_id: str, ev_after: int, step_after: int
+) -> tuple[list[JobEvent], list[StepMetric], str, int]:
     s = db.read_session()
     try:
         events = list(
@@ -64,12 +68,12 @@ def _poll(db, job_id: str, ev_after: int, step_after: int):
     return events, metrics, status, step
 
 
-def _frame(event: str, ident: str, data: dict) -> str:
+def _frame(event: str, ident: str, data: dict[str, Any]) -> str:
     return f"id: {ident}\nevent: {event}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
 async def stream(
-    db, pool: Executor, job_id: str, after: tuple[int, int], poll_s: float = 0.5, max_s: float = 900.0
+    db: Database, pool: Executor, job_id: str, after: tuple[int, int], poll_s: float = 0.5, max_s: float = 900.0
 ) -> AsyncIterator[str]:
     """Yield SSE frames until the job is terminal and drained (or ``max_s`` passes)."""
     ev_after, step_after = after

@@ -1,25 +1,26 @@
-"""Dataset uploads: streamed to a temporary file, validated line by line off the event loop (a large
-one in a child process), within the tenant's concurrent-upload cap and storage quota; object then
-row (never half-written)."""
+"""Dataset files: uploads streamed to a temporary file, validated line by line off the event loop (a large
+one in a child process), within the tenant's concurrent-upload cap and storage quota, stored object
+then row (never half-written); a tenant's list; a file's content."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import BinaryIO
 
 import anyio
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.datastructures import FormData, UploadFile
 
 from api.errors import ApiError
 from api.limits import Limits
+from api.schemas import FileOut, Page
 from api.services.scan import scan_in_child
 from gspo_core.data import DataError, jsonl_summary
+from store.db import Database
 from store.models import File, Tenant, new_id
-from store.objects import BadKey
+from store.objects import BadKey, ObjectStore
 from store.settings import Settings
 
 #: Uploads up to this size are validated in a thread (milliseconds); larger ones in a child process.
@@ -27,10 +28,10 @@ SCAN_IN_THREAD_BYTES = 1024 * 1024
 
 
 def _stored_bytes(s: Session, tenant_id: str) -> int:
-    return int(s.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(File.tenant_id == tenant_id)))
+    return int(s.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(File.tenant_id == tenant_id)) or 0)
 
 
-def _stored_bytes_now(db, tenant_id: str) -> int:
+def _stored_bytes_now(db: Database, tenant_id: str) -> int:
     with db.session() as s:
         return _stored_bytes(s, tenant_id)
 
@@ -63,7 +64,7 @@ def _scan(fh: BinaryIO, settings: Settings) -> tuple[int, list[str], int]:
     return rows, fields, size
 
 
-def _store(db, objects, settings: Settings, tenant_id: str, filename: str, fh: BinaryIO) -> File:
+def _store(db: Database, objects: ObjectStore, settings: Settings, tenant_id: str, filename: str, fh: BinaryIO) -> File:
     """Validate, store the object, insert the row (the quota re-checked under the tenant's lock)."""
     rows, fields, size = _scan(fh, settings)
     if (used := _stored_bytes_now(db, tenant_id)) + size > settings.max_file_storage_bytes_per_tenant:
@@ -94,29 +95,54 @@ def _store(db, objects, settings: Settings, tenant_id: str, filename: str, fh: B
     return f
 
 
-async def upload(request: Request, settings: Settings, limits: Limits, tenant: Tenant) -> File:
-    """The multipart part ``file``: read only once the tenant holds an upload slot and has room left."""
-    db, objects = request.app.state.db, request.app.state.objects
+def file_out(f: File) -> FileOut:
+    return FileOut(
+        id=f.id,
+        filename=f.filename,
+        bytes=f.bytes,
+        rows=f.rows,
+        item_fields=f.item_fields or [],
+        created_at=f.created_at,
+    )
+
+
+def list_files(s: Session, tenant: Tenant, limit: int) -> Page[FileOut]:
+    """The tenant's newest ``limit`` files."""
+    rows = s.scalars(select(File).where(File.tenant_id == tenant.id).order_by(File.created_at.desc()).limit(limit))
+    return Page[FileOut](data=[file_out(f) for f in rows])
+
+
+async def upload(
+    read_form: Callable[[], Awaitable[FormData]],
+    db: Database,
+    objects: ObjectStore,
+    settings: Settings,
+    limits: Limits,
+    tenant: Tenant,
+) -> FileOut:
+    """The multipart part ``file`` of the form ``read_form`` reads: read only once the tenant holds an
+    upload slot and has room left."""
     used = await anyio.to_thread.run_sync(_stored_bytes_now, db, tenant.id)
     if used >= settings.max_file_storage_bytes_per_tenant:
         raise _quota_error(settings, used, None)
     async with limits.slot("uploads", tenant.id, settings.max_uploads_per_tenant, settings.max_uploads_per_process):
         # Starlette spools the part to a temporary file (in memory up to 1 MiB) as it arrives.
-        form = await request.form(max_files=1, max_fields=8)
+        form = await read_form()
         try:
             part = form.get("file")
             if not isinstance(part, UploadFile):
                 raise ApiError(
                     422, "invalid_request", "file: a multipart/form-data part named `file` is required", "file"
                 )
-            return await anyio.to_thread.run_sync(
+            stored = await anyio.to_thread.run_sync(
                 _store, db, objects, settings, tenant.id, part.filename or "data.jsonl", part.file
             )
         finally:
             await form.close()
+    return file_out(stored)
 
 
-def open_content(objects, key: str) -> Iterator[bytes]:
+def open_content(objects: ObjectStore, key: str) -> Iterator[bytes]:
     """The object's byte stream, opened now: a bad or missing key is a 404 before any header is sent
     (a lazily opened stream would fail mid-response instead)."""
     stream = objects.open_stream(key)

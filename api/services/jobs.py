@@ -1,9 +1,10 @@
-"""Job submission checks (hyperparameters, grader spec, model, files), creation and listing."""
+"""Jobs at the API: submission checks (hyperparameters, grader spec, model, files), creation, listing, cancelling."""
 
 from __future__ import annotations
 
 import base64
 from datetime import datetime
+from typing import Any, cast
 
 from pydantic import ValidationError
 from sqlalchemy import delete, select
@@ -11,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import JobCreate, JobOut, JobUsage
+from api.schemas import JobCreate, JobOut, JobStatus, JobUsage, Page
 from api.services.rewards import build_checked
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig
 from gspo_core.rewards import redact_secrets
@@ -24,7 +25,7 @@ from store.settings import Settings
 from store.usage import QueuePolicy
 
 
-def check_hyperparameters(raw: dict) -> GSPOConfig:
+def check_hyperparameters(raw: dict[str, Any]) -> GSPOConfig:
     try:
         return GSPOConfig(**raw)
     except ValidationError as exc:
@@ -34,7 +35,7 @@ def check_hyperparameters(raw: dict) -> GSPOConfig:
         raise ApiError(422, "invalid_hyperparameters", f"{field}: {err['msg']}", field) from None
 
 
-def check_reward(spec: dict, fields: set[str] | None, settings: Settings) -> None:
+def check_reward(spec: dict[str, Any], fields: set[str] | None, settings: Settings) -> None:
     """The spec builds, its grader models are allowed, and every ``{{item.x}}`` it uses exists in the
     training file."""
     fn = build_checked(spec, settings)
@@ -86,8 +87,15 @@ def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
 
 def create_job(
     s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None
-) -> tuple[Job, bool]:
-    """Validate everything, insert the job, enqueue it. Returns (job, created)."""
+) -> tuple[JobOut, bool]:
+    """Validate everything, insert the job, commit, enqueue it. Returns (the job, created): a request
+    repeated with its Idempotency-Key answers with the job the first one created."""
+    job, created = _create(s, settings, tenant, req, idem_key)
+    return to_out(s, settings, job), created
+
+
+def _create(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None) -> tuple[Job, bool]:
+    """``(job, created)``: the new job, committed and enqueued, or the one this Idempotency-Key made."""
     cfg = check_hyperparameters(req.hyperparameters)
     if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:
         return _replayed(prior, req, cfg), False
@@ -197,6 +205,13 @@ def queue_view(s: Session, settings: Settings, tenant_id: str) -> TenantQueue:
     return TenantQueue(s, QueuePolicy.of(settings), tenant_id)
 
 
+def cancel_job(s: Session, settings: Settings, job: Job) -> JobOut:
+    """Queued jobs are cancelled at once; running ones go to ``cancelling`` (the worker stops within a step)."""
+    job_state.request_cancel(s, job)
+    s.commit()
+    return to_out(s, settings, job)
+
+
 def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None = None) -> JobOut:
     waiting = None
     if job.status == "queued":
@@ -205,7 +220,7 @@ def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None =
         id=job.id,
         name=job.name,
         model=job.model,
-        status=job.status,
+        status=cast(JobStatus, job.status),  # the column holds only the statuses store.jobs moves between
         step=job.step,
         total_steps=job.total_steps,
         queue_position=waiting.position if waiting else None,
@@ -244,8 +259,8 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 def list_jobs(
-    s: Session, tenant: Tenant, status: str | None, limit: int, cursor: str | None
-) -> tuple[list[Job], str | None]:
+    s: Session, settings: Settings, tenant: Tenant, status: JobStatus | None, limit: int, cursor: str | None
+) -> Page[JobOut]:
     """Newest first; the cursor is the last row's (created_at, id)."""
     q = select(Job).where(Job.tenant_id == tenant.id)
     if status:
@@ -255,4 +270,5 @@ def list_jobs(
         q = q.where((Job.created_at < ts) | ((Job.created_at == ts) & (Job.id < jid)))
     rows = list(s.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
     nxt = encode_cursor(rows[limit - 1].created_at, rows[limit - 1].id) if len(rows) > limit else None
-    return rows[:limit], nxt
+    queue = queue_view(s, settings, tenant.id)
+    return Page[JobOut](data=[to_out(s, settings, j, queue) for j in rows[:limit]], next_cursor=nxt)

@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Executor
+from typing import Any
 
 from api.errors import ApiError
 from api.limits import Limits
+from api.schemas import RewardRunIn, RewardRunOut, RewardRunResult
 from gspo_core.rewards import GraderPolicy, RewardFunction, RewardSpecError, build_reward, map_reward_models
 from store.model_refs import ModelRefError, check_local_or_hub, resolve_model
 from store.settings import Settings
 
 
-def build_checked(spec: dict, settings: Settings) -> RewardFunction:
+def build_checked(spec: dict[str, Any], settings: Settings) -> RewardFunction:
     """The built spec, its ``reward_model`` names resolved under the models directory; 422 naming the
     field for a bad spec or a grader model outside the models policy (the one the trained model obeys)."""
     # The API's graders run below its own priority: a tenant's CPU-bound dry run leaves the cores to requests.
@@ -32,27 +34,27 @@ def build_checked(spec: dict, settings: Settings) -> RewardFunction:
     return fn
 
 
-def _grade(req: dict, settings: Settings) -> dict:
-    fn = build_checked(req["reward"], settings)
+def _grade(req: RewardRunIn, settings: Settings) -> RewardRunOut:
+    fn = build_checked(req.reward, settings)
     try:
-        samples = [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in req["samples"]]
-        results = fn.score_batch([req["item"]] * len(samples), samples)
+        samples = [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in req.samples]
+        results = fn.score_batch([req.item] * len(samples), samples)
     finally:
         fn.close()
-    return {
-        "grader_names": fn.grader_names,
-        "results": [
-            {"output_text": t, "reward": r.reward, "scores": r.scores, "errors": r.errors}
-            for t, r in zip(req["samples"], results)
+    return RewardRunOut(
+        grader_names=fn.grader_names,
+        results=[
+            RewardRunResult(output_text=t, reward=r.reward, scores=r.scores, errors=r.errors)
+            for t, r in zip(req.samples, results, strict=True)
         ],
-    }
+    )
 
 
-async def dry_run(limits: Limits, pool: Executor, settings: Settings, tenant_id: str, req: dict) -> dict:
+async def dry_run(limits: Limits, pool: Executor, settings: Settings, tenant_id: str, req: RewardRunIn) -> RewardRunOut:
     """Grade ``req`` (reward, item, samples) on ``pool`` (this process's grading threads, as many as
     its dry-run slots) within the bounds: samples per call (422), the tenant's grading time per window
     and concurrent runs (429), this process's runs (503)."""
-    if len(req["samples"]) > settings.max_reward_run_samples:
+    if len(req.samples) > settings.max_reward_run_samples:
         raise ApiError(
             422, "invalid_request", f"samples: at most {settings.max_reward_run_samples} per call", "samples"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from store.objects import BadKey, LocalObjectStore, S3ObjectStore, get_dir, put_dir
+from store.objects import BadKey, LocalObjectStore, ObjectStore, S3ObjectStore, get_dir, put_dir
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -19,6 +19,7 @@ def store(request, tmp_path):
 
 
 def test_roundtrip_dirs_streams_and_delete(store, tmp_path):
+    assert isinstance(store, ObjectStore)  # the one interface the API and the worker are typed against
     src = tmp_path / "src"
     (src / "model").mkdir(parents=True)
     (src / "model" / "w.bin").write_bytes(b"\x00" * 3_000_000)
