@@ -116,8 +116,8 @@ def latest_checkpoint(output_dir: str | Path) -> str | None:
     if not root.is_dir():
         return None
     steps = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / "trainer_state.pt").exists()
+        (int(match.group(1)), path)
+        for path in root.iterdir()
+        if (match := STEP_DIR.match(path.name)) and (path / "trainer_state.pt").exists()
     ]
     return str(max(steps)[1]) if steps else None

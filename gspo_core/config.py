@@ -42,7 +42,7 @@ class GSPOConfig(BaseModel):
 
     # --- rollout ---
     steps: int = Field(20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
-    prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per step (B).")
+    prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per step (P).")
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     max_new_tokens: int = Field(64, ge=1, le=32768, description="Completion length cap.")
     max_prompt_tokens: int = Field(512, ge=8, le=131072, description="Prompts longer are left-truncated.")

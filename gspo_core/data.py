@@ -169,8 +169,12 @@ def _check_row(row: Any, line: int) -> dict:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise DataError(line, "messages", "`messages` must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        for i, message in enumerate(msgs):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
                 raise DataError(line, f"messages[{i}]", "each message needs string `role` and `content`")
         return row
     raise DataError(line, "prompt", "row has neither `prompt` (text) nor `messages` (chat)")

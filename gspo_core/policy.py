@@ -88,9 +88,11 @@ def logit_postprocess(config) -> tuple[float, float | None]:
     """``(scale, softcap)`` a model family's forward applies to its LM head's output ``z``: logits are
     ``scale * softcap * tanh(z / softcap)`` (or ``scale * z`` without a cap). Cohere multiplies by
     ``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2+ soft-caps; vLLM applies the same."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
-    softcap = getattr(cfg, "final_logit_softcapping", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(text_config, "logit_scale", None) or 1.0) / float(
+        getattr(text_config, "logits_scaling", None) or 1.0
+    )
+    softcap = getattr(text_config, "final_logit_softcapping", None)
     return scale, (float(softcap) if softcap else None)
 
 
@@ -118,11 +120,11 @@ def check_logit_head(model, tol: float = 1e-3) -> None:
         )
 
 
-def _postprocessed(z_NV: torch.Tensor, config) -> torch.Tensor:
+def _postprocessed(z_FV: torch.Tensor, config) -> torch.Tensor:
     scale, softcap = logit_postprocess(config)
     if softcap is not None:
-        z_NV = torch.tanh(z_NV / softcap) * softcap
-    return z_NV * scale if scale != 1.0 else z_NV
+        z_FV = torch.tanh(z_FV / softcap) * softcap
+    return z_FV * scale if scale != 1.0 else z_FV
 
 
 def base_model(model):
@@ -161,21 +163,21 @@ def completion_logprobs(
     with autocast:
         h_BTH = batch.hidden_BTH(trunk)
     B, T, H = h_BTH.shape
-    target_N = batch.target_BT.reshape(-1)
+    target_F = batch.target_BT.reshape(-1)
     scale, softcap = logit_postprocess(config)
     # softmax(scale * z / t) is softmax(z / (t / scale)): a constant scale is a temperature.
     if type(head) is torch.nn.Linear and softcap is None:
-        logp_N, ent_N = head_logprobs(
-            h_BTH.reshape(B * T, H), head, target_N, temperature / scale, with_entropy, amp_dtype
+        logp_F, entropy_F = head_logprobs(
+            h_BTH.reshape(B * T, H), head, target_F, temperature / scale, with_entropy, amp_dtype
         )
     else:
         with autocast:
-            z_NV = head(h_BTH.reshape(B * T, H)).float()
-        logp_N, ent_N = token_logprobs(_postprocessed(z_NV, config), target_N, temperature, with_entropy)
-    logp_BT = logp_N.view(B, T) * batch.mask_BT
+            z_FV = head(h_BTH.reshape(B * T, H)).float()
+        logp_F, entropy_F = token_logprobs(_postprocessed(z_FV, config), target_F, temperature, with_entropy)
+    logp_BT = logp_F.view(B, T) * batch.mask_BT
     if not with_entropy:
         return logp_BT
-    entropy = float((ent_N.view(B, T) * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
+    entropy = float((entropy_F.view(B, T) * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
     return logp_BT, entropy
 
 
@@ -205,12 +207,12 @@ def save_hf(model, tokenizer, out_dir: Path) -> None:
     if hasattr(model, "merge_and_unload"):
         model.save_pretrained(str(out_dir.parent / "adapter"))
         # export_weights yields the live tensors of layers without an adapter: clone them
-        state = {name: t.clone() for name, t in export_weights(model)}
+        state = {name: tensor.clone() for name, tensor in export_weights(model)}
         base = model.get_base_model()
         base.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     else:
         model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(str(out_dir))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out_dir))

@@ -104,15 +104,15 @@ _MINUSES = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 
 def _last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` to close, at any nesting depth (one pass over the braces)."""
-    opens = {m.end() - 1 for m in _BOXED.finditer(text)}  # where each box's "{" is
+    opens = {match.end() - 1 for match in _BOXED.finditer(text)}  # where each box's "{" is
     found, stack = None, []
-    for m in _BRACES.finditer(text) if opens else ():
-        if m.group() == "{":
-            stack.append(m.start())
+    for brace in _BRACES.finditer(text) if opens else ():
+        if brace.group() == "{":
+            stack.append(brace.start())
         elif stack:
             start = stack.pop()
             if start in opens:
-                found = text[start + 1 : m.start()]
+                found = text[start + 1 : brace.start()]
     return found
 
 

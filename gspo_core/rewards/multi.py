@@ -137,16 +137,16 @@ class MultiGrader(Grader):
 
     def grade(self, sample, item):  # only used when a multi is nested inside a multi
         scores = {}
-        for name, g in self.subs.items():
-            res = g.grade_batch([sample], [item])[0] if g.batched else g.grade_one(sample, item)
+        for name, grader in self.subs.items():
+            res = grader.grade_batch([sample], [item])[0] if grader.batched else grader.grade_one(sample, item)
             if isinstance(res, GraderError):
                 raise res
             scores[name] = res
         return self.combine(scores)
 
     def item_fields(self):
-        return set().union(*(g.item_fields() for g in self.subs.values()))
+        return set().union(*(grader.item_fields() for grader in self.subs.values()))
 
     def close(self):
-        for g in self.subs.values():
-            g.close()
+        for grader in self.subs.values():
+            grader.close()

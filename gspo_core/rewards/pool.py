@@ -306,14 +306,14 @@ class GraderPool:
                 for i, value in got.items():
                     results[i] = value
                 with lock:
-                    todo.extendleft(reversed([t for t in chunk if t[0] not in got]))
+                    todo.extendleft(reversed([task for task in chunk if task[0] not in got]))
 
         lanes = [threading.Thread(target=lane, daemon=True) for _ in range(min(self.size, len(todo)) - 1)]
-        for t in lanes:
-            t.start()
+        for thread in lanes:
+            thread.start()
         lane()
-        for t in lanes:
-            t.join()
+        for thread in lanes:
+            thread.join()
         return results  # type: ignore[return-value]
 
     def pids(self, holding: str | None = None) -> list[int]:

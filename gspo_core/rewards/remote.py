@@ -176,10 +176,14 @@ class ScoreModelGrader(Grader):
         self.messages = self.req("input", list)
         if not self.messages:
             raise RewardSpecError(self.field("input"), "needs at least one message")
-        for i, m in enumerate(self.messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        for i, message in enumerate(self.messages):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
                 raise RewardSpecError(self.field(f"input[{i}]"), "each message needs string role and content")
-            self.add_template(m["content"], f"input[{i}].content")
+            self.add_template(message["content"], f"input[{i}].content")
         rng = self.opt("range", list, [0, 1])
         if (
             len(rng) != 2
@@ -204,18 +208,20 @@ class ScoreModelGrader(Grader):
         self.http = _caller(self, {"Authorization": f"Bearer {api_key}"} if api_key else {}, 60.0)
 
     def grade(self, sample, item):
-        msgs = [{"role": m["role"], "content": render(m["content"], sample, item)} for m in self.messages]
+        messages = [
+            {"role": message["role"], "content": render(message["content"], sample, item)} for message in self.messages
+        ]
         reply = self.http.post(
-            f"{self.base_url}/chat/completions", {"model": self.model, "messages": msgs, **self.sampling}
+            f"{self.base_url}/chat/completions", {"model": self.model, "messages": messages, **self.sampling}
         )
         try:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise GraderError("invalid_output", "judge reply has no choices[0].message.content") from None
-        m = _NUM.search(text if isinstance(text, str) else "")
-        if not m:
+        number = _NUM.search(text if isinstance(text, str) else "")
+        if not number:
             raise GraderError("invalid_output", "judge reply has no number")
-        value = min(max(float(m.group()), self.lo), self.hi)
+        value = min(max(float(number.group()), self.lo), self.hi)
         return (value - self.lo) / (self.hi - self.lo)
 
     def budget_s(self, n):

@@ -132,22 +132,28 @@ class VLLMEngine:
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        token_ids = [[list(c.token_ids) for c in out.outputs] for out in outputs]
-        texts = iter(self.llm.get_tokenizer().batch_decode([t for g in token_ids for t in g], skip_special_tokens=True))
+        token_ids = [[list(sample.token_ids) for sample in out.outputs] for out in outputs]
+        flat = [tokens for group in token_ids for tokens in group]
+        texts = iter(self.llm.get_tokenizer().batch_decode(flat, skip_special_tokens=True))
         return [
-            [self._completion(p, prompt_ids[p], c, toks, next(texts)) for c, toks in zip(out.outputs, token_ids[p])]
-            for p, out in enumerate(outputs)
+            [
+                self._completion(prompt_index, prompt_ids[prompt_index], sample, tokens, next(texts))
+                for sample, tokens in zip(out.outputs, token_ids[prompt_index])
+            ]
+            for prompt_index, out in enumerate(outputs)
         ]
 
     @staticmethod
-    def _completion(p: int, ids: list[int], c, toks: list[int], text: str) -> Completion:
+    def _completion(prompt_index: int, ids: list[int], sample, tokens: list[int], text: str) -> Completion:
         # Flat logprobs: each position's entries start with the sampled token's (then the top-k, none here).
-        logprobs = [c.logprobs.logprobs[i] for i in c.logprobs.start_indices] if c.logprobs is not None else []
-        finish = "stop" if c.finish_reason == "stop" else "length"
+        logprobs = (
+            [sample.logprobs.logprobs[i] for i in sample.logprobs.start_indices] if sample.logprobs is not None else []
+        )
+        finish = "stop" if sample.finish_reason == "stop" else "length"
         return Completion(
-            prompt_index=p,
+            prompt_index=prompt_index,
             prompt_ids=list(ids),
-            completion_ids=toks,
+            completion_ids=tokens,
             logprobs=logprobs,
             text=text,
             finish_reason=finish,
@@ -161,7 +167,7 @@ class VLLMEngine:
         that works on every backend (the CPU backend repacks linear weights, so the model's own
         ``load_weights`` fails there); workers without it fall back to ``model.load_weights``.
         """
-        weights = ((name, t.detach()) for name, t in named_tensors)
+        weights = ((name, tensor.detach()) for name, tensor in named_tensors)
         if self._reload_in_place:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         else:
