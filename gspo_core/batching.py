@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gspo_core.config import GSPOConfig
-from gspo_core.packing import pack_rows
+from gspo_core.packing import PackedBatch, SharedPrefixBatch, pack_rows
 from gspo_core.rollout.base import Completion
 
 
@@ -53,7 +53,9 @@ def micro_batches(completions: list[Completion], idx: torch.Tensor, budget: int)
     return [torch.tensor(part, dtype=torch.long) for part in parts]
 
 
-def pack(completions: list[Completion], idx, pad_id: int, cfg: GSPOConfig):
+def pack(
+    completions: list[Completion], idx: torch.Tensor, pad_id: int, cfg: GSPOConfig
+) -> PackedBatch | SharedPrefixBatch:
     """Rows ``idx`` as one forward batch; rows of one prompt share its pass where that pays
     (``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
     return pack_rows(

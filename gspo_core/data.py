@@ -11,7 +11,10 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: Deepest JSON nesting accepted in a dataset row or a request body (chat rows use 3).
 MAX_DEPTH = 32
@@ -259,11 +262,12 @@ def _load_hf(spec: str) -> list[dict]:
     return [_check_row(dict(r), i + 1) for i, r in enumerate(ds)]
 
 
-def render_prompt(row: dict, tokenizer) -> str:
+def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase) -> str:
     """The prompt text of a row: ``prompt`` as is, or ``messages`` through the chat template."""
     if "prompt" in row:
         return row["prompt"]
-    return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    return cast(str, text)  # tokenize=False: the rendered text
 
 
 def item_of(row: dict) -> dict:

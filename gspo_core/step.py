@@ -32,9 +32,11 @@ So ``logp_BT`` is ``[B, T]``, ``adv_N`` is ``[N]`` and ``rewards_PG`` is ``[P, G
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,9 +44,14 @@ from gspo_core import advantages as _advantages  # noqa: F401  (registers the es
 from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
 from gspo_core.config import GSPOConfig
 from gspo_core.losses import LossMetrics
-from gspo_core.policy import completion_logprobs, export_weights
+from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rollout.base import Completion, SamplingSpec
+from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo_core.rewards import GradeResult, RewardFunction
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ class Scores:
     """Rewards of a rollout's rows (``rewards_N``), each row's grades, and the reward metrics."""
 
     rewards_N: torch.Tensor
-    grades: list
+    grades: list[GradeResult]
     metrics: dict[str, float]
 
 
@@ -109,9 +116,9 @@ class PolicyState:
     """The policy's training state: the model, its optimizer and LR schedule, the autocast dtype of its
     forwards (None: fp32), and the pad token id of its batches."""
 
-    model: torch.nn.Module
+    model: Policy
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     amp: torch.dtype | None
     pad_id: int
 
@@ -130,20 +137,16 @@ class UpdateResult:
     sampler_rejected: bool = False
 
 
-class Timer(dict):
+class Timer(dict[str, float]):
     """Accumulates wall time per phase into ``time/<phase>`` metrics."""
 
-    def phase(self, name: str):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer[f"time/{name}"] = timer.get(f"time/{name}", 0.0) + time.perf_counter() - self.start
-
-        return _Ctx()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
 # --- 1. rollout ---------------------------------------------------------------------------------------------
@@ -168,14 +171,21 @@ def sampler_logprobs_needed(cfg: GSPOConfig, step: int, mode: str | None = None)
     )
 
 
-def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
     """Each prompt's token ids, left-truncated to ``max_prompt_tokens`` (an empty prompt: the BOS token)."""
     ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
     return [prompt[-max_prompt_tokens:] or [tokenizer.bos_token_id or 0] for prompt in ids]
 
 
 def sample(
-    engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None, logprobs: bool = True
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    prompts: list[str],
+    cfg: GSPOConfig,
+    seed: int,
+    n: int | None = None,
+    logprobs: bool = True,
 ) -> Rollout:
     """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``;
     ``logprobs``: also the sampler's per-token logprobs."""
@@ -196,7 +206,7 @@ def sample(
 # --- 2. reward ----------------------------------------------------------------------------------------------
 
 
-def score(reward_fn, rollout: Rollout) -> Scores:
+def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
     """Rewards of every completion, with reward and grader-error metrics."""
     items = [rollout.rows[completion.prompt_index] for completion in rollout.completions]
     samples = [
@@ -324,7 +334,8 @@ def update(
             metrics, logp_BT, mask_BT = _minibatch_grads(
                 policy, rollout, old, adv_N, live, len(rows), cfg, first=k == 0
             )
-            if k == 0:  # on-policy, before the optimizer step: a failed check can still recompute in time
+            if logp_BT is not None and mask_BT is not None:
+                # Mini-batch 0: on-policy, before the optimizer step: a failed check can still recompute in time.
                 extra.update(_sampler_gap(logp_BT, [rollout.completions[i] for i in live], mask_BT))
                 if old.verify:
                     err = _sampler_error(old.logp_NT[live], logp_BT, mask_BT)
@@ -357,7 +368,7 @@ def _minibatch_grads(
     n_rows: int,
     cfg: GSPOConfig,
     first: bool,
-):
+) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
     """Forward and backward of the live ``rows`` of a mini-batch of ``n_rows`` rows, a micro-batch of
     ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all ``n_rows`` rows
     (left-out rows add 0), so the gradients add up to the one-batch ones. The metrics come from these same
@@ -381,7 +392,7 @@ def _minibatch_grads(
         )
         (loss * (len(micro_rows) / n_rows)).backward()
         metrics.add(loss, loss_metrics, entropy, batch.mask_BT, len(micro_rows))
-        if first:
+        if logp_BT is not None and mask_BT is not None:  # first
             span, micro_width = slice(filled, filled + len(micro_rows)), micro_logp_BT.size(1)
             logp_BT[span, :micro_width] = micro_logp_BT.detach().cpu()
             mask_BT[span, :micro_width] = batch.mask_BT.cpu()
@@ -414,7 +425,7 @@ def _sampler_gap(logp_BT: torch.Tensor, completions: list[Completion], mask_BT: 
 # --- 6. weight sync, and what a step reports ----------------------------------------------------------------
 
 
-def push_weights(model, engine) -> None:
+def push_weights(model: Policy, engine: RolloutEngine) -> None:
     """Hand the new weights to an engine that keeps its own copy (vLLM); no-op otherwise."""
     if not engine.shares_weights:
         engine.load_weights(export_weights(model))

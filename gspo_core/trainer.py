@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,10 +18,13 @@ from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
 from gspo_core.platform import RuntimeOptions
-from gspo_core.policy import autocast_dtype, load_policy, pick_device, sampler_dtype
+from gspo_core.policy import Policy, autocast_dtype, load_policy, pick_device, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
-from gspo_core.rollout import engine_kind, make_engine
+from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -30,7 +34,7 @@ class TrainResult:
     final_step: int
     final_checkpoint: str | None
     stopped: bool
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -39,7 +43,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_optimizer(model, cfg: GSPOConfig):
+def make_optimizer(
+    model: torch.nn.Module, cfg: GSPOConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW + LR schedule over ``steps * mini_batches`` updates (constant or warmup + cosine)."""
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel is the same update in one pass per tensor instead of a handful of kernels per
@@ -87,7 +93,7 @@ class Trainer:
         self,
         spec: JobSpec,
         callbacks: Callbacks | None,
-        engine=None,
+        engine: RolloutEngine | None = None,
         grader_policy: GraderPolicy = DEFAULT_POLICY,
         runtime: RuntimeOptions | None = None,
     ) -> None:
@@ -102,12 +108,13 @@ class Trainer:
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         self.reward_fn = build_reward(spec.reward, grader_policy)
         try:
-            model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
+            model, tokenizer = load_policy(spec.model, self.cfg, self.device)
+            self.tokenizer: PreTrainedTokenizerBase = tokenizer
             optimizer, scheduler = make_optimizer(model, self.cfg)
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, autocast_dtype(self.cfg, self.device), self.tokenizer.pad_token_id
             )
-            self.engine = engine or self._make_engine()
+            self.engine: RolloutEngine = engine or self._make_engine()
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
             raise
@@ -116,10 +123,10 @@ class Trainer:
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
     @property
-    def model(self):
+    def model(self) -> Policy:
         return self.policy.model
 
-    def _make_engine(self):
+    def _make_engine(self) -> RolloutEngine:
         kind, cfg = engine_kind(self.runtime.rollout_engine), self.cfg
         # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
         max_model_len, max_num_seqs = (
@@ -282,7 +289,8 @@ class Trainer:
 
 
 def _loop(trainer: Trainer) -> TrainResult:
-    cfg, metrics = trainer.cfg, {}
+    cfg = trainer.cfg
+    metrics: dict[str, float] = {}
     last_ckpt = trainer.saved[1] if trainer.saved else None
     while trainer.step < cfg.steps:
         if trainer.callbacks.should_stop():
@@ -304,7 +312,7 @@ def train(
     callbacks: Callbacks | None = None,
     *,
     resume_from: str | None = None,
-    engine=None,
+    engine: RolloutEngine | None = None,
     grader_policy: GraderPolicy = DEFAULT_POLICY,
     runtime: RuntimeOptions | None = None,
 ) -> TrainResult:

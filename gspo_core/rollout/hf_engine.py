@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from gspo_core.policy import base_model
+from gspo_core.policy import Policy, base_model
 from gspo_core.rollout.base import Completion, SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedTokenizerBase
 
 #: Sampler precision -> the autocast dtype its forwards run under (None: the weights' own fp32).
 AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
@@ -42,21 +46,21 @@ class SampledLogprobs:
     def __call__(self, input_ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         scores_BV = top_p_mask(scores_BV.float() / self.temperature, self.top_p)
         if self.prev_logp_BV is not None:
-            self._take(input_ids_BL[:, -1])
+            self._take(self.prev_logp_BV, input_ids_BL[:, -1])
         self.prev_logp_BV = scores_BV.log_softmax(dim=-1)
         return scores_BV
 
-    def _take(self, token_B: torch.Tensor) -> None:
-        self.cols.append(self.prev_logp_BV.gather(1, token_B.unsqueeze(1)).squeeze(1))
+    def _take(self, logp_BV: torch.Tensor, token_B: torch.Tensor) -> None:
+        self.cols.append(logp_BV.gather(1, token_B.unsqueeze(1)).squeeze(1))
 
     def finish(self, new_BT: torch.Tensor) -> torch.Tensor:
         """Log-probs ``[B, T]`` of the ``T`` generated tokens ``new_BT``."""
-        if len(self.cols) < new_BT.shape[1]:
-            self._take(new_BT[:, -1])
+        if len(self.cols) < new_BT.shape[1] and self.prev_logp_BV is not None:
+            self._take(self.prev_logp_BV, new_BT[:, -1])
         return torch.stack(self.cols, dim=1)
 
 
-def _eos_ids(policy, tokenizer) -> set[int]:
+def _eos_ids(policy: Policy, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     config_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
@@ -69,7 +73,7 @@ def _eos_ids(policy, tokenizer) -> set[int]:
 
 
 @contextlib.contextmanager
-def _clean_generation_config(policy, eos_ids: list[int] | None, pad_id: int):
+def _clean_generation_config(policy: Policy, eos_ids: list[int] | None, pad_id: int) -> Iterator[None]:
     """Generate under a neutral config: a model's own defaults (repetition penalty, top-k, ...)
     must not change what is sampled, as vLLM ignores them too once sampling params are given."""
     from transformers import GenerationConfig
@@ -98,7 +102,13 @@ class TransformersEngine:
     shares_weights = True
 
     def __init__(
-        self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256, dtype: str = "float32"
+        self,
+        policy: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        seed: int = 0,
+        batch_size: int = 256,
+        dtype: str = "float32",
     ) -> None:
         if dtype not in AUTOCAST:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(AUTOCAST)}")
@@ -136,7 +146,7 @@ class TransformersEngine:
             grouped[completion.prompt_index].append(completion)
         return grouped
 
-    def _prompt_cache(self, input_PL: torch.Tensor, attn_PL: torch.Tensor, n: int):
+    def _prompt_cache(self, input_PL: torch.Tensor, attn_PL: torch.Tensor, n: int) -> DynamicCache | None:
         """Keys and values of every prompt but its last token, computed once and repeated for its
         ``n`` samples (generate would run each prompt ``n`` times); None when there is nothing to share."""
         if n == 1 or input_PL.size(1) < 2:
@@ -158,7 +168,9 @@ class TransformersEngine:
         return cache
 
     @torch.inference_mode()
-    def _generate_batch(self, batch, sampling: SamplingSpec, device) -> list[Completion]:
+    def _generate_batch(
+        self, batch: list[tuple[int, list[int]]], sampling: SamplingSpec, device: torch.device
+    ) -> list[Completion]:
         """``sampling.n`` samples of each ``(index, ids)`` prompt in ``batch``, the prompts prefilled once."""
         width = max(len(ids) for _, ids in batch)
         input_PL = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -170,8 +182,12 @@ class TransformersEngine:
         from transformers import LogitsProcessorList
 
         recorder = SampledLogprobs(sampling.temperature, sampling.top_p)
+        # The policy is a causal LM or a PEFT wrapper that forwards to one: either generates, and returns the
+        # rows' token ids [prompt | completion] as one tensor (not asked for a dict). Typed here: torch types
+        # an unknown module attribute as a tensor or a module.
+        generate = cast("Callable[..., torch.Tensor]", self.policy.generate)
         # temperature/top-p/top-k are neutral here: the recorder applies them, once.
-        seq_BL = self.policy.generate(
+        seq_BL = generate(
             input_ids=input_PL.repeat_interleave(sampling.n, 0),
             attention_mask=attn_PL.repeat_interleave(sampling.n, 0),
             past_key_values=self._prompt_cache(input_PL, attn_PL, sampling.n),
@@ -192,7 +208,14 @@ class TransformersEngine:
             for row, (prompt_index, ids) in enumerate(rows)
         ]
 
-    def _completion(self, prompt_index: int, ids: list[int], new_T, logp_T, sampling: SamplingSpec) -> Completion:
+    def _completion(
+        self,
+        prompt_index: int,
+        ids: list[int],
+        new_T: torch.Tensor,
+        logp_T: torch.Tensor | None,
+        sampling: SamplingSpec,
+    ) -> Completion:
         tokens = new_T.tolist()
         length, finish = len(tokens), "length"
         if not sampling.ignore_eos:
@@ -200,7 +223,7 @@ class TransformersEngine:
             if stop_at is not None:  # keep the EOS token: the policy must learn to stop
                 length, finish = stop_at + 1, "stop"
         tokens = tokens[:length]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = cast(str, self.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one string
         return Completion(
             prompt_index=prompt_index,
             prompt_ids=list(ids),
