@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -36,7 +37,8 @@ class MetricsFile(Callbacks):
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.file = path, None
+        self.path = path
+        self.file: TextIO | None = None
 
     def on_step(self, step, metrics):
         if self.file is None:

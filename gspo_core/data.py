@@ -152,7 +152,8 @@ def loads_strict(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     except RecursionError:  # unbalanced brackets can open deeper than the byte check counts
         raise JsonValueError(f"nested deeper than {max_depth} levels") from None
     if refused:
-        path, value = _path_of(obj, lambda v, d: isinstance(v, _Refused))
+        found = _path_of(obj, lambda v, d: isinstance(v, _Refused))
+        path, value = found if found is not None else ("", refused[0])  # it is found: it was parsed into obj
         raise JsonValueError(value.why, path)
     if _SURROGATE.search(data) and (found := _path_of(obj, lambda v, d: _not_unicode(v))):
         raise JsonValueError("a string holds a lone UTF-16 surrogate escape (not valid Unicode)", found[0])

@@ -147,7 +147,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_z_CV = _logits(h_FH[positions], w_VH, b_V, ctx.dtype)
                 _grad_blocks_(grad_z_CV, target_C, lse_C, grad_C, ctx.temperature, grad_z_CV)
             cast_grad_z_CV = grad_z_CV.to(ctx.dtype)
-            if need_h:
+            if grad_h_FH is not None:  # need_h
                 grad_h_FH[positions] = (cast_grad_z_CV @ w_cast_VH).to(grad_h_FH.dtype)
             if need_w:
                 part_VH = (cast_grad_z_CV.t() @ h_FH[positions].to(ctx.dtype)).to(w_VH.dtype)

@@ -137,7 +137,7 @@ def _checked(value, n: int) -> list[float | GraderError]:
     values = value if isinstance(value, list) else [value]
     if len(values) != n:
         return [GraderError("invalid_output", f"grader returned {len(values)} scores for {n} samples")] * n
-    out = []
+    out: list[float | GraderError] = []
     for result in values:
         if isinstance(result, GraderError):
             out.append(result)

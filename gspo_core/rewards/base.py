@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
@@ -177,6 +177,15 @@ class Grader:
             raise RewardSpecError(self.field(key), f"must be in [{lo}, {hi}]")
         return value
 
+    @overload
+    def tmpl(self, key: str, default: str, required: bool = False) -> str: ...
+
+    @overload
+    def tmpl(self, key: str, default: None = None, *, required: Literal[True]) -> str: ...
+
+    @overload
+    def tmpl(self, key: str, default: None = None, required: bool = False) -> str | None: ...
+
     def tmpl(self, key: str, default: str | None = None, required: bool = False) -> str | None:
         """A template string: checked (only known sample fields) and remembered for item_fields()."""
         value = self.req(key, str) if required else self.opt(key, str, default)
@@ -270,7 +279,7 @@ def redact_secrets(spec: Any) -> Any:
         return [redact_secrets(v) for v in spec]
     if not isinstance(spec, dict):
         return spec
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in spec.items():
         if key in SECRET_KEYS and isinstance(value, str):
             out[key] = REDACTED

@@ -147,7 +147,7 @@ def _to_float(s: str) -> float | None:
 
 
 @register("math_answer")
-class MathAnswer(Killable, Grader):
+class MathAnswer(Killable):
     """Equivalence of the final answer (last ``\\boxed{}`` or last number) and the reference:
     math-verify's parse/verify for LaTeX and symbolic answers, numeric tolerance as the fallback."""
 
@@ -186,7 +186,7 @@ class MathAnswer(Killable, Grader):
 
 
 @register("json_schema")
-class JsonSchemaGrader(Killable, Grader):
+class JsonSchemaGrader(Killable):
     """1.0 when the output parses as JSON and validates against ``schema`` (Draft 2020-12);
     ``partial_credit`` for valid JSON that fails the schema (default 0). Code fences are stripped."""
 
@@ -267,7 +267,7 @@ class LengthGrader(Grader):
 
 
 @register("text_similarity")
-class TextSimilarity(Killable, Grader):
+class TextSimilarity(Killable):
     """Similarity of input and reference; ``evaluation_metric`` as OpenAI names them (fuzzy_match,
     bleu, gleu, rouge_1..rouge_5, rouge_l) plus exact; ``pass_threshold`` turns it into 0/1."""
 

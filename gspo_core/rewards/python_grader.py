@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register
 from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
@@ -41,7 +43,10 @@ class PythonGrader(Grader):
         if len(self.source) > MAX_SOURCE_CHARS:
             raise RewardSpecError(self.field("source"), f"longer than {MAX_SOURCE_CHARS} characters")
         try:
-            tree = compile(self.source, "<grader>", "exec", flags=0x400, dont_inherit=True)  # PyCF_ONLY_AST
+            # A syntax tree only (nothing compiled to code): in "exec" mode, a Module.
+            tree = cast(
+                ast.Module, compile(self.source, "<grader>", "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+            )
         except SyntaxError as exc:
             raise RewardSpecError(self.field("source"), f"syntax error line {exc.lineno}: {exc.msg}") from None
         except ValueError as exc:  # e.g. a NUL byte

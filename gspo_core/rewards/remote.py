@@ -6,9 +6,13 @@ import json
 import re
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+
+if TYPE_CHECKING:
+    from gspo_core.egress import EgressClient
 
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 _SSL = None
@@ -34,10 +38,10 @@ class _HttpCaller:
     def __init__(self, timeout: float, retries: int, backoff: float, headers: dict, policy: GraderPolicy) -> None:
         self.timeout, self.retries, self.backoff, self.headers = timeout, retries, backoff, headers
         self.allow = policy.egress_allow
-        self._client = None
+        self._client: EgressClient | None = None
         self._lock = threading.Lock()
 
-    def client(self):
+    def client(self) -> EgressClient:
         with self._lock:
             if self._client is None:
                 from gspo_core.egress import EgressClient, EgressPolicy
@@ -47,7 +51,8 @@ class _HttpCaller:
                 )
             return self._client
 
-    def post(self, url: str, body: dict) -> object:
+    def post(self, url: str, body: dict) -> Any:
+        """The endpoint's JSON answer (any JSON value: the caller checks its shape)."""
         from gspo_core.egress import EgressError, EgressRefused
 
         last = GraderError("http_error", "no attempt made")

@@ -186,6 +186,7 @@ def _spawn(iso: Isolation, source, tasks, limits: SandboxLimits, entry: str, uid
         cwd="/",
         preexec_fn=preexec(iso, limits, len(tasks), uid),
     )
+    assert proc.stdin is not None  # stdin=PIPE
     try:
         proc.stdin.write(payload.encode())  # the child reads all of it before it writes anything
         proc.stdin.close()
@@ -199,6 +200,7 @@ def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple
     Does not wait for EOF: a grandchild may hold the pipe open."""
     wanted = {i for i, _ in tasks}
     results: dict[int, object] = {}
+    assert proc.stdout is not None  # started with stdout=PIPE (_spawn)
     buf, fd = b"", proc.stdout.fileno()
     deadline = time.monotonic() + max(limits.setup_s, limits.timeout_s) + START_GRACE_S
     while len(results) < len(wanted):

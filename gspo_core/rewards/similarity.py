@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from collections import Counter
+from collections.abc import Callable
 
 
-def _ngrams(tokens: list[str], n: int) -> Counter:
+def _ngrams(tokens: list[str], n: int) -> Counter[tuple[str, ...]]:
     return Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
 
 
@@ -31,7 +33,8 @@ def bleu(cand: str, ref: str, max_n: int = 4) -> float:
 def gleu(cand: str, ref: str, max_n: int = 4) -> float:
     """Google-BLEU: min(precision, recall) over all 1..4-grams together (Wu et al. 2016)."""
     cand_tokens, ref_tokens = cand.split(), ref.split()
-    cand_ngrams, ref_ngrams = Counter(), Counter()
+    cand_ngrams: Counter[tuple[str, ...]] = Counter()
+    ref_ngrams: Counter[tuple[str, ...]] = Counter()
     for n in range(1, max_n + 1):
         cand_ngrams.update(_ngrams(cand_tokens, n))
         ref_ngrams.update(_ngrams(ref_tokens, n))
@@ -71,11 +74,11 @@ def rouge_l(cand: str, ref: str) -> float:
 
 #: OpenAI's ``evaluation_metric`` names that need no model or network, plus ``exact``.
 #: (``meteor`` and ``cosine`` need WordNet / an embedding model and are not offered.)
-METRICS = {
+METRICS: dict[str, Callable[[str, str], float]] = {
     "fuzzy_match": lambda a, b: difflib.SequenceMatcher(None, a, b, autojunk=False).ratio(),
     "exact": lambda a, b: float(a.strip() == b.strip()),
     "bleu": bleu,
     "gleu": gleu,
     "rouge_l": rouge_l,
-    **{f"rouge_{n}": (lambda a, b, n=n: rouge_n(a, b, n)) for n in range(1, 6)},
+    **{f"rouge_{n}": functools.partial(rouge_n, n=n) for n in range(1, 6)},
 }
