@@ -44,7 +44,7 @@ def micro_batches(completions: list[Completion], idx: torch.Tensor, budget: int)
         return [idx]
     parts: list[list[int]] = [[]]
     tokens = 0
-    for row, length in zip(idx.tolist(), lengths_N(completions)[idx].tolist()):
+    for row, length in zip(idx.tolist(), lengths_N(completions)[idx].tolist(), strict=True):
         if parts[-1] and tokens + length > budget:
             parts.append([])
             tokens = 0

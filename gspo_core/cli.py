@@ -48,7 +48,7 @@ class MetricsFile(Callbacks):
                 if line.strip() and json.loads(line).get("step", 0) < step
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
-            self.file = open(self.path, "a", buffering=1)
+            self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 -- open for the run; close() closes it
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def close(self) -> None:

@@ -107,10 +107,12 @@ def _pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[t
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
     """Build a :class:`PackedBatch` (rows sorted by caller; padding only to the batch's longest)."""
-    input_BL, attn_BL = _pad_rows([prompt + completion for prompt, completion in zip(prompts, completions)], pad_id)
+    input_BL, attn_BL = _pad_rows(
+        [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)], pad_id
+    )
     target_BT, mask_BT = _pad_rows(completions, pad_id)
     pos_BT = torch.zeros_like(target_BT)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         pos_BT[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
     return PackedBatch(input_BL, attn_BL, pos_BT, target_BT, mask_BT.float())
 
@@ -137,7 +139,7 @@ def pack_rows(
 ) -> PackedBatch | SharedPrefixBatch:
     """:func:`pack_shared` where sharing saves at least :data:`SHARE_MIN_SAVED` of the tokens (and every
     row has a prompt and a completion), else :func:`pack`."""
-    total = sum(len(prompt) + len(completion) for prompt, completion in zip(prompts, completions))
+    total = sum(len(prompt) + len(completion) for prompt, completion in zip(prompts, completions, strict=True))
     saved = sum(len(prompt) for prompt in prompts) - sum(len(prompt) for prompt in {tuple(p) for p in prompts})
     if share and saved >= SHARE_MIN_SAVED * total and all(prompts) and all(completions):
         return pack_shared(prompts, completions, pad_id)

@@ -89,7 +89,7 @@ class MinibatchPlan:
     @property
     def skipped(self) -> int:
         """Rows left out of the forward and backward."""
-        return sum(len(batch) - len(live) for batch, live in zip(self.batches, self.live))
+        return sum(len(batch) - len(live) for batch, live in zip(self.batches, self.live, strict=True))
 
     def later_live_rows(self) -> torch.Tensor:
         """The rows whose old log-probs the update reads from `OldLogprobs` (mini-batch 0's come from its own
@@ -328,7 +328,7 @@ def update(
     per_update: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
     rejected = False
-    for k, (rows, live) in enumerate(zip(plan.batches, plan.live)):
+    for k, (rows, live) in enumerate(zip(plan.batches, plan.live, strict=True)):
         policy.optimizer.zero_grad(set_to_none=True)
         if len(live):
             metrics, logp_BT, mask_BT = _minibatch_grads(
@@ -448,7 +448,7 @@ def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]
     for prompt_index in range(min(cfg.samples_per_step, len(rollout.prompts))):
         group = slice(prompt_index * group_size, (prompt_index + 1) * group_size)
         completions = []
-        for completion, grade in zip(rollout.completions[group], scores.grades[group]):
+        for completion, grade in zip(rollout.completions[group], scores.grades[group], strict=True):
             completions.append(
                 {
                     "text": completion.text,

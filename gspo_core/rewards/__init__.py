@@ -77,7 +77,8 @@ class RewardFunction:
                 futures[name] = self._pool.submit(grader.grade_batch, samples, items)
             else:
                 futures[name] = [
-                    self._pool.submit(grader.grade_one, sample, item) for sample, item in zip(samples, items)
+                    self._pool.submit(grader.grade_one, sample, item)
+                    for sample, item in zip(samples, items, strict=True)
                 ]
         queued = sum(len(future) for future in futures.values() if isinstance(future, list))
         waves = max(1, math.ceil(queued / MAX_THREADS))  # calls queued behind others start later

@@ -141,7 +141,7 @@ class Grader:
 
     def grade_batch(self, samples: list[dict], items: list[dict]) -> list[float | GraderError]:
         """Default: one call per sample; batched graders override this."""
-        return [self.grade_one(s, it) for s, it in zip(samples, items)]
+        return [self.grade_one(s, it) for s, it in zip(samples, items, strict=True)]
 
     def budget_s(self, n: int) -> float:
         """How long the reward function waits for one call (``n`` samples) before recording a timeout."""

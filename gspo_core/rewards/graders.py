@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from typing import ClassVar
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, json_depth, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY
@@ -17,7 +19,7 @@ OUTPUT = "{{sample.output_text}}"
 class StringCheck(Grader):
     """OpenAI's string check: eq, ne, like (contains), ilike (contains, case-insensitive)."""
 
-    OPS = {
+    OPS: ClassVar[dict[str, Callable[[str, str], bool]]] = {
         "eq": lambda a, b: a == b,
         "ne": lambda a, b: a != b,
         "like": lambda a, b: b in a,
@@ -53,7 +55,7 @@ class RegexGrader(Grader):
     """``score_match`` (1.0) when ``pattern`` matches the input (``mode``: search | match |
     fullmatch), else ``score_no_match`` (0.0). The pattern may itself be a template."""
 
-    FLAGS = {"i": re.I, "m": re.M, "s": re.S, "x": re.X}
+    FLAGS: ClassVar[dict[str, re.RegexFlag]] = {"i": re.I, "m": re.M, "s": re.S, "x": re.X}
 
     def __init__(self, spec, path, policy=DEFAULT_POLICY):
         super().__init__(spec, path, policy)

@@ -202,7 +202,7 @@ def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
     ]
     for key, value in SANDBOX_ENV.items():
         cmd += ["--setenv", key, value]
-    return cmd + ["--", *argv]
+    return [*cmd, "--", *argv]
 
 
 def preexec(iso: Isolation, limits, n_tasks: int, uid: int | None):

@@ -16,6 +16,7 @@ shared by every reward function of the process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import math
@@ -82,17 +83,13 @@ class _Proc:
         return msg if isinstance(msg, dict) else None
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.popen.kill()
-        except OSError:
-            pass
         self.popen.wait()
         streams: tuple[IO[bytes], ...] = (self.stdin, self.stdout)
         for stream in streams:
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
 class GraderPool:
@@ -285,7 +282,7 @@ class GraderPool:
         self.prime(grader)  # most recent first for replacements
         results: list[float | GraderError | None] = [None] * len(samples)
         todo: deque[tuple[int, str]] = deque()
-        for i, (s, it) in enumerate(zip(samples, items)):
+        for i, (s, it) in enumerate(zip(samples, items, strict=True)):
             task = json.dumps([i, s, it])
             if len(task) > MAX_REQUEST_BYTES:
                 results[i] = GraderError(

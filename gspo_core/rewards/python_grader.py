@@ -86,7 +86,7 @@ class PythonGrader(Grader):
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"sandbox-{self.name}")
 
     def grade_batch(self, samples, items):
-        calls = [[s, i] for s, i in zip(samples, items)]
+        calls = [[s, i] for s, i in zip(samples, items, strict=True)]
         size = max(1, min(16, math.ceil(len(calls) / self.concurrency)))
         chunks = [calls[k : k + size] for k in range(0, len(calls), size)]
         raw = [

@@ -6,7 +6,7 @@ import json
 import re
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
@@ -162,7 +162,7 @@ class ScoreModelGrader(Grader):
     list of chat messages whose contents are templates; the first number in the reply, clipped to
     ``range`` [lo, hi], is mapped onto [0, 1]. ``sampling_params`` go into the request as they are."""
 
-    SAMPLING_KEYS = {
+    SAMPLING_KEYS: ClassVar[dict[str, str]] = {
         "temperature": "must be a number",
         "top_p": "must be a number",
         "max_tokens": "must be an integer",

@@ -37,7 +37,8 @@ class ModelCache:
         return entry
 
     def acquire(self, key: tuple[str, str], load) -> _Entry:
-        """The entry for ``key``, loading it with ``load() -> (tokenizer, model)`` if needed; pair with :meth:`release`."""
+        """The entry for ``key``, loading it with ``load() -> (tokenizer, model)`` if needed; pair with
+        :meth:`release`."""
         with self._lock:
             if (entry := self._take(key)) is not None:
                 return entry
@@ -164,7 +165,7 @@ class RewardModelGrader(Grader):
 
     def _texts(self, samples, items) -> list[str | GraderError]:
         out: list[str | GraderError] = []
-        for sample, item in zip(samples, items):
+        for sample, item in zip(samples, items, strict=True):
             try:
                 out.append(render(self.input, sample, item) if self.input is not None else default_text(sample, item))
             except GraderError as exc:
@@ -196,7 +197,7 @@ class RewardModelGrader(Grader):
                 ).to(model.device)
                 logits_B = model(**encoded).logits[:, self.label].float()
                 scores_B = torch.sigmoid(logits_B) if self.activation == "sigmoid" else logits_B
-                for k, score in zip(idx, scores_B.tolist()):
+                for k, score in zip(idx, scores_B.tolist(), strict=True):
                     out[k] = score
         return out
 

@@ -160,7 +160,7 @@ class VLLMEngine:
         return [
             [
                 self._completion(prompt_index, prompt_ids[prompt_index], sample, tokens, next(texts))
-                for sample, tokens in zip(out.outputs, token_ids[prompt_index])
+                for sample, tokens in zip(out.outputs, token_ids[prompt_index], strict=True)
             ]
             for prompt_index, out in enumerate(outputs)
         ]
