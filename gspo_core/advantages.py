@@ -8,26 +8,26 @@ from gspo_core.registry import ADVANTAGES
 
 
 @ADVANTAGES.register("group_norm")
-def group_norm(rewards_B: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6):
+def group_norm(rewards_N: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6):
     """Group-relative advantages ``A_i = (r_i - mean_group) / (std_group + eps)``.
 
-    ``rewards_B`` holds ``B = num_groups * group_size`` rewards, each group contiguous. With
-    ``scale=False`` the std division is skipped (Dr. GRPO style). Returns ``(adv_B, metrics)``
+    ``rewards_N`` holds ``N = P * G`` rewards (``P`` prompts, ``G = group_size`` each), each group contiguous.
+    With ``scale=False`` the std division is skipped (Dr. GRPO style). Returns ``(adv_N, metrics)``
     where ``reward/frac_zero_std`` is the fraction of groups whose rewards are all equal: they carry
     no learning signal, and their advantages are exactly 0 (``r - mean`` alone would leave float
     rounding, e.g. up to 0.1 for twelve rewards of 0.7 divided by ``std + eps``, a push in an
     arbitrary direction; exact zeros also let the update skip those rows).
     """
-    if rewards_B.dim() != 1 or rewards_B.numel() % group_size:
+    if rewards_N.dim() != 1 or rewards_N.numel() % group_size:
         raise ValueError(
-            f"rewards_B: expected a flat tensor of groups of {group_size}, got shape {tuple(rewards_B.shape)}"
+            f"rewards_N: expected a flat tensor of groups of {group_size}, got shape {tuple(rewards_N.shape)}"
         )
-    r_GN = rewards_B.float().view(-1, group_size)
-    mean_G1 = r_GN.mean(-1, keepdim=True)
-    std_G1 = r_GN.std(-1, keepdim=True, unbiased=False)
-    adv_GN = r_GN - mean_G1
+    rewards_PG = rewards_N.float().view(-1, group_size)
+    mean_P1 = rewards_PG.mean(-1, keepdim=True)
+    std_P1 = rewards_PG.std(-1, keepdim=True, unbiased=False)
+    adv_PG = rewards_PG - mean_P1
     if scale:
-        adv_GN = adv_GN / (std_G1 + eps)
-    tied_G1 = (r_GN == r_GN[:, :1]).all(-1, keepdim=True)
-    adv_GN = adv_GN.masked_fill(tied_G1, 0.0)
-    return adv_GN.reshape(-1), {"reward/frac_zero_std": float(tied_G1.float().mean())}
+        adv_PG = adv_PG / (std_P1 + eps)
+    tied_P1 = (rewards_PG == rewards_PG[:, :1]).all(-1, keepdim=True)
+    adv_PG = adv_PG.masked_fill(tied_P1, 0.0)
+    return adv_PG.reshape(-1), {"reward/frac_zero_std": float(tied_P1.float().mean())}

@@ -5,19 +5,19 @@ from __future__ import annotations
 import torch
 
 from gspo_core.config import GSPOConfig
-from gspo_core.packing import pack_rows
+from gspo_core.packing import PackedBatch, SharedPrefixBatch, pack_rows
 from gspo_core.rollout.base import Completion
 
 
-def lengths_N(comps: list[Completion]) -> torch.Tensor:
+def lengths_N(completions: list[Completion]) -> torch.Tensor:
     """Prompt + completion tokens of each rollout row ``[N]``."""
-    return torch.tensor([len(c.prompt_ids) + len(c.completion_ids) for c in comps])
+    return torch.tensor([len(completion.prompt_ids) + len(completion.completion_ids) for completion in completions])
 
 
 def minibatches(
-    lengths_N: torch.Tensor, k: int, order: str, gen: torch.Generator, group_size: int = 1
+    lengths_N: torch.Tensor, n_batches: int, order: str, generator: torch.Generator, group_size: int = 1
 ) -> list[torch.Tensor]:
-    """Split ``N`` rollout rows (groups of ``group_size`` contiguous) into ``k`` mini-batches of
+    """Split ``N`` rollout rows (groups of ``group_size`` contiguous) into ``n_batches`` mini-batches of
     indices, each row exactly once.
 
     ``random``: a random permutation. ``group``: whole groups in random order (each prompt then runs
@@ -25,40 +25,42 @@ def minibatches(
     each mini-batch pads only to lengths close to its own (docs/bench.md measured the padding of both),
     ties in ``group`` order; the batches' order is random.
     """
-    perm = torch.randperm(len(lengths_N), generator=gen)
+    perm_N = torch.randperm(len(lengths_N), generator=generator)
     if order == "random":
-        return list(perm.chunk(k))
-    group_rank_G = torch.randperm(-(-len(lengths_N) // group_size), generator=gen)
-    by_group = perm[torch.sort(group_rank_G[perm // group_size], stable=True).indices]
+        return list(perm_N.chunk(n_batches))
+    group_rank_P = torch.randperm(-(-len(lengths_N) // group_size), generator=generator)
+    by_group_N = perm_N[torch.sort(group_rank_P[perm_N // group_size], stable=True).indices]
     if order == "group":
-        return list(by_group.chunk(k))
-    by_len = by_group[torch.sort(lengths_N[by_group], stable=True).indices]
-    chunks = list(by_len.chunk(k))
-    return [chunks[i] for i in torch.randperm(len(chunks), generator=gen)]
+        return list(by_group_N.chunk(n_batches))
+    by_length_N = by_group_N[torch.sort(lengths_N[by_group_N], stable=True).indices]
+    chunks = list(by_length_N.chunk(n_batches))
+    return [chunks[i] for i in torch.randperm(len(chunks), generator=generator)]
 
 
-def micro_batches(comps: list[Completion], idx: torch.Tensor, budget: int) -> list[torch.Tensor]:
+def micro_batches(completions: list[Completion], idx: torch.Tensor, budget: int) -> list[torch.Tensor]:
     """Rows ``idx``, in order, as runs of at most ``budget`` tokens (prompt + completion) each, a row over
     the budget alone; ``budget`` 0: all in one."""
     if budget <= 0 or not len(idx):
         return [idx]
     parts: list[list[int]] = [[]]
     tokens = 0
-    for i, n in zip(idx.tolist(), lengths_N(comps)[idx].tolist()):
-        if parts[-1] and tokens + n > budget:
+    for row, length in zip(idx.tolist(), lengths_N(completions)[idx].tolist(), strict=True):
+        if parts[-1] and tokens + length > budget:
             parts.append([])
             tokens = 0
-        parts[-1].append(i)
-        tokens += n
-    return [torch.tensor(p, dtype=torch.long) for p in parts]
+        parts[-1].append(row)
+        tokens += length
+    return [torch.tensor(part, dtype=torch.long) for part in parts]
 
 
-def pack(comps: list[Completion], idx, pad_id: int, cfg: GSPOConfig):
+def pack(
+    completions: list[Completion], idx: torch.Tensor, pad_id: int, cfg: GSPOConfig
+) -> PackedBatch | SharedPrefixBatch:
     """Rows ``idx`` as one forward batch; rows of one prompt share its pass where that pays
     (``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
     return pack_rows(
-        [comps[i].prompt_ids for i in idx],
-        [comps[i].completion_ids for i in idx],
+        [completions[i].prompt_ids for i in idx],
+        [completions[i].completion_ids for i in idx],
         pad_id,
         share=cfg.share_prompts and not cfg.gradient_checkpointing,
     )

@@ -31,23 +31,23 @@ class CallbackList(Callbacks):
     """Fans every call out to several callbacks (e.g. metrics file + progress bar)."""
 
     def __init__(self, *callbacks: Callbacks) -> None:
-        self.callbacks = [c for c in callbacks if c is not None]
+        self.callbacks = [callback for callback in callbacks if callback is not None]
 
     def on_step(self, step, metrics):
-        for c in self.callbacks:
-            c.on_step(step, metrics)
+        for callback in self.callbacks:
+            callback.on_step(step, metrics)
 
     def on_samples(self, step, rows):
-        for c in self.callbacks:
-            c.on_samples(step, rows)
+        for callback in self.callbacks:
+            callback.on_samples(step, rows)
 
     def on_checkpoint(self, step, path, final):
-        for c in self.callbacks:
-            c.on_checkpoint(step, path, final)
+        for callback in self.callbacks:
+            callback.on_checkpoint(step, path, final)
 
     def on_log(self, message):
-        for c in self.callbacks:
-            c.on_log(message)
+        for callback in self.callbacks:
+            callback.on_log(message)
 
     def should_stop(self):
-        return any(c.should_stop() for c in self.callbacks)
+        return any(callback.should_stop() for callback in self.callbacks)

@@ -11,11 +11,15 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from gspo_core.policy import save_hf
+from gspo_core.policy import Policy, save_hf
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
@@ -24,14 +28,14 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step:06d}"
 
 
-def rng_state() -> dict:
+def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -39,12 +43,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _is_lora(model) -> bool:
+def _is_lora(model: Policy) -> bool:
     return hasattr(model, "merge_and_unload")
 
 
 def save_checkpoint(
-    output_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None = None
+    output_dir: str | Path,
+    step: int,
+    model: Policy,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write model + trainer state for ``step`` atomically; returns the step directory.
 
@@ -70,7 +80,7 @@ def save_checkpoint(
     return final
 
 
-def load_trainer_state(ckpt_dir: str | Path) -> dict:
+def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
     """The trainer state saved next to a checkpoint's model (optimizer, scheduler, RNG, step)."""
     path = Path(ckpt_dir) / "trainer_state.pt"
     if not path.is_file():
@@ -90,7 +100,13 @@ def _saved_weights(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def restore(model, optimizer, scheduler, state: dict, ckpt_dir: str | Path) -> int:
+def restore(
+    model: Policy,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    ckpt_dir: str | Path,
+) -> int:
     """Load trainable weights, optimizer, scheduler and RNG from a checkpoint; returns its step."""
     weights = state.get("trainable") or _saved_weights(ckpt_dir)
     params = dict(model.named_parameters())  # tied weights appear once, as save_pretrained keeps them
@@ -116,8 +132,8 @@ def latest_checkpoint(output_dir: str | Path) -> str | None:
     if not root.is_dir():
         return None
     steps = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / "trainer_state.pt").exists()
+        (int(match.group(1)), path)
+        for path in root.iterdir()
+        if (match := STEP_DIR.match(path.name)) and (path / "trainer_state.pt").exists()
     ]
     return str(max(steps)[1]) if steps else None

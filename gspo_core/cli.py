@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -36,22 +37,23 @@ class MetricsFile(Callbacks):
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.f = path, None
+        self.path = path
+        self.file: TextIO | None = None
 
     def on_step(self, step, metrics):
-        if self.f is None:
+        if self.file is None:
             kept = [
-                ln
-                for ln in (self.path.read_text().splitlines() if self.path.exists() else [])
-                if ln.strip() and json.loads(ln).get("step", 0) < step
+                line
+                for line in (self.path.read_text().splitlines() if self.path.exists() else [])
+                if line.strip() and json.loads(line).get("step", 0) < step
             ]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
-            self.f = open(self.path, "a", buffering=1)
-        self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.path.write_text("".join(line + "\n" for line in kept))
+            self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 -- open for the run; close() closes it
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class ProgressBar(Callbacks):
@@ -101,13 +103,13 @@ def apply_overrides(raw: dict, overrides: dict) -> dict:
     """``--set`` keys: JobSpec fields (``model``, ``output_dir``...) go top level; everything else,
     bare or as ``hyperparameters.x``, is a hyperparameter."""
     raw = dict(raw)
-    hp = dict(raw.get("hyperparameters") or {})
+    hyperparameters = dict(raw.get("hyperparameters") or {})
     for key, value in overrides.items():
         if key in TOP_LEVEL:
             raw[key] = value
         else:
-            hp[key.removeprefix("hyperparameters.")] = value
-    raw["hyperparameters"] = hp
+            hyperparameters[key.removeprefix("hyperparameters.")] = value
+    raw["hyperparameters"] = hyperparameters
     return raw
 
 
@@ -167,24 +169,28 @@ def describe_error(exc: Exception) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'job'}: {e['msg']}" for e in exc.errors())
+        return "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'job'}: {error['msg']}" for error in exc.errors()
+        )
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])
     return str(exc)
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="job YAML (JobSpec fields)")
-    p.add_argument("--output-dir", help="overrides output_dir")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a hyperparameter")
-    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
-    p.add_argument(
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="job YAML (JobSpec fields)")
+    parser.add_argument("--output-dir", help="overrides output_dir")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a hyperparameter")
+    parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
+    parser.add_argument(
         "--rollout-engine",
         choices=ENGINE_KINDS,
         help="auto (default) = vLLM when installed, else transformers generate",
     )
-    p.add_argument("--vllm-gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default 0.3)")
-    p.add_argument(
+    parser.add_argument(
+        "--vllm-gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default 0.3)"
+    )
+    parser.add_argument(
         "--return-freed-memory",
         dest="keep_freed_memory",
         action="store_false",
@@ -195,7 +201,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def runtime_flags(args: argparse.Namespace) -> dict:
     """The runtime options given as flags (None: not given)."""
-    return {n: getattr(args, n) for n in RUNTIME_FLAGS if getattr(args, n, None) is not None}
+    return {name: getattr(args, name) for name in RUNTIME_FLAGS if getattr(args, name, None) is not None}
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -236,7 +242,7 @@ def run_train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gspo_core")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="run a GSPO job locally")
-    add_train_arguments(p)
+    train_parser = sub.add_parser("train", help="run a GSPO job locally")
+    add_train_arguments(train_parser)
     args = parser.parse_args(argv)
     return run_train(args)

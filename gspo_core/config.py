@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -41,55 +41,57 @@ class GSPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # --- rollout ---
-    steps: int = Field(20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
-    prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts sampled per step (B).")
-    group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
-    max_new_tokens: int = Field(64, ge=1, le=32768, description="Completion length cap.")
-    max_prompt_tokens: int = Field(512, ge=8, le=131072, description="Prompts longer are left-truncated.")
+    steps: int = Field(default=20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
+    prompts_per_step: int = Field(default=8, ge=1, le=4096, description="Prompts sampled per step (P).")
+    group_size: int = Field(default=8, ge=2, le=256, description="Completions per prompt (G).")
+    max_new_tokens: int = Field(default=64, ge=1, le=32768, description="Completion length cap.")
+    max_prompt_tokens: int = Field(default=512, ge=8, le=131072, description="Prompts longer are left-truncated.")
     temperature: float = Field(
-        1.0,
+        default=1.0,
         gt=0.0,
         le=5.0,
         description="Sampling temperature; the loss scores the same log_softmax(logits / temperature).",
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = the full distribution).")
-    ignore_eos: bool = Field(False, description="Always generate max_new_tokens (benchmarks).")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = the full distribution).")
+    ignore_eos: bool = Field(default=False, description="Always generate max_new_tokens (benchmarks).")
 
     # --- objective ---
     loss: LossName = Field(
-        "gspo",
+        default="gspo",
         description="gspo: sequence-level ratio and clip (GSPO); gspo_token: GSPO with "
         "per-token advantages allowed; grpo: token-level ratio and clip (baseline).",
     )
     advantage: AdvantageName = Field(
-        "group_norm",
+        default="group_norm",
         description="group_norm: each reward minus its group's mean, divided by the group's std when scale_rewards.",
     )
-    scale_rewards: bool = Field(True, description="Divide group-centred rewards by the group std.")
-    clip_eps_low: float = Field(3e-4, ge=0.0, le=1.0, description="Clip range below 1 of the importance ratio.")
-    clip_eps_high: float = Field(4e-4, ge=0.0, le=10.0, description="Clip range above 1 of the importance ratio.")
-    mini_batches: int = Field(4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
+    scale_rewards: bool = Field(default=True, description="Divide group-centred rewards by the group std.")
+    clip_eps_low: float = Field(default=3e-4, ge=0.0, le=1.0, description="Clip range below 1 of the importance ratio.")
+    clip_eps_high: float = Field(
+        default=4e-4, ge=0.0, le=10.0, description="Clip range above 1 of the importance ratio."
+    )
+    mini_batches: int = Field(default=4, ge=1, le=1024, description="Optimizer updates per rollout batch.")
     minibatch_order: Literal["length", "group", "random"] = Field(
-        "length",
+        default="length",
         description="length = rows of similar length share a mini-batch (less padding; ties keep "
         "a group's rows together, see share_prompts; batch order still random); group = whole groups, in "
         "random order; random = a random split.",
     )
     share_prompts: bool = Field(
-        True,
+        default=True,
         description="In the trainer's forwards, run each prompt once for all its rows in a mini-batch "
         "(its KV cache indexed out to them) instead of once per row; same values, fewer FLOPs (the prompt "
         "share of tokens x (G-1)/G). Off with gradient_checkpointing.",
     )
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
-        "auto",
+        default="auto",
         description="Old-policy logprobs. recompute: a trainer forward before the updates. rollout: the "
         "sampler's, unchecked. auto: the sampler's, checked every step against the first update's own on-policy "
         "forward; a step where some sequence's mean logprob differs by more than rollout_logprob_tol recomputes "
         "them before its first optimizer step, and the later steps recompute.",
     )
     rollout_logprob_tol: float = Field(
-        1e-5,
+        default=1e-5,
         ge=0.0,
         le=1.0,
         description="old_logprobs=auto: the largest accepted |mean over a sequence's "
@@ -97,7 +99,7 @@ class GSPOConfig(BaseModel):
         "precision (fp32) samplers measure ~1e-7, bf16 ones ~1e-3.",
     )
     logprob_gap_every: int = Field(
-        10,
+        default=10,
         ge=0,
         le=1_000_000,
         description="With old_logprobs=recompute, ask the sampler for its logprobs on "
@@ -106,23 +108,25 @@ class GSPOConfig(BaseModel):
     )
 
     # --- optimisation ---
-    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW's peak learning rate.")
+    learning_rate: float = Field(default=1e-5, gt=0.0, le=1.0, description="AdamW's peak learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="After warmup: constant, or a cosine decay to 0 over the remaining updates."
+        default="constant", description="After warmup: constant, or a cosine decay to 0 over the remaining updates."
     )
     warmup_steps: int = Field(
-        0, ge=0, le=1_000_000, description="Steps of linear warmup (each of mini_batches updates)."
+        default=0, ge=0, le=1_000_000, description="Steps of linear warmup (each of mini_batches updates)."
     )
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW's decoupled weight decay.")
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW's first-moment decay.")
-    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW's second-moment decay.")
-    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradients are clipped to this global norm.")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW's decoupled weight decay.")
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0, description="AdamW's first-moment decay.")
+    adam_beta2: float = Field(default=0.99, ge=0.0, lt=1.0, description="AdamW's second-moment decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradients are clipped to this global norm.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="auto = bf16 autocast on GPU, fp32 on CPU."
+    )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward: less memory, more time."
+        default=False, description="Recompute activations in the backward: less memory, more time."
     )
     micro_batch_tokens: int = Field(
-        0,
+        default=0,
         ge=0,
         le=10_000_000,
         description="Most tokens (prompt + completion) one forward + backward holds: a "
@@ -132,8 +136,10 @@ class GSPOConfig(BaseModel):
     )
 
     # --- LoRA (full fine-tuning when lora_rank == 0) ---
-    lora_rank: int = Field(0, ge=0, le=1024, description="LoRA rank; 0 = full fine-tuning.")
-    lora_alpha: float = Field(32.0, gt=0.0, le=4096.0, description="LoRA scaling numerator (scale = alpha / rank).")
+    lora_rank: int = Field(default=0, ge=0, le=1024, description="LoRA rank; 0 = full fine-tuning.")
+    lora_alpha: float = Field(
+        default=32.0, gt=0.0, le=4096.0, description="LoRA scaling numerator (scale = alpha / rank)."
+    )
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
@@ -144,20 +150,22 @@ class GSPOConfig(BaseModel):
     )
 
     # --- bookkeeping ---
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and mini-batch splits.")
-    save_every: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end).")
-    eval_every: int = Field(0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
-    eval_prompts: int = Field(
-        32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one completion each)."
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and mini-batch splits.")
+    save_every: int = Field(
+        default=0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end)."
     )
-    samples_per_step: int = Field(4, ge=0, le=4096, description="Prompts whose rollouts are stored per step.")
-    shuffle: bool = Field(True, description="Shuffle the training rows each epoch (else file order).")
+    eval_every: int = Field(default=0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
+    eval_prompts: int = Field(
+        default=32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one completion each)."
+    )
+    samples_per_step: int = Field(default=4, ge=0, le=4096, description="Prompts whose rollouts are stored per step.")
+    shuffle: bool = Field(default=True, description="Shuffle the training rows each epoch (else file order).")
 
     @field_validator("*", mode="before")
     @classmethod
     def _strict_kinds(cls, value: Any, info: ValidationInfo) -> Any:
         """A boolean is not a number (``"steps": true`` is not 1), and a switch takes only true or false."""
-        kind = cls.model_fields[info.field_name].annotation
+        kind = cls.model_fields[cast(str, info.field_name)].annotation  # a field validator is always given one
         if kind in (int, float) and isinstance(value, bool):
             raise ValueError(f"expected a number, got {str(value).lower()}")
         if kind is bool and not isinstance(value, bool):

@@ -11,7 +11,10 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: Deepest JSON nesting accepted in a dataset row or a request body (chat rows use 3).
 MAX_DEPTH = 32
@@ -149,7 +152,8 @@ def loads_strict(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     except RecursionError:  # unbalanced brackets can open deeper than the byte check counts
         raise JsonValueError(f"nested deeper than {max_depth} levels") from None
     if refused:
-        path, value = _path_of(obj, lambda v, d: isinstance(v, _Refused))
+        found = _path_of(obj, lambda v, d: isinstance(v, _Refused))
+        path, value = found if found is not None else ("", refused[0])  # it is found: it was parsed into obj
         raise JsonValueError(value.why, path)
     if _SURROGATE.search(data) and (found := _path_of(obj, lambda v, d: _not_unicode(v))):
         raise JsonValueError("a string holds a lone UTF-16 surrogate escape (not valid Unicode)", found[0])
@@ -169,8 +173,12 @@ def _check_row(row: Any, line: int) -> dict:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise DataError(line, "messages", "`messages` must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        for i, message in enumerate(msgs):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
                 raise DataError(line, f"messages[{i}]", "each message needs string `role` and `content`")
         return row
     raise DataError(line, "prompt", "row has neither `prompt` (text) nor `messages` (chat)")
@@ -255,11 +263,12 @@ def _load_hf(spec: str) -> list[dict]:
     return [_check_row(dict(r), i + 1) for i, r in enumerate(ds)]
 
 
-def render_prompt(row: dict, tokenizer) -> str:
+def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase) -> str:
     """The prompt text of a row: ``prompt`` as is, or ``messages`` through the chat template."""
     if "prompt" in row:
         return row["prompt"]
-    return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    return cast(str, text)  # tokenize=False: the rendered text
 
 
 def item_of(row: dict) -> dict:

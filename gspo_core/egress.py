@@ -225,8 +225,9 @@ def system_resolver(host: str, port: int) -> list[str]:
     """The system resolver's addresses for ``host`` (TCP), first-seen order, duplicates dropped."""
     out: list[str] = []
     for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        if sockaddr[0] not in out:
-            out.append(sockaddr[0])
+        address = sockaddr[0]  # an IPv4 or IPv6 address, as text
+        if isinstance(address, str) and address not in out:
+            out.append(address)
     return out
 
 
@@ -251,13 +252,14 @@ class _PinnedBackend(httpcore.NetworkBackend):
         self._plain = httpcore.SyncBackend()
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        last: Exception | None = None
+        failures: list[httpcore.ConnectError] = []
+        # checked_addresses returns at least one address (it raises EgressRefused instead of an empty list).
         for address in self.policy.checked_addresses(host, port, self.resolver):
             try:
                 return self._plain.connect_tcp(address, port, timeout, local_address, socket_options)
             except httpcore.ConnectError as exc:
-                last = exc
-        raise last  # type: ignore[misc]  (checked_addresses never returns an empty list)
+                failures.append(exc)
+        raise failures[-1]
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
         raise EgressRefused("unix sockets are not reachable")

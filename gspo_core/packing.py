@@ -54,14 +54,14 @@ class SharedPrefixBatch:
 
     ``prompt_PL``/``prompt_attn_PL``: the ``P`` distinct prompts, left-padded, so every prompt ends at
     the last column and a completion token's distance in the cache to its prompt's tokens is their
-    real distance (sliding-window attention masks by that distance); ``plen_P`` their lengths;
+    real distance (sliding-window attention masks by that distance); ``prompt_len_P`` their lengths;
     ``row_prompt_B``: the prompt of each row; ``target_BT``/``mask_BT``: the completions (the tokens
     are the targets), right-padded.
     """
 
     prompt_PL: torch.Tensor
     prompt_attn_PL: torch.Tensor
-    plen_P: torch.Tensor
+    prompt_len_P: torch.Tensor
     row_prompt_B: torch.Tensor
     target_BT: torch.Tensor
     mask_BT: torch.Tensor
@@ -71,7 +71,7 @@ class SharedPrefixBatch:
 
     def hidden_BTH(self, trunk) -> torch.Tensor:
         """``[B, T, H]`` as :meth:`PackedBatch.hidden_BTH`: completion t of row b attends to its prompt's
-        real tokens (the padding between is masked) and sits at position ``plen + t`` (RoPE)."""
+        real tokens (the padding between is masked) and sits at position ``prompt_len + t`` (RoPE)."""
         from transformers import DynamicCache
 
         pos_PL = (self.prompt_attn_PL.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
@@ -86,46 +86,48 @@ class SharedPrefixBatch:
         cache.reorder_cache(self.row_prompt_B)  # [P, ...] -> [B, ...], differentiable (index_select)
         last_PH = out.last_hidden_state[:, -1]
         T = self.target_BT.size(1)
-        pos_BT = self.plen_P[self.row_prompt_B].unsqueeze(1) + torch.arange(T, device=self.plen_P.device)
-        attn = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.mask_BT.long()], dim=1)
-        comp_BTH = trunk(
-            input_ids=self.target_BT, attention_mask=attn, position_ids=pos_BT, past_key_values=cache, use_cache=True
+        pos_BT = self.prompt_len_P[self.row_prompt_B].unsqueeze(1) + torch.arange(T, device=self.prompt_len_P.device)
+        attn_BL = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.mask_BT.long()], dim=1)
+        completion_BTH = trunk(
+            input_ids=self.target_BT, attention_mask=attn_BL, position_ids=pos_BT, past_key_values=cache, use_cache=True
         ).last_hidden_state
-        return torch.cat([last_PH[self.row_prompt_B].unsqueeze(1), comp_BTH[:, :-1]], dim=1)
+        return torch.cat([last_PH[self.row_prompt_B].unsqueeze(1), completion_BTH[:, :-1]], dim=1)
 
 
 def _pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(r) for r in rows))
+    width = max(1, max(len(row) for row in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        cols = slice(width - len(r), width) if left else slice(0, len(r))
-        ids[i, cols] = torch.tensor(r, dtype=torch.long)
+    for i, row in enumerate(rows):
+        cols = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, cols] = torch.tensor(row, dtype=torch.long)
         mask[i, cols] = 1
     return ids, mask
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
     """Build a :class:`PackedBatch` (rows sorted by caller; padding only to the batch's longest)."""
-    input_BL, attn_BL = _pad_rows([p + c for p, c in zip(prompts, completions)], pad_id)
+    input_BL, attn_BL = _pad_rows(
+        [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)], pad_id
+    )
     target_BT, mask_BT = _pad_rows(completions, pad_id)
     pos_BT = torch.zeros_like(target_BT)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        pos_BT[b, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        pos_BT[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
     return PackedBatch(input_BL, attn_BL, pos_BT, target_BT, mask_BT.float())
 
 
 def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> SharedPrefixBatch:
     """Build a :class:`SharedPrefixBatch`: rows with equal prompt tokens share one prompt pass."""
     index: dict[tuple[int, ...], int] = {}
-    row_prompt = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    distinct = [list(k) for k in index]
+    row_prompt = [index.setdefault(tuple(prompt), len(index)) for prompt in prompts]
+    distinct = [list(tokens) for tokens in index]
     prompt_PL, prompt_attn_PL = _pad_rows(distinct, pad_id, left=True)
     target_BT, mask_BT = _pad_rows(completions, pad_id)
     return SharedPrefixBatch(
         prompt_PL,
         prompt_attn_PL,
-        torch.tensor([len(p) for p in distinct]),
+        torch.tensor([len(prompt) for prompt in distinct]),
         torch.tensor(row_prompt),
         target_BT,
         mask_BT.float(),
@@ -137,8 +139,8 @@ def pack_rows(
 ) -> PackedBatch | SharedPrefixBatch:
     """:func:`pack_shared` where sharing saves at least :data:`SHARE_MIN_SAVED` of the tokens (and every
     row has a prompt and a completion), else :func:`pack`."""
-    total = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    saved = sum(len(p) for p in prompts) - sum(len(p) for p in {tuple(p) for p in prompts})
+    total = sum(len(prompt) + len(completion) for prompt, completion in zip(prompts, completions, strict=True))
+    saved = sum(len(prompt) for prompt in prompts) - sum(len(prompt) for prompt in {tuple(p) for p in prompts})
     if share and saved >= SHARE_MIN_SAVED * total and all(prompts) and all(completions):
         return pack_shared(prompts, completions, pad_id)
     return pack(prompts, completions, pad_id)

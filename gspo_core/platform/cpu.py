@@ -48,7 +48,7 @@ class CpuPlatform(Platform):
 
         cpu_attention.declare()
         block = cpu_kv_block(max_new_tokens, dtype)
-        args: dict[str, Any] = dict(enforce_eager=True, enable_chunked_prefill=False, block_size=block)
+        args: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False, "block_size": block}
         if max_num_seqs:
             args.update(cpu_kv_cache(model_dir, dtype, max_num_seqs, max_model_len, block))
         return args
@@ -89,8 +89,8 @@ def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: i
     """
     seqs = min(max_num_seqs, CPU_MAX_SEQS)
     blocks = seqs * -(-max_model_len // block) + 1
-    return dict(
-        max_num_seqs=seqs,
-        num_gpu_blocks_override=blocks,
-        kv_cache_memory_bytes=blocks * block * kv_bytes_per_token(model_dir, dtype),
-    )
+    return {
+        "max_num_seqs": seqs,
+        "num_gpu_blocks_override": blocks,
+        "kv_cache_memory_bytes": blocks * block * kv_bytes_per_token(model_dir, dtype),
+    }

@@ -72,19 +72,24 @@ class RewardFunction:
         n = len(samples)
         start = time.monotonic()
         futures: dict[str, list[Future] | Future] = {}
-        for name, g in self.parts.items():
-            if g.batched:
-                futures[name] = self._pool.submit(g.grade_batch, samples, items)
+        for name, grader in self.parts.items():
+            if grader.batched:
+                futures[name] = self._pool.submit(grader.grade_batch, samples, items)
             else:
-                futures[name] = [self._pool.submit(g.grade_one, s, it) for s, it in zip(samples, items)]
-        queued = sum(len(f) for f in futures.values() if isinstance(f, list))
+                futures[name] = [
+                    self._pool.submit(grader.grade_one, sample, item)
+                    for sample, item in zip(samples, items, strict=True)
+                ]
+        queued = sum(len(future) for future in futures.values() if isinstance(future, list))
         waves = max(1, math.ceil(queued / MAX_THREADS))  # calls queued behind others start later
-        per_grader = {name: self._collect(self.parts[name], f, n, start, waves) for name, f in futures.items()}
+        per_grader = {
+            name: self._collect(self.parts[name], future, n, start, waves) for name, future in futures.items()
+        }
         results = []
         for k in range(n):
             scores, errors = {}, {}
-            for name, outs in per_grader.items():
-                value = outs[k]
+            for name, values in per_grader.items():
+                value = values[k]
                 if isinstance(value, GraderError):
                     errors[name] = f"{value.kind}: {value}"
                     scores[name] = 0.0
@@ -93,11 +98,11 @@ class RewardFunction:
             results.append(GradeResult(reward=self._combine(scores, errors), scores=scores, errors=errors))
         return results
 
-    def _collect(self, grader: Grader, fut, n: int, start: float, waves: int) -> list[float | GraderError]:
+    def _collect(self, grader: Grader, future, n: int, start: float, waves: int) -> list[float | GraderError]:
         deadline = start + grader.budget_s(n) * (1 if grader.batched else waves)
-        if isinstance(fut, Future):
-            return _checked(_wait(fut, deadline, grader, n), n)
-        return [_checked(_wait(f, deadline, grader, 1), 1)[0] for f in fut]
+        if isinstance(future, Future):
+            return _checked(_wait(future, deadline, grader, n), n)
+        return [_checked(_wait(one, deadline, grader, 1), 1)[0] for one in future]
 
     def _combine(self, scores: dict[str, float], errors: dict[str, str]) -> float:
         if not isinstance(self.root, MultiGrader):
@@ -114,12 +119,12 @@ class RewardFunction:
         self.root.close()
 
 
-def _wait(fut: Future, deadline: float, grader: Grader, n: int):
+def _wait(future: Future, deadline: float, grader: Grader, n: int):
     """The future's value (a float, a GraderError or a list of them), or timeout errors."""
     try:
-        value = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        value = future.result(timeout=max(0.0, deadline - time.monotonic()))
     except TimeoutError:
-        fut.cancel()
+        future.cancel()
         err = GraderError("timeout", f"{grader.type_name} grader gave no result within {grader.budget_s(n):g} s")
         return [err] * n if grader.batched else err
     except Exception as exc:  # a batched grader that raised: every sample of the batch failed
@@ -133,13 +138,13 @@ def _checked(value, n: int) -> list[float | GraderError]:
     values = value if isinstance(value, list) else [value]
     if len(values) != n:
         return [GraderError("invalid_output", f"grader returned {len(values)} scores for {n} samples")] * n
-    out = []
-    for v in values:
-        if isinstance(v, GraderError):
-            out.append(v)
+    out: list[float | GraderError] = []
+    for result in values:
+        if isinstance(result, GraderError):
+            out.append(result)
             continue
         try:
-            out.append(as_score(v))
+            out.append(as_score(result))
         except GraderError as exc:
             out.append(exc)
     return out

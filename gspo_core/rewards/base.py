@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
@@ -68,12 +68,12 @@ def render(template: str, sample: dict, item: dict) -> str:
     """Fill ``{{item.x}}``, ``{{item.a.b}}``, ``{{item.xs[0]}}`` and ``{{sample.output_text}}``
     (OpenAI grader template syntax); dicts and lists are written as JSON."""
 
-    def sub(m: re.Match) -> str:
-        root = item if m.group(1) == "item" else sample
+    def sub(match: re.Match) -> str:
+        root = item if match.group(1) == "item" else sample
         try:
-            value = _lookup(root, m.group(2))
+            value = _lookup(root, match.group(2))
         except KeyError:
-            raise GraderError("missing_field", f"template field {m.group(1)}.{m.group(2)} not found") from None
+            raise GraderError("missing_field", f"template field {match.group(1)}.{match.group(2)} not found") from None
         if isinstance(value, str):
             return value
         return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
@@ -83,7 +83,7 @@ def render(template: str, sample: dict, item: dict) -> str:
 
 def item_fields_of(template: str) -> set[str]:
     """Top-level item fields a template references (``{{item.a.b}}`` -> ``a``)."""
-    return {_split_path(m.group(2))[0] for m in TEMPLATE_RE.finditer(template) if m.group(1) == "item"}
+    return {_split_path(match.group(2))[0] for match in TEMPLATE_RE.finditer(template) if match.group(1) == "item"}
 
 
 def as_score(value: Any) -> float:
@@ -141,7 +141,7 @@ class Grader:
 
     def grade_batch(self, samples: list[dict], items: list[dict]) -> list[float | GraderError]:
         """Default: one call per sample; batched graders override this."""
-        return [self.grade_one(s, it) for s, it in zip(samples, items)]
+        return [self.grade_one(s, it) for s, it in zip(samples, items, strict=True)]
 
     def budget_s(self, n: int) -> float:
         """How long the reward function waits for one call (``n`` samples) before recording a timeout."""
@@ -149,7 +149,7 @@ class Grader:
 
     def item_fields(self) -> set[str]:
         """Top-level item fields this grader's templates (given or default) reference."""
-        return set().union(*(item_fields_of(t) for t in self.templates)) if self.templates else set()
+        return set().union(*(item_fields_of(template) for template in self.templates)) if self.templates else set()
 
     def close(self) -> None:
         pass
@@ -177,6 +177,15 @@ class Grader:
             raise RewardSpecError(self.field(key), f"must be in [{lo}, {hi}]")
         return value
 
+    @overload
+    def tmpl(self, key: str, default: str, required: bool = False) -> str: ...
+
+    @overload
+    def tmpl(self, key: str, default: None = None, *, required: Literal[True]) -> str: ...
+
+    @overload
+    def tmpl(self, key: str, default: None = None, required: bool = False) -> str | None: ...
+
     def tmpl(self, key: str, default: str | None = None, required: bool = False) -> str | None:
         """A template string: checked (only known sample fields) and remembered for item_fields()."""
         value = self.req(key, str) if required else self.opt(key, str, default)
@@ -185,10 +194,11 @@ class Grader:
         return value
 
     def add_template(self, value: str, key: str) -> None:
-        for m in TEMPLATE_RE.finditer(value):
-            if m.group(1) == "sample" and _split_path(m.group(2))[0] not in SAMPLE_FIELDS:
+        for match in TEMPLATE_RE.finditer(value):
+            if match.group(1) == "sample" and _split_path(match.group(2))[0] not in SAMPLE_FIELDS:
                 raise RewardSpecError(
-                    self.field(key), f"unknown sample field {m.group(2)!r}; known: " + ", ".join(sorted(SAMPLE_FIELDS))
+                    self.field(key),
+                    f"unknown sample field {match.group(2)!r}; known: " + ", ".join(sorted(SAMPLE_FIELDS)),
                 )
         self.templates.append(value)
 
@@ -269,7 +279,7 @@ def redact_secrets(spec: Any) -> Any:
         return [redact_secrets(v) for v in spec]
     if not isinstance(spec, dict):
         return spec
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in spec.items():
         if key in SECRET_KEYS and isinstance(value, str):
             out[key] = REDACTED

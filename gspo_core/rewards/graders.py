@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from typing import ClassVar
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, json_depth, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY
@@ -17,7 +19,7 @@ OUTPUT = "{{sample.output_text}}"
 class StringCheck(Grader):
     """OpenAI's string check: eq, ne, like (contains), ilike (contains, case-insensitive)."""
 
-    OPS = {
+    OPS: ClassVar[dict[str, Callable[[str, str], bool]]] = {
         "eq": lambda a, b: a == b,
         "ne": lambda a, b: a != b,
         "like": lambda a, b: b in a,
@@ -53,7 +55,7 @@ class RegexGrader(Grader):
     """``score_match`` (1.0) when ``pattern`` matches the input (``mode``: search | match |
     fullmatch), else ``score_no_match`` (0.0). The pattern may itself be a template."""
 
-    FLAGS = {"i": re.I, "m": re.M, "s": re.S, "x": re.X}
+    FLAGS: ClassVar[dict[str, re.RegexFlag]] = {"i": re.I, "m": re.M, "s": re.S, "x": re.X}
 
     def __init__(self, spec, path, policy=DEFAULT_POLICY):
         super().__init__(spec, path, policy)
@@ -104,15 +106,15 @@ _MINUSES = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 
 def _last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` to close, at any nesting depth (one pass over the braces)."""
-    opens = {m.end() - 1 for m in _BOXED.finditer(text)}  # where each box's "{" is
+    opens = {match.end() - 1 for match in _BOXED.finditer(text)}  # where each box's "{" is
     found, stack = None, []
-    for m in _BRACES.finditer(text) if opens else ():
-        if m.group() == "{":
-            stack.append(m.start())
+    for brace in _BRACES.finditer(text) if opens else ():
+        if brace.group() == "{":
+            stack.append(brace.start())
         elif stack:
             start = stack.pop()
             if start in opens:
-                found = text[start + 1 : m.start()]
+                found = text[start + 1 : brace.start()]
     return found
 
 
@@ -147,7 +149,7 @@ def _to_float(s: str) -> float | None:
 
 
 @register("math_answer")
-class MathAnswer(Killable, Grader):
+class MathAnswer(Killable):
     """Equivalence of the final answer (last ``\\boxed{}`` or last number) and the reference:
     math-verify's parse/verify for LaTeX and symbolic answers, numeric tolerance as the fallback."""
 
@@ -186,7 +188,7 @@ class MathAnswer(Killable, Grader):
 
 
 @register("json_schema")
-class JsonSchemaGrader(Killable, Grader):
+class JsonSchemaGrader(Killable):
     """1.0 when the output parses as JSON and validates against ``schema`` (Draft 2020-12);
     ``partial_credit`` for valid JSON that fails the schema (default 0). Code fences are stripped."""
 
@@ -267,7 +269,7 @@ class LengthGrader(Grader):
 
 
 @register("text_similarity")
-class TextSimilarity(Killable, Grader):
+class TextSimilarity(Killable):
     """Similarity of input and reference; ``evaluation_metric`` as OpenAI names them (fuzzy_match,
     bleu, gleu, rouge_1..rouge_5, rouge_l) plus exact; ``pass_threshold`` turns it into 0/1."""
 

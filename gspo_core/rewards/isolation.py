@@ -152,6 +152,8 @@ def kill_uid(uid: int) -> None:
 
 def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
     """The bwrap command line that runs ``argv`` (the interpreter first) in a fresh sandbox."""
+    if iso.bwrap is None:
+        raise ValueError(f"{iso.mode} isolation has no bubblewrap binary to run a sandbox with")
     cmd = [
         iso.bwrap,
         "--unshare-all",
@@ -200,7 +202,7 @@ def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
     ]
     for key, value in SANDBOX_ENV.items():
         cmd += ["--setenv", key, value]
-    return cmd + ["--", *argv]
+    return [*cmd, "--", *argv]
 
 
 def preexec(iso: Isolation, limits, n_tasks: int, uid: int | None):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
+from typing import cast
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, build_grader, register
 from gspo_core.rewards.policy import DEFAULT_POLICY
@@ -16,7 +18,7 @@ _BIN = {
     ast.Div: operator.truediv,
     ast.Pow: operator.pow,
 }
-_FUNCS = {"min": min, "max": max, "abs": abs}
+_FUNCS: dict[str, Callable[..., float]] = {"min": min, "max": max, "abs": abs}
 #: Bounds checked before anything recurses: multi graders nested in multi graders, sub-graders per
 #: multi, and the formula's syntax tree (nesting depth, nodes).
 MAX_MULTI_DEPTH = 8
@@ -68,15 +70,17 @@ def _eval(node: ast.AST, env: dict[str, float]) -> float:
     if isinstance(node, ast.Expression):
         return _eval(node.body, env)
     if isinstance(node, ast.Constant):
-        return float(node.value)
+        return float(cast(float, node.value))  # a number: _check lets no other constant through
     if isinstance(node, ast.Name):
         return env[node.id]
     if isinstance(node, ast.BinOp):
         return _BIN[type(node.op)](_eval(node.left, env), _eval(node.right, env))
     if isinstance(node, ast.UnaryOp):
-        v = _eval(node.operand, env)
-        return -v if isinstance(node.op, ast.USub) else v
-    return _FUNCS[node.func.id](*(_eval(a, env) for a in node.args))
+        value = _eval(node.operand, env)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return _FUNCS[node.func.id](*(_eval(arg, env) for arg in node.args))
+    raise TypeError(f"not a formula node: {ast.dump(node)[:200]}")  # _check lets no other node through
 
 
 @register("multi")
@@ -137,16 +141,16 @@ class MultiGrader(Grader):
 
     def grade(self, sample, item):  # only used when a multi is nested inside a multi
         scores = {}
-        for name, g in self.subs.items():
-            res = g.grade_batch([sample], [item])[0] if g.batched else g.grade_one(sample, item)
+        for name, grader in self.subs.items():
+            res = grader.grade_batch([sample], [item])[0] if grader.batched else grader.grade_one(sample, item)
             if isinstance(res, GraderError):
                 raise res
             scores[name] = res
         return self.combine(scores)
 
     def item_fields(self):
-        return set().union(*(g.item_fields() for g in self.subs.values()))
+        return set().union(*(grader.item_fields() for grader in self.subs.values()))
 
     def close(self):
-        for g in self.subs.values():
-            g.close()
+        for grader in self.subs.values():
+            grader.close()

@@ -20,7 +20,8 @@ class GraderPolicy:
     bwrap: str = "bwrap"
     #: Run `python` graders even where the sandbox cannot isolate them (no bubblewrap/user namespaces).
     allow_weak_isolation: bool = False
-    #: Largest per-sample ``timeout_s``, per-process ``memory_mb`` and ``max_concurrency`` a `python` grader may ask for.
+    #: Largest per-sample ``timeout_s``, per-process ``memory_mb`` and ``max_concurrency`` a `python` grader
+    #: may ask for.
     max_timeout_s: float = 60.0
     max_memory_mb: int = 1024
     max_concurrency: int = 8

@@ -16,6 +16,7 @@ shared by every reward function of the process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import math
@@ -28,6 +29,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
+from typing import IO
 
 from gspo_core.rewards.base import Grader, GraderError
 from gspo_core.rewards.policy import GraderPolicy
@@ -46,21 +48,25 @@ IN_POOL_PROCESS = False
 class _Proc:
     """One pool process and its half-read protocol stream."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen, self.buf, self.defined = popen, b"", set()
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        if popen.stdin is None or popen.stdout is None:
+            raise ValueError("a pool process talks over its stdin and stdout: start it with both piped")
+        self.popen, self.stdin, self.stdout = popen, popen.stdin, popen.stdout
+        self.buf = b""
+        self.defined: set[str] = set()
 
     def send(self, obj: dict | str) -> bool:
         line = obj if isinstance(obj, str) else json.dumps(obj)
         try:
-            self.popen.stdin.write(line.encode() + b"\n")
-            self.popen.stdin.flush()
+            self.stdin.write(line.encode() + b"\n")
+            self.stdin.flush()
             return True
         except (OSError, ValueError):
             return False
 
     def read(self, deadline: float) -> dict | None:
         """The next protocol message, or None when the deadline passed or the process ended."""
-        fd = self.popen.stdout.fileno()
+        fd = self.stdout.fileno()
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -77,16 +83,13 @@ class _Proc:
         return msg if isinstance(msg, dict) else None
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.popen.kill()
-        except OSError:
-            pass
         self.popen.wait()
-        for stream in (self.popen.stdin, self.popen.stdout):
-            try:
+        streams: tuple[IO[bytes], ...] = (self.stdin, self.stdout)
+        for stream in streams:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
 class GraderPool:
@@ -97,7 +100,8 @@ class GraderPool:
         self._idle: queue.Queue[_Proc] = queue.Queue()
         self._spawns: queue.Queue[int] = queue.Queue()
         self._lock = threading.Lock()
-        self._live, self._procs = 0, set()
+        self._live = 0
+        self._procs: set[_Proc] = set()
         self._failed, self._failed_at = "", 0.0
         self._primes: queue.Queue[Killable] = queue.Queue()
         self._recent: OrderedDict[str, Killable] = OrderedDict()  # specs a new process is handed before work
@@ -177,7 +181,9 @@ class GraderPool:
                 return GraderError("killed", f"could not start a grader process ({self._failed})")
             return GraderError("timeout", "no grader process was free within the batch's budget")
 
-    def _run_chunk(self, grader: Killable, tasks: list[tuple[int, str]], deadline: float) -> dict[int, object]:
+    def _run_chunk(
+        self, grader: Killable, tasks: list[tuple[int, str]], deadline: float
+    ) -> dict[int, float | GraderError]:
         """Grade ``tasks`` (index, JSON of ``[index, sample, item]``) in one pool process, which answers
         sample by sample; each answer must come within the per-sample limit. Returns the answers it
         got, in order: a process that overruns is killed and the sample it was on gets the error;
@@ -194,7 +200,7 @@ class GraderPool:
         request = (
             f'{{"key": "{grader.pool_key}", "timeout": {timeout!r}, "tasks": [' + ", ".join(t for _, t in tasks) + "]}"
         )
-        got: dict[int, object] = {}
+        got: dict[int, float | GraderError] = {}
         for _ in range(2):  # a second time when the process no longer held the spec
             if not self._define(proc, grader, deadline) or not proc.send(request):
                 return {tasks[0][0]: self._overrun(proc, grader, timeout, deadline)}
@@ -274,9 +280,9 @@ class GraderPool:
         (``local_budget_s``) runs out score a timeout."""
         deadline = time.monotonic() + grader.policy.local_budget_s
         self.prime(grader)  # most recent first for replacements
-        results: list[object] = [None] * len(samples)
+        results: list[float | GraderError | None] = [None] * len(samples)
         todo: deque[tuple[int, str]] = deque()
-        for i, (s, it) in enumerate(zip(samples, items)):
+        for i, (s, it) in enumerate(zip(samples, items, strict=True)):
             task = json.dumps([i, s, it])
             if len(task) > MAX_REQUEST_BYTES:
                 results[i] = GraderError(
@@ -290,7 +296,8 @@ class GraderPool:
         def lane() -> None:
             while True:
                 with lock:
-                    chunk, size = [], 0
+                    chunk: list[tuple[int, str]] = []
+                    size = 0
                     while (
                         todo and len(chunk) < per_chunk and (not chunk or size + len(todo[0][1]) <= MAX_REQUEST_BYTES)
                     ):
@@ -306,15 +313,15 @@ class GraderPool:
                 for i, value in got.items():
                     results[i] = value
                 with lock:
-                    todo.extendleft(reversed([t for t in chunk if t[0] not in got]))
+                    todo.extendleft(reversed([task for task in chunk if task[0] not in got]))
 
         lanes = [threading.Thread(target=lane, daemon=True) for _ in range(min(self.size, len(todo)) - 1)]
-        for t in lanes:
-            t.start()
+        for thread in lanes:
+            thread.start()
         lane()
-        for t in lanes:
-            t.join()
-        return results  # type: ignore[return-value]
+        for thread in lanes:
+            thread.join()
+        return results  # type: ignore[return-value]  # every slot is set above: a score or an error
 
     def pids(self, holding: str | None = None) -> list[int]:
         """The live processes' ids; with ``holding``, those that hold that spec key (tests, monitoring)."""
@@ -328,7 +335,7 @@ class GraderPool:
             p.kill()
 
 
-_POOLS: dict[tuple[int, int], GraderPool] = {}
+_POOLS: dict[tuple[int, int, int], GraderPool] = {}
 _POOLS_PID = 0
 _POOLS_LOCK = threading.Lock()
 
@@ -361,13 +368,15 @@ def _close_pools() -> None:
             pool.close()
 
 
-class Killable:
-    """Mixin for graders whose ``grade`` runs third-party or user-shaped computation: in the service
+class Killable(Grader):
+    """Base of graders whose ``grade`` runs third-party or user-shaped computation: in the service
     they grade in the pool (``grade_batch``); inside a pool process ``grade_one`` runs them directly."""
 
     batched = True
+    #: The spec's key in the pool (set by :meth:`start_pool`).
+    pool_key: str
 
-    def start_pool(self: Grader) -> None:
+    def start_pool(self) -> None:
         """Called at the end of ``__init__``: the spec's key in the pool, and processes warming up."""
         blob = json.dumps([self.type_name, self.path, self.spec], sort_keys=True, default=str)
         self.pool_key = hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -376,8 +385,8 @@ class Killable:
             pool.start()
             pool.prime(self)
 
-    def grade_batch(self, samples, items):
+    def grade_batch(self, samples: list[dict], items: list[dict]) -> list[float | GraderError]:
         return pool_for(self.policy).grade(self, samples, items)
 
-    def budget_s(self, n):
+    def budget_s(self, n: int) -> float:
         return self.policy.local_budget_s + 2 * GRACE_S

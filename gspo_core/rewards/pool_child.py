@@ -8,6 +8,7 @@ or once ``{"need": key}`` for a spec it no longer holds); ``{"ready": true}`` co
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -31,10 +32,8 @@ def _alarm(signum, frame):
 
 def _die_with_parent(parent: int) -> None:
     """SIGKILL this process when the parent's spawning thread ends, even mid-computation in C."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(0)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, register
 from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
@@ -41,7 +43,10 @@ class PythonGrader(Grader):
         if len(self.source) > MAX_SOURCE_CHARS:
             raise RewardSpecError(self.field("source"), f"longer than {MAX_SOURCE_CHARS} characters")
         try:
-            tree = compile(self.source, "<grader>", "exec", flags=0x400, dont_inherit=True)  # PyCF_ONLY_AST
+            # A syntax tree only (nothing compiled to code): in "exec" mode, a Module.
+            tree = cast(
+                ast.Module, compile(self.source, "<grader>", "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+            )
         except SyntaxError as exc:
             raise RewardSpecError(self.field("source"), f"syntax error line {exc.lineno}: {exc.msg}") from None
         except ValueError as exc:  # e.g. a NUL byte
@@ -81,7 +86,7 @@ class PythonGrader(Grader):
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"sandbox-{self.name}")
 
     def grade_batch(self, samples, items):
-        calls = [[s, i] for s, i in zip(samples, items)]
+        calls = [[s, i] for s, i in zip(samples, items, strict=True)]
         size = max(1, min(16, math.ceil(len(calls) / self.concurrency)))
         chunks = [calls[k : k + size] for k in range(0, len(calls), size)]
         raw = [

@@ -6,9 +6,13 @@ import json
 import re
 import threading
 import time
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+
+if TYPE_CHECKING:
+    from gspo_core.egress import EgressClient
 
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 _SSL = None
@@ -34,10 +38,10 @@ class _HttpCaller:
     def __init__(self, timeout: float, retries: int, backoff: float, headers: dict, policy: GraderPolicy) -> None:
         self.timeout, self.retries, self.backoff, self.headers = timeout, retries, backoff, headers
         self.allow = policy.egress_allow
-        self._client = None
+        self._client: EgressClient | None = None
         self._lock = threading.Lock()
 
-    def client(self):
+    def client(self) -> EgressClient:
         with self._lock:
             if self._client is None:
                 from gspo_core.egress import EgressClient, EgressPolicy
@@ -47,7 +51,8 @@ class _HttpCaller:
                 )
             return self._client
 
-    def post(self, url: str, body: dict) -> object:
+    def post(self, url: str, body: dict) -> Any:
+        """The endpoint's JSON answer (any JSON value: the caller checks its shape)."""
         from gspo_core.egress import EgressError, EgressRefused
 
         last = GraderError("http_error", "no attempt made")
@@ -157,7 +162,7 @@ class ScoreModelGrader(Grader):
     list of chat messages whose contents are templates; the first number in the reply, clipped to
     ``range`` [lo, hi], is mapped onto [0, 1]. ``sampling_params`` go into the request as they are."""
 
-    SAMPLING_KEYS = {
+    SAMPLING_KEYS: ClassVar[dict[str, str]] = {
         "temperature": "must be a number",
         "top_p": "must be a number",
         "max_tokens": "must be an integer",
@@ -176,10 +181,14 @@ class ScoreModelGrader(Grader):
         self.messages = self.req("input", list)
         if not self.messages:
             raise RewardSpecError(self.field("input"), "needs at least one message")
-        for i, m in enumerate(self.messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        for i, message in enumerate(self.messages):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
                 raise RewardSpecError(self.field(f"input[{i}]"), "each message needs string role and content")
-            self.add_template(m["content"], f"input[{i}].content")
+            self.add_template(message["content"], f"input[{i}].content")
         rng = self.opt("range", list, [0, 1])
         if (
             len(rng) != 2
@@ -204,18 +213,20 @@ class ScoreModelGrader(Grader):
         self.http = _caller(self, {"Authorization": f"Bearer {api_key}"} if api_key else {}, 60.0)
 
     def grade(self, sample, item):
-        msgs = [{"role": m["role"], "content": render(m["content"], sample, item)} for m in self.messages]
+        messages = [
+            {"role": message["role"], "content": render(message["content"], sample, item)} for message in self.messages
+        ]
         reply = self.http.post(
-            f"{self.base_url}/chat/completions", {"model": self.model, "messages": msgs, **self.sampling}
+            f"{self.base_url}/chat/completions", {"model": self.model, "messages": messages, **self.sampling}
         )
         try:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise GraderError("invalid_output", "judge reply has no choices[0].message.content") from None
-        m = _NUM.search(text if isinstance(text, str) else "")
-        if not m:
+        number = _NUM.search(text if isinstance(text, str) else "")
+        if not number:
             raise GraderError("invalid_output", "judge reply has no number")
-        value = min(max(float(m.group()), self.lo), self.hi)
+        value = min(max(float(number.group()), self.lo), self.hi)
         return (value - self.lo) / (self.hi - self.lo)
 
     def budget_s(self, n):

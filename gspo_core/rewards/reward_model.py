@@ -37,7 +37,8 @@ class ModelCache:
         return entry
 
     def acquire(self, key: tuple[str, str], load) -> _Entry:
-        """The entry for ``key``, loading it with ``load() -> (tokenizer, model)`` if needed; pair with :meth:`release`."""
+        """The entry for ``key``, loading it with ``load() -> (tokenizer, model)`` if needed; pair with
+        :meth:`release`."""
         with self._lock:
             if (entry := self._take(key)) is not None:
                 return entry
@@ -51,7 +52,7 @@ class ModelCache:
             finally:
                 with self._lock:
                     self._loading.pop(key, None)
-            nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+            nbytes = sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *model.buffers()])
             with self._lock:
                 self.loads += 1
                 entry = self._entries[key] = _Entry(tok, model, nbytes)
@@ -98,8 +99,8 @@ def default_text(sample: dict, item: dict) -> str:
     """The prompt (``item.prompt``, or the ``item.messages`` contents) followed by the output."""
     prompt = item.get("prompt")
     if not isinstance(prompt, str):
-        msgs = item.get("messages") or []
-        prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        messages = item.get("messages") or []
+        prompt = "\n".join(str(message.get("content", "")) for message in messages if isinstance(message, dict))
     return prompt + sample["output_text"]
 
 
@@ -164,9 +165,9 @@ class RewardModelGrader(Grader):
 
     def _texts(self, samples, items) -> list[str | GraderError]:
         out: list[str | GraderError] = []
-        for s, it in zip(samples, items):
+        for sample, item in zip(samples, items, strict=True):
             try:
-                out.append(render(self.input, s, it) if self.input is not None else default_text(s, it))
+                out.append(render(self.input, sample, item) if self.input is not None else default_text(sample, item))
             except GraderError as exc:
                 out.append(exc)
         return out
@@ -182,22 +183,22 @@ class RewardModelGrader(Grader):
         except Exception as exc:
             return [GraderError("exception", f"reward model: {type(exc).__name__}: {exc}"[:500])] * len(samples)
         out: list = list(texts)
-        todo = [k for k, t in enumerate(texts) if isinstance(t, str)]
-        tok, model = entry.tok, entry.model
+        todo = [k for k, text in enumerate(texts) if isinstance(text, str)]
+        tokenizer, model = entry.tok, entry.model
         with entry.lock, torch.inference_mode():
-            for b in range(0, len(todo), self.batch_size):
-                idx = todo[b : b + self.batch_size]
-                enc = tok(
+            for start in range(0, len(todo), self.batch_size):
+                idx = todo[start : start + self.batch_size]
+                encoded = tokenizer(
                     [texts[k] for k in idx],
                     return_tensors="pt",
                     padding=True,
                     truncation=True,
                     max_length=self.max_length,
                 ).to(model.device)
-                logits_B = model(**enc).logits[:, self.label].float()
+                logits_B = model(**encoded).logits[:, self.label].float()
                 scores_B = torch.sigmoid(logits_B) if self.activation == "sigmoid" else logits_B
-                for k, v in zip(idx, scores_B.tolist()):
-                    out[k] = v
+                for k, score in zip(idx, scores_B.tolist(), strict=True):
+                    out[k] = score
         return out
 
     def close(self):

@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from gspo_core.rewards.base import GraderError
 from gspo_core.rewards.isolation import (
@@ -55,7 +55,8 @@ import resource
 if job["uid"] is not None:
     # Weak mode as root: import what graders commonly need BEFORE dropping to the throw-away uid,
     # which may not be able to read the interpreter's directory.
-    import collections, decimal, difflib, fractions, functools, hashlib, itertools, math, random, re, socket, statistics, string, time, typing, unicodedata
+    import collections, decimal, difflib, fractions, functools, hashlib, itertools, math
+    import random, re, socket, statistics, string, time, typing, unicodedata
     import encodings.idna, encodings.ascii, encodings.latin_1
 try:
     if job["uid"] is not None:
@@ -148,10 +149,9 @@ def memory_in_use_mb() -> int:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:  # bwrap's --die-with-parent then takes its PID namespace (all the user code forked) down
+    # bwrap's --die-with-parent then takes its PID namespace (all the user code forked) down.
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -186,6 +186,7 @@ def _spawn(iso: Isolation, source, tasks, limits: SandboxLimits, entry: str, uid
         cwd="/",
         preexec_fn=preexec(iso, limits, len(tasks), uid),
     )
+    assert proc.stdin is not None  # stdin=PIPE
     try:
         proc.stdin.write(payload.encode())  # the child reads all of it before it writes anything
         proc.stdin.close()
@@ -199,6 +200,7 @@ def _read_results(proc: subprocess.Popen, tasks, limits: SandboxLimits) -> tuple
     Does not wait for EOF: a grandchild may hold the pipe open."""
     wanted = {i for i, _ in tasks}
     results: dict[int, object] = {}
+    assert proc.stdout is not None  # started with stdout=PIPE (_spawn)
     buf, fd = b"", proc.stdout.fileno()
     deadline = time.monotonic() + max(limits.setup_s, limits.timeout_s) + START_GRACE_S
     while len(results) < len(wanted):

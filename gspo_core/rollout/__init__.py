@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo_core.policy import Policy
 
 __all__ = ["Completion", "RolloutEngine", "SamplingSpec", "engine_kind", "make_engine", "vllm_available"]
 
@@ -15,8 +22,17 @@ def vllm_available() -> bool:
 
 
 def _make_vllm(
-    *, model_dir, seed, max_model_len, gpu_memory_utilization, dtype, plain_sampling, max_num_seqs, max_new_tokens, **_
-):
+    *,
+    model_dir: str,
+    seed: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    dtype: str,
+    plain_sampling: bool,
+    max_num_seqs: int | None,
+    max_new_tokens: int | None,
+    **_: object,
+) -> RolloutEngine:
     from gspo_core.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(
@@ -31,13 +47,15 @@ def _make_vllm(
     )
 
 
-def _make_hf(*, policy, tokenizer, seed, dtype, **_):
+def _make_hf(
+    *, policy: Policy, tokenizer: PreTrainedTokenizerBase, seed: int, dtype: str, **_: object
+) -> RolloutEngine:
     from gspo_core.rollout.hf_engine import TransformersEngine
 
     return TransformersEngine(policy, tokenizer, seed=seed, dtype=dtype)
 
 
-ENGINES = {"vllm": _make_vllm, "transformers": _make_hf}
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"vllm": _make_vllm, "transformers": _make_hf}
 
 
 def engine_kind(kind: str) -> str:
@@ -56,8 +74,8 @@ def make_engine(
     kind: str,
     *,
     model_dir: str,
-    policy,
-    tokenizer,
+    policy: Policy,
+    tokenizer: PreTrainedTokenizerBase,
     seed: int,
     max_model_len: int,
     gpu_memory_utilization: float = 0.3,

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from gspo_core.policy import base_model
+from gspo_core.policy import Policy, base_model
 from gspo_core.rollout.base import Completion, SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedTokenizerBase
 
 #: Sampler precision -> the autocast dtype its forwards run under (None: the weights' own fp32).
 AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
@@ -42,30 +46,34 @@ class SampledLogprobs:
     def __call__(self, input_ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         scores_BV = top_p_mask(scores_BV.float() / self.temperature, self.top_p)
         if self.prev_logp_BV is not None:
-            self._take(input_ids_BL[:, -1])
+            self._take(self.prev_logp_BV, input_ids_BL[:, -1])
         self.prev_logp_BV = scores_BV.log_softmax(dim=-1)
         return scores_BV
 
-    def _take(self, tok_B: torch.Tensor) -> None:
-        self.cols.append(self.prev_logp_BV.gather(1, tok_B.unsqueeze(1)).squeeze(1))
+    def _take(self, logp_BV: torch.Tensor, token_B: torch.Tensor) -> None:
+        self.cols.append(logp_BV.gather(1, token_B.unsqueeze(1)).squeeze(1))
 
     def finish(self, new_BT: torch.Tensor) -> torch.Tensor:
         """Log-probs ``[B, T]`` of the ``T`` generated tokens ``new_BT``."""
-        if len(self.cols) < new_BT.shape[1]:
-            self._take(new_BT[:, -1])
+        if len(self.cols) < new_BT.shape[1] and self.prev_logp_BV is not None:
+            self._take(self.prev_logp_BV, new_BT[:, -1])
         return torch.stack(self.cols, dim=1)
 
 
-def _eos_ids(policy, tokenizer) -> set[int]:
+def _eos_ids(policy: Policy, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else ({gen_eos} if gen_eos is not None else set())
+    config_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    ids |= (
+        set(config_eos)
+        if isinstance(config_eos, (list, tuple))
+        else ({config_eos} if config_eos is not None else set())
+    )
     return ids
 
 
 @contextlib.contextmanager
-def _clean_generation_config(policy, eos_ids: list[int] | None, pad_id: int):
+def _clean_generation_config(policy: Policy, eos_ids: list[int] | None, pad_id: int) -> Iterator[None]:
     """Generate under a neutral config: a model's own defaults (repetition penalty, top-k, ...)
     must not change what is sampled, as vLLM ignores them too once sampling params are given."""
     from transformers import GenerationConfig
@@ -94,7 +102,13 @@ class TransformersEngine:
     shares_weights = True
 
     def __init__(
-        self, policy: torch.nn.Module, tokenizer, *, seed: int = 0, batch_size: int = 256, dtype: str = "float32"
+        self,
+        policy: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        seed: int = 0,
+        batch_size: int = 256,
+        dtype: str = "float32",
     ) -> None:
         if dtype not in AUTOCAST:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(AUTOCAST)}")
@@ -109,7 +123,7 @@ class TransformersEngine:
             raise ValueError("prompt_ids: every prompt needs at least one token")
         device = next(self.policy.parameters()).device
         was_training = self.policy.training
-        outs: list[Completion] = []
+        completions: list[Completion] = []
         # A seeded call must not move the trainer's global RNG (exact resume depends on it).
         fork = torch.random.fork_rng(
             devices=[device] if device.type == "cuda" else [], enabled=sampling.seed is not None
@@ -124,29 +138,29 @@ class TransformersEngine:
                 indexed = list(enumerate(prompt_ids))
                 per_batch = max(1, self.batch_size // sampling.n)  # a prompt's group is never split
                 for k in range(0, len(indexed), per_batch):
-                    outs += self._generate_batch(indexed[k : k + per_batch], sampling, device)
+                    completions += self._generate_batch(indexed[k : k + per_batch], sampling, device)
         finally:
             self.policy.train(was_training)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
-        for c in outs:
-            grouped[c.prompt_index].append(c)
+        for completion in completions:
+            grouped[completion.prompt_index].append(completion)
         return grouped
 
-    def _prompt_cache(self, input_PW: torch.Tensor, attn_PW: torch.Tensor, n: int):
+    def _prompt_cache(self, input_PL: torch.Tensor, attn_PL: torch.Tensor, n: int) -> DynamicCache | None:
         """Keys and values of every prompt but its last token, computed once and repeated for its
         ``n`` samples (generate would run each prompt ``n`` times); None when there is nothing to share."""
-        if n == 1 or input_PW.size(1) < 2:
+        if n == 1 or input_PL.size(1) < 2:
             return None
         from transformers import DynamicCache
 
         base = base_model(self.policy)
         trunk = base.get_decoder()
         # generate's own rule for left-padded rows: positions count real tokens only.
-        pos_PW = (attn_PW.cumsum(-1) - 1).clamp(min=0)
+        pos_PL = (attn_PL.cumsum(-1) - 1).clamp(min=0)
         cache = trunk(
-            input_ids=input_PW[:, :-1],
-            attention_mask=attn_PW[:, :-1],
-            position_ids=pos_PW[:, :-1],
+            input_ids=input_PL[:, :-1],
+            attention_mask=attn_PL[:, :-1],
+            position_ids=pos_PL[:, :-1],
             past_key_values=DynamicCache(config=base.config),
             use_cache=True,
         ).past_key_values
@@ -154,23 +168,29 @@ class TransformersEngine:
         return cache
 
     @torch.inference_mode()
-    def _generate_batch(self, batch, sampling: SamplingSpec, device) -> list[Completion]:
+    def _generate_batch(
+        self, batch: list[tuple[int, list[int]]], sampling: SamplingSpec, device: torch.device
+    ) -> list[Completion]:
         """``sampling.n`` samples of each ``(index, ids)`` prompt in ``batch``, the prompts prefilled once."""
         width = max(len(ids) for _, ids in batch)
-        input_PW = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attn_PW = torch.zeros((len(batch), width), dtype=torch.long)
-        for b, (_, ids) in enumerate(batch):  # left padding, so every row ends at the same column
-            input_PW[b, width - len(ids) :] = torch.tensor(ids)
-            attn_PW[b, width - len(ids) :] = 1
-        input_PW, attn_PW = input_PW.to(device), attn_PW.to(device)
+        input_PL = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attn_PL = torch.zeros((len(batch), width), dtype=torch.long)
+        for prompt, (_, ids) in enumerate(batch):  # left padding, so every row ends at the same column
+            input_PL[prompt, width - len(ids) :] = torch.tensor(ids)
+            attn_PL[prompt, width - len(ids) :] = 1
+        input_PL, attn_PL = input_PL.to(device), attn_PL.to(device)
         from transformers import LogitsProcessorList
 
         recorder = SampledLogprobs(sampling.temperature, sampling.top_p)
+        # The policy is a causal LM or a PEFT wrapper that forwards to one: either generates, and returns the
+        # rows' token ids [prompt | completion] as one tensor (not asked for a dict). Typed here: torch types
+        # an unknown module attribute as a tensor or a module.
+        generate = cast("Callable[..., torch.Tensor]", self.policy.generate)
         # temperature/top-p/top-k are neutral here: the recorder applies them, once.
-        seq_BL = self.policy.generate(
-            input_ids=input_PW.repeat_interleave(sampling.n, 0),
-            attention_mask=attn_PW.repeat_interleave(sampling.n, 0),
-            past_key_values=self._prompt_cache(input_PW, attn_PW, sampling.n),
+        seq_BL = generate(
+            input_ids=input_PL.repeat_interleave(sampling.n, 0),
+            attention_mask=attn_PL.repeat_interleave(sampling.n, 0),
+            past_key_values=self._prompt_cache(input_PL, attn_PL, sampling.n),
             do_sample=True,
             temperature=1.0,
             top_p=1.0,
@@ -182,26 +202,33 @@ class TransformersEngine:
         new_BT = seq_BL[:, width:]
         logp_BT = recorder.finish(new_BT).float().cpu() if sampling.logprobs else None
         new_BT = new_BT.cpu()
-        rows = [(p, ids) for p, ids in batch for _ in range(sampling.n)]
+        rows = [(prompt_index, ids) for prompt_index, ids in batch for _ in range(sampling.n)]
         return [
-            self._completion(p, ids, new_BT[b], None if logp_BT is None else logp_BT[b], sampling)
-            for b, (p, ids) in enumerate(rows)
+            self._completion(prompt_index, ids, new_BT[row], None if logp_BT is None else logp_BT[row], sampling)
+            for row, (prompt_index, ids) in enumerate(rows)
         ]
 
-    def _completion(self, p: int, ids: list[int], new_T, logp_T, sampling: SamplingSpec) -> Completion:
-        toks = new_T.tolist()
-        n, finish = len(toks), "length"
+    def _completion(
+        self,
+        prompt_index: int,
+        ids: list[int],
+        new_T: torch.Tensor,
+        logp_T: torch.Tensor | None,
+        sampling: SamplingSpec,
+    ) -> Completion:
+        tokens = new_T.tolist()
+        length, finish = len(tokens), "length"
         if not sampling.ignore_eos:
-            stop_at = next((i for i, t in enumerate(toks) if t in self.eos_ids), None)
+            stop_at = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
             if stop_at is not None:  # keep the EOS token: the policy must learn to stop
-                n, finish = stop_at + 1, "stop"
-        toks = toks[:n]
-        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                length, finish = stop_at + 1, "stop"
+        tokens = tokens[:length]
+        text = cast(str, self.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one string
         return Completion(
-            prompt_index=p,
+            prompt_index=prompt_index,
             prompt_ids=list(ids),
-            completion_ids=toks,
-            logprobs=logp_T[:n].tolist() if logp_T is not None else [],
+            completion_ids=tokens,
+            logprobs=logp_T[:length].tolist() if logp_T is not None else [],
             text=text,
             finish_reason=finish,
         )

@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from gspo_core.platform import Platform, current
 from gspo_core.rollout.base import Completion, SamplingSpec
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from vllm import LLM
 
-def _has_reload_weights(worker) -> bool:
+
+def _has_reload_weights(worker: object) -> bool:
     """Probe run on the engine's worker: does its model runner reload weights in place?"""
     return callable(getattr(worker, "reload_weights", None))
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: it loads HF-named weights itself."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
 
 
 class VLLMEngine:
@@ -67,15 +78,15 @@ class VLLMEngine:
         # step, asked for or not; with plain sampling the raw distribution is the sampled one, and raw
         # logprobs are computed only when asked.
         self.plain_sampling = plain_sampling
-        kwargs = dict(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            logprobs_mode="raw_logprobs" if plain_sampling else "processed_logprobs",
-            enable_prefix_caching=True,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir),
+            "dtype": dtype,
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "logprobs_mode": "raw_logprobs" if plain_sampling else "processed_logprobs",
+            "enable_prefix_caching": True,
+            "gpu_memory_utilization": gpu_memory_utilization,
+        }
         kwargs.update(
             (platform or current()).vllm_engine_args(
                 model_dir=str(model_dir),
@@ -88,11 +99,20 @@ class VLLMEngine:
         #: Tokens per KV block where the platform picks it (vLLM's own choice otherwise).
         self.kv_block: int | None = kwargs.get("block_size")
         self._sleep_capable = bool(kwargs.get("enable_sleep_mode"))
-        self.llm = LLM(**kwargs)
+        llm = LLM(**kwargs)
+        #: The engine; None once :meth:`close` released it.
+        self.llm: LLM | None = llm
         self.max_model_len = max_model_len
         self._asleep = False
         # Probe once which in-place push path the worker has, rather than branching on device names.
-        self._reload_in_place = all(self.llm.collective_rpc(_has_reload_weights))
+        self._reload_in_place = all(llm.collective_rpc(_has_reload_weights))
+
+    @property
+    def _live(self) -> LLM:
+        """The engine, while it is not closed."""
+        if self.llm is None:
+            raise RuntimeError("this vLLM engine is closed")
+        return self.llm
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -112,16 +132,16 @@ class VLLMEngine:
         # Flat logprobs and no per-step detokenizing: vLLM otherwise builds a Logprob object and a dict
         # per sampled token and detokenizes each logprob's token at every step, which we never read; the
         # text is decoded once per completion below, as the transformers engine does.
-        base = dict(
-            n=sampling.n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0 if sampling.logprobs else None,
-            flat_logprobs=True,
-            detokenize=False,
-        )
+        base: dict[str, Any] = {
+            "n": sampling.n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "ignore_eos": sampling.ignore_eos,
+            "logprobs": 0 if sampling.logprobs else None,
+            "flat_logprobs": True,
+            "detokenize": False,
+        }
         # Children of prompt p take seeds base_p + i (i < n): space the prompts n apart so no two
         # samples of one call share a seed.
         params = [
@@ -131,23 +151,31 @@ class VLLMEngine:
             for p in range(len(prompt_ids))
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        token_ids = [[list(c.token_ids) for c in out.outputs] for out in outputs]
-        texts = iter(self.llm.get_tokenizer().batch_decode([t for g in token_ids for t in g], skip_special_tokens=True))
+        outputs = self._live.generate(prompts, params, use_tqdm=False)
+        token_ids = [[list(sample.token_ids) for sample in out.outputs] for out in outputs]
+        flat = [tokens for group in token_ids for tokens in group]
+        # The engine's tokenizer is the model's transformers tokenizer (vLLM types it as its own protocol).
+        tokenizer = cast("PreTrainedTokenizerBase", self._live.get_tokenizer())
+        texts = iter(tokenizer.batch_decode(flat, skip_special_tokens=True))
         return [
-            [self._completion(p, prompt_ids[p], c, toks, next(texts)) for c, toks in zip(out.outputs, token_ids[p])]
-            for p, out in enumerate(outputs)
+            [
+                self._completion(prompt_index, prompt_ids[prompt_index], sample, tokens, next(texts))
+                for sample, tokens in zip(out.outputs, token_ids[prompt_index], strict=True)
+            ]
+            for prompt_index, out in enumerate(outputs)
         ]
 
     @staticmethod
-    def _completion(p: int, ids: list[int], c, toks: list[int], text: str) -> Completion:
+    def _completion(prompt_index: int, ids: list[int], sample, tokens: list[int], text: str) -> Completion:
         # Flat logprobs: each position's entries start with the sampled token's (then the top-k, none here).
-        logprobs = [c.logprobs.logprobs[i] for i in c.logprobs.start_indices] if c.logprobs is not None else []
-        finish = "stop" if c.finish_reason == "stop" else "length"
+        logprobs = (
+            [sample.logprobs.logprobs[i] for i in sample.logprobs.start_indices] if sample.logprobs is not None else []
+        )
+        finish = "stop" if sample.finish_reason == "stop" else "length"
         return Completion(
-            prompt_index=p,
+            prompt_index=prompt_index,
             prompt_ids=list(ids),
-            completion_ids=toks,
+            completion_ids=tokens,
             logprobs=logprobs,
             text=text,
             finish_reason=finish,
@@ -161,24 +189,26 @@ class VLLMEngine:
         that works on every backend (the CPU backend repacks linear weights, so the model's own
         ``load_weights`` fails there); workers without it fall back to ``model.load_weights``.
         """
-        weights = ((name, t.detach()) for name, t in named_tensors)
+        weights = ((name, tensor.detach()) for name, tensor in named_tensors)
         if self._reload_in_place:
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            self._live.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
         else:
-            self.llm.apply_model(lambda model: model.load_weights(weights))
+            self._live.apply_model(lambda model: cast(_LoadsWeights, model).load_weights(weights))
         # Cached KV blocks were computed by the old weights: without this reset, prompts longer than
         # one KV block are scored from stale keys.
-        self.llm.reset_prefix_cache()
+        self._live.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Offload weights and drop the KV cache during the update (GPU); a no-op where unsupported."""
         if self._sleep_capable and not self._asleep:
-            self.llm.sleep(level=1)
+            self._live.sleep(level=1)
             self._asleep = True
 
     def wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
+            self._live.wake_up()
             self._asleep = False
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ def test_all_groups_constant_gives_zero_advantages():
 
 
 def test_rewards_not_a_multiple_of_the_group_size_are_refused():
-    with pytest.raises(ValueError, match="rewards_B"):
+    with pytest.raises(ValueError, match="rewards_N"):
         group_norm(torch.zeros(5), 4)
     with pytest.raises(KeyError, match="known: group_norm"):
         ADVANTAGES.get("nope")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_core import step as S
-from gspo_core import trainer as T
+import gspo_core.trainer
+from gspo_core import step as phases
 from gspo_core.platform import RuntimeOptions
 from gspo_core.rollout import vllm_available
 from tests.core.trainer_support import UPDATE_CFG as CFG
@@ -27,33 +27,35 @@ def _step(sampled, mode: str, logprob_bias: float = 0.0):
 
 
 def test_auto_takes_the_sampler_logprobs_when_they_match_the_trainer(sampled):
-    ref, ref_m, _ = _step(sampled, "recompute")
-    ro, m, _ = _step(sampled, "auto")
-    assert ro.verify_sampler and ro.first_batch_on_policy and not ro.recomputed
-    assert m["old_logprobs/recomputed"] == 0.0 and m["old_logprobs/sampler_err_max"] < CFG.rollout_logprob_tol
-    later = torch.cat(ro.batches[1:])
+    ref, ref_metrics, _ = _step(sampled, "recompute")
+    view, metrics, _ = _step(sampled, "auto")
+    assert view.verify_sampler and view.first_batch_on_policy and not view.recomputed
+    assert (
+        metrics["old_logprobs/recomputed"] == 0.0 and metrics["old_logprobs/sampler_err_max"] < CFG.rollout_logprob_tol
+    )
+    later = torch.cat(view.batches[1:])
     # fp32 sampler and trainer: the same numbers up to rounding, so the update is the recompute one
-    torch.testing.assert_close(ro.old_logp_NT[later], ref.old_logp_NT[later], atol=1e-5, rtol=0)
-    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-5)
-    assert m["ratio/mean"] == pytest.approx(ref_m["ratio/mean"], abs=1e-5)
+    torch.testing.assert_close(view.old_logp_NT[later], ref.old_logp_NT[later], atol=1e-5, rtol=0)
+    assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
+    assert metrics["ratio/mean"] == pytest.approx(ref_metrics["ratio/mean"], abs=1e-5)
 
 
 def test_auto_recomputes_before_any_update_when_the_sampler_is_off(sampled):
     """A sampler off by 1e-3 a token (as bf16 sampling is): the check fails on mini-batch 0's forward,
     and the step becomes exactly the recompute step (same old logprobs, same weights after)."""
-    _, ref_m, ref_model = _step(sampled, "recompute")
-    ro, m, model = _step(sampled, "auto", logprob_bias=1e-3)
-    assert ro.recomputed and m["old_logprobs/recomputed"] == 1.0
-    assert m["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
+    _, ref_metrics, ref_model = _step(sampled, "recompute")
+    view, metrics, model = _step(sampled, "auto", logprob_bias=1e-3)
+    assert view.recomputed and metrics["old_logprobs/recomputed"] == 1.0
+    assert metrics["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(a, b), name
-    assert m["loss"] == ref_m["loss"]
+    assert metrics["loss"] == ref_metrics["loss"]
 
 
 def test_rollout_mode_trusts_the_sampler_unchecked(sampled):
-    ro, m, _ = _step(sampled, "rollout", logprob_bias=1e-3)
-    assert not ro.verify_sampler and not ro.first_batch_on_policy and "old_logprobs/recomputed" not in m
-    assert ro.old_logp_NT[0, 0] == pytest.approx(ro.completions[0].logprobs[0])
+    view, metrics, _ = _step(sampled, "rollout", logprob_bias=1e-3)
+    assert not view.verify_sampler and not view.first_batch_on_policy and "old_logprobs/recomputed" not in metrics
+    assert view.old_logp_NT[0, 0] == pytest.approx(view.completions[0].logprobs[0])
 
 
 class BiasedSampler:
@@ -76,14 +78,14 @@ class BiasedSampler:
 
 def test_auto_turns_to_recompute_for_the_rest_of_the_job(tiny_model_dir, tmp_path):
     rec = Recorder()
-    tr = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
-    tr.engine = engine = BiasedSampler(tr.engine, 1e-3)
+    trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
+    trainer.engine = engine = BiasedSampler(trainer.engine, 1e-3)
     try:
-        T._loop(tr)
+        gspo_core.trainer._loop(trainer)
     finally:
-        tr.close()
+        trainer.close()
     assert rec.steps[0][1]["old_logprobs/recomputed"] == 1.0
-    assert all("old_logprobs/recomputed" not in m for _, m in rec.steps[1:])
+    assert all("old_logprobs/recomputed" not in metrics for _, metrics in rec.steps[1:])
     assert engine.asked == [True, False, False]  # then recompute mode, and logprob_gap_every=0 asks for none
     assert any("recomputing them from now on" in line for line in rec.logs)
 
@@ -91,8 +93,8 @@ def test_auto_turns_to_recompute_for_the_rest_of_the_job(tiny_model_dir, tmp_pat
 def test_auto_with_a_matching_sampler_never_recomputes(tiny_model_dir, tmp_path):
     rec = Recorder()
     train(toy_spec(tiny_model_dir, tmp_path, steps=2), rec)
-    for _, m in rec.steps:
-        assert m["old_logprobs/recomputed"] == 0.0 and m["old_logprobs/sampler_err_max"] < 1e-5
+    for _, metrics in rec.steps:
+        assert metrics["old_logprobs/recomputed"] == 0.0 and metrics["old_logprobs/sampler_err_max"] < 1e-5
 
 
 def _tied_step(sampled, monkeypatch, tie_groups: int, skip: bool):
@@ -101,25 +103,25 @@ def _tied_step(sampled, monkeypatch, tie_groups: int, skip: bool):
     rewards_N = rewards_N.clone()
     rewards_N[: tie_groups * CFG.group_size] = 0.5
     if not skip:  # the reference: every row through forward and backward
-        monkeypatch.setattr(S, "_with_signal", lambda idx, adv_N: idx)
+        monkeypatch.setattr(phases, "_with_signal", lambda idx, adv_N: idx)
     return _step((model0, pad_id, comps, rewards_N), "recompute")
 
 
 @pytest.mark.parametrize("tie_groups", [2, 4])
 def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(sampled, monkeypatch, tie_groups):
-    ro, m, model = _tied_step(sampled, monkeypatch, tie_groups, skip=True)
+    view, metrics, model = _tied_step(sampled, monkeypatch, tie_groups, skip=True)
     with monkeypatch.context() as mp:
-        ref_ro, ref_m, ref_model = _tied_step(sampled, mp, tie_groups, skip=False)
+        ref_view, ref_metrics, ref_model = _tied_step(sampled, mp, tie_groups, skip=False)
     tied = set(range(tie_groups * CFG.group_size))
-    later = [i for b in ro.batches[1:] for i in b.tolist()]
-    assert m["update/rows_skipped_frac"] == sum(i in tied for i in later) / len(ro.completions) > 0
-    assert ref_m["update/rows_skipped_frac"] == 0
+    later = [i for b in view.batches[1:] for i in b.tolist()]
+    assert metrics["update/rows_skipped_frac"] == sum(i in tied for i in later) / len(view.completions) > 0
+    assert ref_metrics["update/rows_skipped_frac"] == 0
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
-    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+    assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-6)
     # the tied rows of the later batches got no old-logprob forward either
     skipped = [i for i in later if i in tied]
-    assert (ro.old_logp_NT[skipped] == 0).all() and (ref_ro.old_logp_NT[skipped] != 0).any()
+    assert (view.old_logp_NT[skipped] == 0).all() and (ref_view.old_logp_NT[skipped] != 0).any()
 
 
 def native_bf16_cpu() -> bool:
@@ -137,17 +139,17 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
     if engine == "vllm" and not vllm_available():
         pytest.skip("vllm not installed")
     rec = Recorder()
-    tr = Trainer(
+    trainer = Trainer(
         toy_spec(tiny_model_dir, tmp_path, steps=2, precision="bf16", logprob_gap_every=0),
         rec,
         runtime=RuntimeOptions(rollout_engine=engine),
     )
     try:
-        built = tr.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else tr.engine.amp_dtype
+        built = trainer.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else trainer.engine.amp_dtype
         assert built == torch.bfloat16
-        T._loop(tr)
+        gspo_core.trainer._loop(trainer)
     finally:
-        tr.close()
+        trainer.close()
     first = rec.steps[0][1]
     if engine == "vllm":
         assert first["old_logprobs/recomputed"] == 1.0 and 1e-5 < first["old_logprobs/sampler_err_max"] < 0.1
@@ -155,5 +157,5 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
         assert first["old_logprobs/sampler_err_max"] < 1e-4  # the fp32 sampler it had before: 7e-4
     else:  # bf16 emulated (AVX2): decode and full-sequence products round differently, by bf16 noise
         err = first["old_logprobs/sampler_err_max"]
-        assert err < 1e-2 and first["old_logprobs/recomputed"] == float(err > tr.cfg.rollout_logprob_tol)
-    assert len(rec.steps) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for _, m in rec.steps)
+        assert err < 1e-2 and first["old_logprobs/recomputed"] == float(err > trainer.cfg.rollout_logprob_tol)
+    assert len(rec.steps) == 2 and all(torch.isfinite(torch.tensor(metrics["loss"])) for _, metrics in rec.steps)

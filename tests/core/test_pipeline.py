@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_core import step as S
-from gspo_core import trainer as T
+import gspo_core.trainer
+from gspo_core import step as phases
 from gspo_core.registry import LOSSES
 from tests.core.test_old_logprobs import BiasedSampler
 from tests.core.trainer_support import UPDATE_CFG, Recorder, Trainer, one_torch_thread, toy_spec, update_step
@@ -34,14 +34,14 @@ def _spy(monkeypatch, module, name: str, calls: list):
 def test_a_step_runs_its_phases_once_each_in_order_and_times_each(tiny_model_dir, tmp_path, monkeypatch):
     calls: list[str] = []
     for name in PHASES:
-        _spy(monkeypatch, S, name, calls)
+        _spy(monkeypatch, phases, name, calls)
     rec = Recorder()
-    tr = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2), rec)
+    trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2), rec)
     calls.clear()  # resume/start-up pushes are not a step's
     try:
-        T._loop(tr)
+        gspo_core.trainer._loop(trainer)
     finally:
-        tr.close()
+        trainer.close()
     assert calls == PHASES * 2
     timed = {k for k in rec.steps[0][1] if k.startswith("time/")}
     assert timed == {
@@ -53,9 +53,9 @@ def test_a_step_runs_its_phases_once_each_in_order_and_times_each(tiny_model_dir
         "time/weight_sync",
         "time/step",
     }
-    m = rec.steps[0][1]
-    assert all(m[k] >= 0 for k in timed)
-    assert sum(m[k] for k in timed - {"time/step"}) <= m["time/step"]
+    metrics = rec.steps[0][1]
+    assert all(metrics[k] >= 0 for k in timed)
+    assert sum(metrics[k] for k in timed - {"time/step"}) <= metrics["time/step"]
 
 
 def test_a_failed_sampler_check_is_returned_and_kept_as_trainer_state(tiny_model_dir, tmp_path):
@@ -63,25 +63,25 @@ def test_a_failed_sampler_check_is_returned_and_kept_as_trainer_state(tiny_model
     frozen config is the one it was given: ``auto`` stays ``auto``, the later steps recompute."""
     rec = Recorder()
     spec = toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0)
-    tr = Trainer(spec, rec)
-    tr.engine = BiasedSampler(tr.engine, 1e-3)
+    trainer = Trainer(spec, rec)
+    trainer.engine = BiasedSampler(trainer.engine, 1e-3)
     try:
-        assert tr.sampler_trusted and S.old_logprob_mode(tr.cfg, tr.sampler_trusted) == "auto"
-        T._loop(tr)
-        assert not tr.sampler_trusted
-        assert tr.cfg is spec.hyperparameters and tr.cfg.old_logprobs == "auto"
-        assert S.old_logprob_mode(tr.cfg, tr.sampler_trusted) == "recompute"
+        assert trainer.sampler_trusted and phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "auto"
+        gspo_core.trainer._loop(trainer)
+        assert not trainer.sampler_trusted
+        assert trainer.cfg is spec.hyperparameters and trainer.cfg.old_logprobs == "auto"
+        assert phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "recompute"
     finally:
-        tr.close()
-    assert [m.get("old_logprobs/recomputed") for _, m in rec.steps] == [1.0, None, None]
+        trainer.close()
+    assert [metrics.get("old_logprobs/recomputed") for _, metrics in rec.steps] == [1.0, None, None]
 
 
 def test_the_update_returns_its_decision_and_the_old_logprobs_it_used(sampled):
-    ro, m, _ = update_step(sampled, UPDATE_CFG, logprob_bias=1e-3)
-    assert ro.recomputed and m["old_logprobs/recomputed"] == 1.0
+    view, metrics, _ = update_step(sampled, UPDATE_CFG, logprob_bias=1e-3)
+    assert view.recomputed and metrics["old_logprobs/recomputed"] == 1.0
     # the old log-probs the update used are the trainer's (0 on the rows it never read), not the sampler's
-    later = [i for b in ro.batches[1:] for i in b.tolist()]
-    assert all(abs(float(ro.old_logp_NT[i, 0]) - ro.completions[i].logprobs[0]) > 5e-4 for i in later)
+    later = [i for b in view.batches[1:] for i in b.tolist()]
+    assert all(abs(float(view.old_logp_NT[i, 0]) - view.completions[i].logprobs[0]) > 5e-4 for i in later)
 
 
 @pytest.mark.parametrize("budget", [0, 30])
@@ -97,7 +97,7 @@ def test_a_minibatchs_metrics_come_from_the_loss_evaluations_of_its_gradient(sam
     counted.ratio_unit = real.ratio_unit
     monkeypatch.setitem(LOSSES._items, "gspo", counted)
     forwards = []
-    forward = S.completion_logprobs
+    forward = phases.completion_logprobs
 
     def counted_forward(model, batch, *a, **kw):
         import torch
@@ -106,8 +106,10 @@ def test_a_minibatchs_metrics_come_from_the_loss_evaluations_of_its_gradient(sam
             forwards.append(batch.target_BT.size(0))
         return forward(model, batch, *a, **kw)
 
-    monkeypatch.setattr(S, "completion_logprobs", counted_forward)
-    _, m, _ = update_step(sampled, UPDATE_CFG.model_copy(update={"micro_batch_tokens": budget}))
+    monkeypatch.setattr(phases, "completion_logprobs", counted_forward)
+    _, metrics, _ = update_step(sampled, UPDATE_CFG.model_copy(update={"micro_batch_tokens": budget}))
     assert len(evaluations) == len(forwards) >= UPDATE_CFG.mini_batches and all(evaluations)
     assert (len(forwards) > UPDATE_CFG.mini_batches) == (budget > 0)
-    assert {"loss", "entropy", "ratio/mean", "ratio/min", "ratio/max", "clip/low_frac", "clip/high_frac"} <= set(m)
+    assert {"loss", "entropy", "ratio/mean", "ratio/min", "ratio/max", "clip/low_frac", "clip/high_frac"} <= set(
+        metrics
+    )

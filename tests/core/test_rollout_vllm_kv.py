@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from gspo_core.platform import cpu as C
+from gspo_core.platform import cpu
 from gspo_core.rollout import SamplingSpec, vllm_available
-from gspo_core.rollout import vllm_engine as V
+from gspo_core.rollout.vllm_engine import VLLMEngine
 from tests.core.trainer_support import VLLM_RUNTIME, Trainer, toy_spec
 
 pytestmark = pytest.mark.vllm
@@ -27,7 +27,7 @@ def _needs_vllm():
 
 @contextlib.contextmanager
 def built(model_dir, **kw):
-    eng = V.VLLMEngine(str(model_dir), seed=0, max_model_len=64, **kw)
+    eng = VLLMEngine(str(model_dir), seed=0, max_model_len=64, **kw)
     try:
         yield eng
     finally:
@@ -63,11 +63,11 @@ def kv_bytes(worker) -> int:
 def test_the_cache_holds_max_num_seqs_sequences_of_max_model_len(tiny_model_dir, max_new_tokens):
     with built(tiny_model_dir, max_num_seqs=8, max_new_tokens=max_new_tokens) as eng:
         sched, block = scheduler(eng), eng.kv_block
-        assert block == C.cpu_kv_block(max_new_tokens, "float32")
+        assert block == cpu.cpu_kv_block(max_new_tokens, "float32")
         # 8 sequences x 64 tokens in blocks, and the null block vLLM holds back
         assert sched.kv_cache_manager.block_pool.num_gpu_blocks == 8 * (64 // block) + 1
         assert sched.max_num_running_reqs == 8
-        per_token = C.kv_bytes_per_token(str(tiny_model_dir), "float32")
+        per_token = cpu.kv_bytes_per_token(str(tiny_model_dir), "float32")
         assert eng.llm.collective_rpc(kv_bytes) == [(8 * 64 + block) * per_token]
         with counting_preemptions(eng) as preempted:
             groups = eng.generate(PROMPTS, SPEC)
@@ -94,7 +94,7 @@ def test_16_and_32_token_blocks_sample_the_same(tiny_model_dir):
         want = at32.generate(PROMPTS, SPEC)
     with built(tiny_model_dir, max_num_seqs=16, max_new_tokens=SPEC.max_tokens) as at16:
         got = at16.generate(PROMPTS, SPEC)
-    assert (at32.kv_block, at16.kv_block) == (32, C.cpu_kv_block(SPEC.max_tokens, "float32"))
+    assert (at32.kv_block, at16.kv_block) == (32, cpu.cpu_kv_block(SPEC.max_tokens, "float32"))
     assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
     for g, w in zip(got, want):
         for c, r in zip(g, w):
@@ -104,12 +104,12 @@ def test_16_and_32_token_blocks_sample_the_same(tiny_model_dir):
 def test_a_cache_smaller_than_its_sequences_need_preempts(tiny_model_dir, monkeypatch):
     """What the sizing prevents (and what the counter above would see): 8 running sequences of 64
     tokens in 8 usable blocks."""
-    sized = C.cpu_kv_cache
+    sized = cpu.cpu_kv_cache
 
     def too_small(*a, **kw):
         return {**sized(*a, **kw), "num_gpu_blocks_override": 9}
 
-    monkeypatch.setattr(C, "cpu_kv_cache", too_small)
+    monkeypatch.setattr(cpu, "cpu_kv_cache", too_small)
     with built(tiny_model_dir, max_num_seqs=8) as eng, counting_preemptions(eng) as preempted:
         eng.generate(PROMPTS, SPEC)
     assert preempted[0] > 0
@@ -127,7 +127,7 @@ def test_short_completions_get_16_token_blocks_where_the_32_token_kernel_has_tha
     assert runs_16_token_blocks("float32")
     assert runs_16_token_blocks("bfloat16") == (not torch.cpu._is_amx_tile_supported())
     assert [
-        C.cpu_kv_block(n, "float32") for n in (None, 1, C.SHORT_COMPLETION_TOKENS, C.SHORT_COMPLETION_TOKENS + 1)
+        cpu.cpu_kv_block(n, "float32") for n in (None, 1, cpu.SHORT_COMPLETION_TOKENS, cpu.SHORT_COMPLETION_TOKENS + 1)
     ] == [32, 16, 16, 32]
 
 
@@ -142,10 +142,10 @@ def test_kv_bytes_and_the_sequence_cap(tmp_path):
         vocab_size=100,
     ).save_pretrained(tmp_path)
     # K and V x 3 layers x 2 KV heads x 48 dims x 2 bytes
-    assert C.kv_bytes_per_token(str(tmp_path), "bfloat16") == 2 * 3 * 2 * 48 * 2
-    plan = C.cpu_kv_cache(str(tmp_path), "float32", max_num_seqs=10_000, max_model_len=100)
-    assert plan["max_num_seqs"] == C.CPU_MAX_SEQS
-    assert plan["num_gpu_blocks_override"] == C.CPU_MAX_SEQS * 4 + 1  # 100 tokens: 4 blocks of 32
+    assert cpu.kv_bytes_per_token(str(tmp_path), "bfloat16") == 2 * 3 * 2 * 48 * 2
+    plan = cpu.cpu_kv_cache(str(tmp_path), "float32", max_num_seqs=10_000, max_model_len=100)
+    assert plan["max_num_seqs"] == cpu.CPU_MAX_SEQS
+    assert plan["num_gpu_blocks_override"] == cpu.CPU_MAX_SEQS * 4 + 1  # 100 tokens: 4 blocks of 32
     assert plan["kv_cache_memory_bytes"] == plan["num_gpu_blocks_override"] * 32 * 2 * 3 * 2 * 48 * 4
 
 
@@ -157,17 +157,19 @@ def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_m
     )
     spec = toy_spec(tiny_model_dir, tmp_path, steps=1, prompts_per_step=2, group_size=4, max_new_tokens=30)
     spec = spec.model_copy(update={"training_file": str(data), "validation_file": str(data)})
-    tr = Trainer(spec, None, runtime=VLLM_RUNTIME)
+    trainer = Trainer(spec, None, runtime=VLLM_RUNTIME)
     try:
-        longest = len(tr.tokenizer("say b, then c, then b again, then stop:", add_special_tokens=False)["input_ids"])
+        longest = len(
+            trainer.tokenizer("say b, then c, then b again, then stop:", add_special_tokens=False)["input_ids"]
+        )
         assert longest > 10
-        assert tr.sampling_bounds() == (longest + 30, 8)
-        assert tr.engine.kv_block == C.cpu_kv_block(30, "float32")  # 30-token completions
-        blocks = 8 * -(-(longest + 30) // tr.engine.kv_block) + 1
-        assert scheduler(tr.engine).kv_cache_manager.block_pool.num_gpu_blocks == blocks
-        assert tr.engine.max_model_len == longest + 30
+        assert trainer.sampling_bounds() == (longest + 30, 8)
+        assert trainer.engine.kv_block == cpu.cpu_kv_block(30, "float32")  # 30-token completions
+        blocks = 8 * -(-(longest + 30) // trainer.engine.kv_block) + 1
+        assert scheduler(trainer.engine).kv_cache_manager.block_pool.num_gpu_blocks == blocks
+        assert trainer.engine.max_model_len == longest + 30
     finally:
-        tr.close()
+        trainer.close()
     # Truncated prompts count as sampled; an evaluation of more prompts than a step's B x G sets the count.
     many = toy_spec(
         tiny_model_dir,
@@ -180,12 +182,12 @@ def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_m
         eval_prompts=3,
         max_new_tokens=5,
     )
-    tr = Trainer(
+    trainer = Trainer(
         many.model_copy(update={"training_file": str(data), "validation_file": str(data)}), None, runtime=VLLM_RUNTIME
     )
     try:
-        assert tr.sampling_bounds() == (8 + 5, 2)
-        tr.val_rows = tr.val_rows * 2
-        assert tr.sampling_bounds() == (8 + 5, 3)
+        assert trainer.sampling_bounds() == (8 + 5, 2)
+        trainer.val_rows = trainer.val_rows * 2
+        assert trainer.sampling_bounds() == (8 + 5, 3)
     finally:
-        tr.close()
+        trainer.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_core import token_logprobs as TL
+import gspo_core.token_logprobs
+from gspo_core.token_logprobs import head_logprobs, token_logprobs
 
 
 def _reference(z_NV, target_N, temperature):
@@ -18,13 +19,13 @@ def _reference(z_NV, target_N, temperature):
 def test_values_entropy_and_gradient_match_the_plain_formula(monkeypatch, temperature, n_blocks):
     N, V = 37, 1000
     # several blocks (37 positions in blocks of 8, the last one short), or all in one
-    monkeypatch.setattr(TL, "BLOCK_ELEMENTS", 8 * V if n_blocks > 1 else N * V)
+    monkeypatch.setattr(gspo_core.token_logprobs, "BLOCK_ELEMENTS", 8 * V if n_blocks > 1 else N * V)
     g = torch.Generator().manual_seed(0)
     z = (torch.randn(N, V, generator=g, dtype=torch.float64) * 4).requires_grad_()
     target = torch.randint(0, V, (N,), generator=g)
     w = torch.randn(N, generator=g, dtype=torch.float64)  # an arbitrary upstream gradient
 
-    logp, ent = TL.token_logprobs(z, target, temperature, with_entropy=True)
+    logp, ent = token_logprobs(z, target, temperature, with_entropy=True)
     (logp * w).sum().backward()
     grad, z.grad = z.grad.clone(), None
     ref_logp, ref_ent = _reference(z, target, temperature)
@@ -40,7 +41,7 @@ def test_fp32_agrees_with_fp64_and_needs_no_entropy():
     g = torch.Generator().manual_seed(1)
     z = torch.randn(64, 32000, generator=g) * 3
     target = torch.randint(0, 32000, (64,), generator=g)
-    logp, ent = TL.token_logprobs(z, target)
+    logp, ent = token_logprobs(z, target)
     assert ent.numel() == 0
     torch.testing.assert_close(logp.double(), _reference(z.double(), target, 1.0)[0], atol=1e-5, rtol=0)
 
@@ -49,7 +50,7 @@ def test_gradcheck_in_double():
     g = torch.Generator().manual_seed(2)
     z = torch.randn(6, 11, generator=g, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, 11, (6,), generator=g)
-    assert torch.autograd.gradcheck(lambda x: TL.token_logprobs(x, target, 1.3)[0], (z,))
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, target, 1.3)[0], (z,))
 
 
 def _head_case(seed: int, N: int = 37, H: int = 12, V: int = 300, bias: bool = True):
@@ -73,11 +74,13 @@ def _grads(h, head, loss):
 @pytest.mark.parametrize("logits", ["kept", "recomputed"])
 def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temperature, logits):
     h, head, target, w = _head_case(3)
-    monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 5 * head.out_features)  # 37 positions in chunks of 5
+    monkeypatch.setattr(
+        gspo_core.token_logprobs, "CHUNK_ELEMENTS", 5 * head.out_features
+    )  # 37 positions in chunks of 5
     if logits == "recomputed":
-        monkeypatch.setattr(TL, "KEEP_LOGITS_ELEMENTS", 0)
-    monkeypatch.setattr(TL, "BLOCK_ELEMENTS", 2 * head.out_features)
-    logp, ent = TL.head_logprobs(h, head, target, temperature, with_entropy=True)
+        monkeypatch.setattr(gspo_core.token_logprobs, "KEEP_LOGITS_ELEMENTS", 0)
+    monkeypatch.setattr(gspo_core.token_logprobs, "BLOCK_ELEMENTS", 2 * head.out_features)
+    logp, ent = head_logprobs(h, head, target, temperature, with_entropy=True)
     ref_logp, ref_ent = _reference(head(h), target, temperature)
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(ent, ref_ent.detach())
@@ -88,12 +91,14 @@ def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temper
 
 def test_head_backward_runs_only_over_positions_with_a_gradient(monkeypatch):
     h, head, target, w = _head_case(4, bias=False)
-    monkeypatch.setattr(TL, "CHUNK_ELEMENTS", 10 * head.out_features)
-    monkeypatch.setattr(TL, "KEEP_LOGITS_ELEMENTS", 0)  # recomputed: each backward chunk is seen
+    monkeypatch.setattr(gspo_core.token_logprobs, "CHUNK_ELEMENTS", 10 * head.out_features)
+    monkeypatch.setattr(gspo_core.token_logprobs, "KEEP_LOGITS_ELEMENTS", 0)  # recomputed: each backward chunk is seen
     rows = []
-    real = TL._logits
-    monkeypatch.setattr(TL, "_logits", lambda h_CH, *a: rows.append(h_CH.size(0)) or real(h_CH, *a))
-    logp, _ = TL.head_logprobs(h, head, target)
+    real = gspo_core.token_logprobs._logits
+    monkeypatch.setattr(
+        gspo_core.token_logprobs, "_logits", lambda h_CH, *a: rows.append(h_CH.size(0)) or real(h_CH, *a)
+    )
+    logp, _ = head_logprobs(h, head, target)
     assert sum(rows) == 37
     rows.clear()
     gh, gw = _grads(h, head, (logp * w).sum())
@@ -106,7 +111,7 @@ def test_head_logprobs_in_bf16_and_a_frozen_head():
     h = torch.randn(20, 16, generator=g).requires_grad_()
     head = torch.nn.Linear(16, 500, bias=False).requires_grad_(False)  # frozen, as under LoRA
     target = torch.randint(0, 500, (20,), generator=g)
-    logp, _ = TL.head_logprobs(h, head, target, dtype=torch.bfloat16)
+    logp, _ = head_logprobs(h, head, target, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         z = head(h)
     torch.testing.assert_close(logp, _reference(z.float(), target, 1.0)[0], atol=1e-5, rtol=1e-5)
@@ -119,7 +124,7 @@ def test_head_logprobs_in_bf16_and_a_frozen_head():
 
 def test_head_backward_with_no_live_position_gives_zero_gradients():
     h, head, target, _ = _head_case(6)
-    logp, _ = TL.head_logprobs(h, head, target)
+    logp, _ = head_logprobs(h, head, target)
     gh, gw, gb = _grads(h, head, (logp * 0.0).sum())
     assert gh.shape == h.shape and gw.shape == head.weight.shape and gb.shape == head.bias.shape
     assert not gh.any() and not gw.any() and not gb.any()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_core import step as S
+from gspo_core import step as phases
 from gspo_core.rollout.base import Completion
 from tests.core.trainer_support import UPDATE_CFG, one_torch_thread, update_step
 
@@ -28,11 +28,11 @@ def _comps(lengths: list[tuple[int, int]]) -> list[Completion]:
 def test_micro_batches_keep_order_and_budget():
     comps = _comps([(3, 4), (3, 5), (3, 20), (3, 1), (3, 2), (3, 6)])  # 7, 8, 23, 4, 5, 9 tokens
     idx = torch.tensor([5, 0, 1, 2, 3, 4])
-    parts = S.micro_batches(comps, idx, 16)
+    parts = phases.micro_batches(comps, idx, 16)
     assert [p.tolist() for p in parts] == [[5, 0], [1], [2], [3, 4]]  # 9+7 | 8 | 23 alone (over) | 4+5
     assert torch.equal(torch.cat(parts), idx)
-    assert [p.tolist() for p in S.micro_batches(comps, idx, 0)] == [idx.tolist()]
-    assert [p.tolist() for p in S.micro_batches(comps, idx, 1)] == [[i] for i in idx.tolist()]
+    assert [p.tolist() for p in phases.micro_batches(comps, idx, 0)] == [idx.tolist()]
+    assert [p.tolist() for p in phases.micro_batches(comps, idx, 1)] == [[i] for i in idx.tolist()]
 
 
 def _recording_grads(monkeypatch) -> list[list[torch.Tensor]]:
@@ -70,7 +70,7 @@ def _assert_same_update(
     """Same gradients at every update (up to fp32 summation order), hence the same weights and metrics.
     (AdamW's first steps move each weight by ~lr whatever its gradient's size, so a weight whose gradient
     is ~0 moves by an amount rounding decides: the weights are compared at a tolerance of 2 % of lr.)"""
-    (ro_a, m_a, model_a), (ro_b, m_b, model_b) = a, b
+    (_, metrics_a, model_a), (_, metrics_b, model_b) = a, b
     assert len(grads_a) == len(grads_b) == UPDATE_CFG.mini_batches
     for ga, gb in zip(grads_a, grads_b):
         for x, y in zip(ga, gb):
@@ -78,7 +78,7 @@ def _assert_same_update(
     for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
         torch.testing.assert_close(pa, pb, atol=0.02 * UPDATE_CFG.learning_rate, rtol=0, msg=name)
     for key in keys:
-        assert m_a[key] == pytest.approx(m_b[key], rel=1e-4, abs=1e-6), key
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize("mode", ["recompute", "auto"])
@@ -90,14 +90,14 @@ def test_micro_batched_update_is_the_one_batch_update(sampled, monkeypatch, mode
     grads_whole = list(seen)
     seen.clear()
     sizes = []
-    real = S.completion_logprobs
+    real = phases.completion_logprobs
 
     def forward(model, batch, *a, **kw):  # the update's forwards (the old-logprob pass runs in inference mode)
         if torch.is_grad_enabled():
             sizes.append(batch.target_BT.size(0))
         return real(model, batch, *a, **kw)
 
-    monkeypatch.setattr(S, "completion_logprobs", forward)
+    monkeypatch.setattr(phases, "completion_logprobs", forward)
     split = update_step(sampled, cfg.model_copy(update={"micro_batch_tokens": budget}))
     _assert_same_update(split, whole, seen, grads_whole)
     row_tokens = {len(c.prompt_ids) + len(c.completion_ids) for c in sampled[2]}
@@ -113,6 +113,6 @@ def test_micro_batched_auto_check_still_recomputes_before_the_first_step(sampled
     grads_ref = list(seen)
     seen.clear()
     split = update_step(sampled, UPDATE_CFG.model_copy(update={"micro_batch_tokens": 1}), logprob_bias=1e-3)
-    ro, m, _ = split
-    assert ro.recomputed and m["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
+    view, metrics, _ = split
+    assert view.recomputed and metrics["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
     _assert_same_update(split, ref, seen, grads_ref, keys=("loss", "entropy", "ratio/mean", "grad_norm"))

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from gspo_core import step as S
-from gspo_core import trainer as T
+import gspo_core.trainer
+from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.platform import RuntimeOptions
@@ -61,17 +61,17 @@ class Recorder(Callbacks):
         return self.stop_after is not None and len(self.steps) >= self.stop_after
 
     def metric(self, name: str) -> list[float]:
-        return [m[name] for _, m in self.steps]
+        return [metrics[name] for _, metrics in self.steps]
 
 
 def train(spec: JobSpec, callbacks=None, **kw):
     """`gspo_core.trainer.train` with the toy runtime unless ``runtime`` is given."""
-    return T.train(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
+    return gspo_core.trainer.train(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
 
 
-def Trainer(spec: JobSpec, callbacks=None, **kw) -> T.Trainer:
+def Trainer(spec: JobSpec, callbacks=None, **kw) -> gspo_core.trainer.Trainer:
     """`gspo_core.trainer.Trainer` with the toy runtime unless ``runtime`` is given."""
-    return T.Trainer(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
+    return gspo_core.trainer.Trainer(spec, callbacks, **{"runtime": TOY_RUNTIME, **kw})
 
 
 def toy_spec(model_dir, tmp_path, **hp) -> JobSpec:
@@ -100,13 +100,13 @@ def update_step(sampled, cfg: GSPOConfig, logprob_bias: float = 0.0):
     model0, pad_id, comps, rewards_N = sampled
     model = copy.deepcopy(model0)
     comps = [replace(c, logprobs=[lp + logprob_bias for lp in c.logprobs]) for c in comps]
-    ro = S.Rollout(rows=[{}] * 4, prompts=[""] * 4, completions=comps)
-    opt, sched = make_optimizer(model, cfg)
-    policy = S.PolicyState(model, opt, sched, None, pad_id)
-    adv_N, adv_metrics = S.advantages(rewards_N, cfg)
-    plan = S.plan_minibatches(ro, adv_N, cfg, torch.Generator().manual_seed(1))
-    old = S.old_logprobs(policy, ro, plan, cfg)
-    result = S.update(policy, ro, old, adv_N, plan, cfg)
+    rollout = phases.Rollout(rows=[{}] * 4, prompts=[""] * 4, completions=comps)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    policy = phases.PolicyState(model, optimizer, scheduler, None, pad_id)
+    adv_N, adv_metrics = phases.advantages(rewards_N, cfg)
+    plan = phases.plan_minibatches(rollout, adv_N, cfg, torch.Generator().manual_seed(1))
+    old = phases.old_logprobs(policy, rollout, plan, cfg)
+    result = phases.update(policy, rollout, old, adv_N, plan, cfg)
     view = SimpleNamespace(
         completions=comps,
         batches=list(plan.batches),
