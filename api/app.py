@@ -73,7 +73,7 @@ def _purge_leftovers(app: FastAPI) -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose
-    # full passes over it stalled every request for ~50 ms (the load test's p99 spikes).
+    # full passes over it stalled every request (the load test's p99 spikes; docs/bench.md).
     gc.collect()
     gc.freeze()
     _per_lifespan(app)

@@ -26,7 +26,7 @@ OwnedRow = TypeVar("OwnedRow", Job, File, Checkpoint)
 
 
 # The async dependencies below do no I/O on the event loop; being async saves each request a hop to
-# the thread pool (~0.15 ms each, more under load), which the 200-client polling load test showed.
+# the thread pool, which shows in the polling load test (bench.load_api; docs/bench.md).
 async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 

@@ -20,7 +20,7 @@ _SSL_LOCK = threading.Lock()
 
 
 def _ssl_context():
-    """One TLS context for every grader's client (building one costs ~50 ms of CPU)."""
+    """One TLS context for every grader's client (building one per client costs CPU on every call)."""
     global _SSL
     with _SSL_LOCK:
         if _SSL is None:
