@@ -70,12 +70,12 @@ def _assert_same_update(
     """Same gradients at every update (up to fp32 summation order), hence the same weights and metrics.
     (AdamW's first steps move each weight by ~lr whatever its gradient's size, so a weight whose gradient
     is ~0 moves by an amount rounding decides: the weights are compared at a tolerance of 2 % of lr.)"""
-    (ro_a, m_a, model_a), (ro_b, m_b, model_b) = a, b
+    (_, m_a, model_a), (_, m_b, model_b) = a, b
     assert len(grads_a) == len(grads_b) == UPDATE_CFG.mini_batches
-    for ga, gb in zip(grads_a, grads_b):
-        for x, y in zip(ga, gb):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        for x, y in zip(ga, gb, strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-3)
-    for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
+    for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=0.02 * UPDATE_CFG.learning_rate, rtol=0, msg=name)
     for key in keys:
         assert m_a[key] == pytest.approx(m_b[key], rel=1e-4, abs=1e-6), key
