@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps demo test services bench clean
+.PHONY: install system-deps demo test lint services bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,7 +41,13 @@ demo: install
 services:
 	bash scripts/services-up.sh
 
-test: install services
+# The gate before the suite: ruff's lint and format check over the tree, mypy over the service's packages.
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy gspo_core store api worker
+
+test: install services lint
 	$(BIN)/python -m pytest -q -ra tests
 
 bench: install

@@ -102,8 +102,8 @@ def gemm_bound(
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [m.weight.detach().to(dtype) for m in linears]
-    body = [w for m, w in zip(linears, weights) if m is not head]
-    head_w = [w for m, w in zip(linears, weights) if m is head]
+    body = [w for m, w in zip(linears, weights, strict=True) if m is not head]
+    head_w = [w for m, w in zip(linears, weights, strict=True) if m is head]
     seqs, n_prompt = len(prompt_lengths) * group, sum(prompt_lengths)
     decode_s = _fastest(weights, seqs, reps)
     # The prefill's last position yields the first token; the other tokens - 1 are decode steps.

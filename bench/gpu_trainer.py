@@ -13,6 +13,7 @@ a small model on the CPU, to check the script itself without a GPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -151,7 +152,7 @@ def bench_update(env: Env, ro: S.Rollout, cfg: GSPOConfig, amp, checkpointing: b
         env.model.gradient_checkpointing_enable()
     env.mem_reset()
     try:
-        t = env.timed(lambda: S.update(policy, ro, old, adv_N, plan, cfg), reps=2)
+        t = env.timed(functools.partial(S.update, policy, ro, old, adv_N, plan, cfg), reps=2)
     finally:
         env.model.gradient_checkpointing_disable()
         del policy
@@ -237,7 +238,7 @@ def bench_layouts(env: Env, ro: S.Rollout, amp) -> dict:
         try:
             env.model.set_attn_implementation(attn)
             env.mem_reset()
-            t = env.timed(lambda: _layout_pass(env, ro, groups, amp, packed), reps=2)
+            t = env.timed(functools.partial(_layout_pass, env, ro, groups, amp, packed), reps=2)
             out[name] = {"fwd_bwd_s": t, "peak_gib": env.mem_peak_gib()}
         except Exception as exc:  # one layout failing (e.g. flex on an old torch) must not lose the others
             out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -131,7 +131,7 @@ def measure_rollout(
                 out[f"{kind}_tokens_per_s{suffix}"] = n_tokens[kind] / statistics.median(ts)
             if {"vllm", "transformers"} <= set(times):
                 speed = {k: [n_tokens[k] / t for t in ts] for k, ts in times.items()}
-                pairs = [v / h for v, h in zip(speed["vllm"], speed["transformers"])]
+                pairs = [v / h for v, h in zip(speed["vllm"], speed["transformers"], strict=True)]
                 out[f"vllm_over_transformers_per_pair{suffix}"] = pairs
                 out[f"vllm_over_transformers{suffix}"] = statistics.median(pairs)
         for eng in built.values():

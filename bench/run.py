@@ -104,7 +104,7 @@ def summarize(runs: list[dict]) -> dict:
     med = {n: [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs if r["name"] == n] for n in out}
     for ours, peer, suffix in RATIOS:
         if ours in out and peer in out:
-            out[f"ratio_per_run_pair{suffix}"] = [a / b for a, b in zip(med[ours], med[peer])]
+            out[f"ratio_per_run_pair{suffix}"] = [a / b for a, b in zip(med[ours], med[peer], strict=True)]
             out[f"ratio_ours_over_trl{suffix}"] = statistics.median(out[f"ratio_per_run_pair{suffix}"])
     return out
 
@@ -116,7 +116,8 @@ def _mean_curve(curves: list[list[float]]) -> list[float]:
 def markdown(w: Workload, s: dict) -> str:
     lines = [
         f"Workload: shape={w.shape}, {w.prompts} prompts"
-        f"{f' (+{w.prompt_tokens} tokens of instructions)' if w.prompt_tokens else ''} x {w.group} samples x {w.tokens} tokens, "
+        f"{f' (+{w.prompt_tokens} tokens of instructions)' if w.prompt_tokens else ''} "
+        f"x {w.group} samples x {w.tokens} tokens, "
         f"{w.updates} updates per rollout batch, {w.steps} steps.",
         "",
         "| trainer | engine | step s (median) | peak RSS MB | mean reward by step | phases (s, median) |",
@@ -128,23 +129,23 @@ def markdown(w: Workload, s: dict) -> str:
             ph = ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items()) or "(not split)"
             lines.append(
                 f"| {name} | {r['engine']} | {r['step_s_median']:.3f} | {r['peak_rss_mb']:.0f} | "
-                f"{' '.join('%.3f' % x for x in r['reward_curve'])} | {ph} |"
+                f"{' '.join(f'{x:.3f}' for x in r['reward_curve'])} | {ph} |"
             )
     if "ratio_ours_over_trl" in s:
         lines += [
             "",
             f"**Step time ratio ours / TRL: {s['ratio_ours_over_trl']:.3f}** (median over run pairs "
-            f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair'])}; target <= 0.5)",
+            f"{', '.join(f'{x:.3f}' for x in s['ratio_per_run_pair'])}; target <= 0.5)",
         ]
     if "ratio_ours_over_trl_keepmem" in s:
         lines.append(
             f"Ours / TRL with our heap policy: {s['ratio_ours_over_trl_keepmem']:.3f} (pairs "
-            f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair_keepmem'])})"
+            f"{', '.join(f'{x:.3f}' for x in s['ratio_per_run_pair_keepmem'])})"
         )
     if "ratio_ours_over_trl_bf16" in s:
         lines.append(
             f"Both in bf16 (ours-bf16 / trl-bf16): {s['ratio_ours_over_trl_bf16']:.3f} (pairs "
-            f"{', '.join('%.3f' % x for x in s['ratio_per_run_pair_bf16'])})"
+            f"{', '.join(f'{x:.3f}' for x in s['ratio_per_run_pair_bf16'])})"
         )
     if "weight_push_frac_of_step" in s.get("ours", {}):
         lines.append(f"Weight push: {100 * s['ours']['weight_push_frac_of_step']:.1f} % of our step (target <= 5 %)")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 runs.append(_child(trainer, w, root, a.engine, a.trl_engine))
                 print(
-                    f"run {i + 1}/{a.runs} {trainer}: steps {['%.2f' % s for s in runs[-1]['step_s']]} "
+                    f"run {i + 1}/{a.runs} {trainer}: steps {[f'{s:.2f}' for s in runs[-1]['step_s']]} "
                     f"({time.perf_counter() - t0:.0f} s)",
                     flush=True,
                 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import resource
 import time
@@ -103,7 +104,7 @@ def trl_args(w: Workload, out_dir: Path, engine: str, bf16: bool = False):
     gpu = torch.cuda.is_available()
     n = w.prompts * w.group
     vllm = (
-        dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=512)
+        {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": 512}
         if engine == "vllm"
         else {}
     )
@@ -161,7 +162,7 @@ def run_trl(
     rewards: list[float] = []  # mean reward of each generation batch (= of each GSPO step)
 
     def reward(completions, target, **_):
-        scores = [similarity(c, t) for c, t in zip(completions, target)]
+        scores = [similarity(c, t) for c, t in zip(completions, target, strict=True)]
         rewards.append(sum(scores) / len(scores))
         return scores
 
@@ -192,14 +193,14 @@ def run_trl(
     t0 = time.perf_counter()
     trainer.train()
     # One GSPO step = one generation + `updates` optimizer updates: group the update timestamps.
-    ends = [t0] + marks[w.updates - 1 :: w.updates]
-    step_s = [b - a for a, b in zip(ends, ends[1:])]
+    ends = [t0, *marks[w.updates - 1 :: w.updates]]
+    step_s = [b - a for a, b in itertools.pairwise(ends)]
     # _generate_and_score_completions = rollout (+ weight push with vLLM) + rewards + old-logprob forward.
     phases = {
         "rollout": gen,
         "reward": rew,
-        "old_logprobs": [p - g - r for p, g, r in zip(prep, gen, rew)],
-        "train": [s - p for s, p in zip(step_s, prep)],
+        "old_logprobs": [p - g - r for p, g, r in zip(prep, gen, rew, strict=True)],
+        "train": [s - p for s, p in zip(step_s, prep, strict=True)],
     }
     return {
         "trainer": "trl",

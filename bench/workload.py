@@ -12,22 +12,22 @@ from gspo_core.toy import build_tiny_model, build_tokenizer, write_toy_dataset
 
 #: Qwen2-architecture shapes for GPU runs (random init; the toy tokenizer padded to the vocabulary).
 QWEN_SHAPES = {
-    "qwen0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-    "qwen-tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=2000,
-    ),
+    "qwen0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+    },
+    "qwen-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 2000,
+    },
 }
 SHAPE_NAMES = (*TOY_SHAPES, *QWEN_SHAPES)
 

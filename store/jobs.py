@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import CursorResult, Result, Table, and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -30,6 +31,12 @@ class LeaseLost(RuntimeError):
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _rowcount(res: Result) -> int:
+    """The rows an UPDATE matched. Session.execute types every result as Result; an UPDATE's is the
+    cursor's CursorResult, which carries the count."""
+    return cast(CursorResult, res).rowcount
 
 
 def add_event(s: Session, job_id: str, kind: str, message: str, data: dict | None = None) -> JobEvent:
@@ -154,9 +161,9 @@ def _take(s: Session, job_id: str, worker_id: str, lease_seconds: float, runnabl
         )
         .execution_options(synchronize_session=False)
     )
-    if res.rowcount != 1:
+    if _rowcount(res) != 1:
         return None
-    job = s.get(Job, job_id, populate_existing=True)
+    job = s.get_one(Job, job_id, populate_existing=True)
     if job.status == "queued":
         transition(s, job, "running")
     add_event(s, job.id, "log", f"attempt {job.attempts} started on {worker_id}")
@@ -194,7 +201,7 @@ def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> 
         .values(lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
         .execution_options(synchronize_session=False)
     )
-    return res.rowcount == 1
+    return _rowcount(res) == 1
 
 
 def hold(s: Session, job_id: str, worker_id: str) -> None:
@@ -212,11 +219,11 @@ def hold(s: Session, job_id: str, worker_id: str) -> None:
         .values(heartbeat_at=_now())
         .execution_options(synchronize_session=False)
     )
-    if res.rowcount != 1:
+    if _rowcount(res) != 1:
         raise LeaseLost(f"job {job_id}: worker {worker_id} no longer holds it")
 
 
-def _upsert(s: Session, table, values: dict, keys: list[str], update_cols: list[str]) -> None:
+def _upsert(s: Session, table: Table, values: dict, keys: list[str], update_cols: list[str]) -> None:
     dialect = s.get_bind().dialect.name
     ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)
     s.execute(ins.on_conflict_do_update(index_elements=keys, set_={c: ins.excluded[c] for c in update_cols}))

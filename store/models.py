@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import secrets
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, ClassVar
 
 from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+if TYPE_CHECKING:
+    from sqlalchemy import Table
 
 
 def utcnow() -> datetime:
@@ -18,7 +22,10 @@ def new_id(prefix: str) -> str:
 
 
 class Base(DeclarativeBase):
-    pass
+    if TYPE_CHECKING:
+        # Every model here is declared as a Table (never mapped to a subquery): the upserts hand
+        # ``__table__`` to the dialects' insert(), which SQLAlchemy types as FromClause by default.
+        __table__: ClassVar[Table]
 
 
 class Tenant(Base):

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from store import jobs
 from store.models import Job
-from store.usage import QueuePolicy, as_utc, budget, now_utc, period_device_seconds
+from store.usage import Budget, QueuePolicy, as_utc, budget, now_utc, period_device_seconds
 
 RUNNING = ("running", "cancelling")
 # Picks tried per claim before giving up (each loses only to another worker's claim of the same job).
@@ -118,23 +118,22 @@ class TenantQueue:
     def __init__(self, s: Session, policy: QueuePolicy, tenant_id: str) -> None:
         self.s, self.policy, self.tenant_id = s, policy, tenant_id
         self._order: dict[str, int] | None = None
-        self._budget = None
+        self._budget: Budget | None = None
 
-    def _load(self) -> None:
+    def _load(self) -> tuple[dict[str, int], Budget]:
         ids = self.s.scalars(
             select(Job.id)
             .where(Job.tenant_id == self.tenant_id, Job.status == "queued")
             .order_by(Job.created_at, Job.id)
         )
-        self._order = {jid: i for i, jid in enumerate(ids)}
-        self._budget = budget(self.s, self.policy, self.tenant_id)
+        return {jid: i for i, jid in enumerate(ids)}, budget(self.s, self.policy, self.tenant_id)
 
     def waiting(self, job: Job) -> Waiting | None:
         """None unless the job is queued."""
         if job.status != "queued":
             return None
-        if self._order is None or job.id not in self._order:
-            self._load()
+        if self._order is None or self._budget is None or job.id not in self._order:
+            self._order, self._budget = self._load()
         ahead = self._order.get(job.id, 0)
         b = self._budget
         if b.exhausted:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -33,6 +34,12 @@ def grader_policy(**overrides):
     from gspo_core.rewards import GraderPolicy
 
     return GraderPolicy(**{"python": os.environ.get("GSPO_GRADER_PYTHON"), **overrides})
+
+
+def spawn_logged(cmd: list[str], log: Path, **popen_kw) -> subprocess.Popen:
+    """Start ``cmd`` with its stdout and stderr written to ``log`` (the child holds its own copy of the file)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen_kw)
 
 
 POSTGRES_URL = os.environ.get("GSPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

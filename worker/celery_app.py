@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -86,8 +87,6 @@ def _graceful(sig=None, how=None, **_):
     import psutil
 
     for child in psutil.Process().children():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, GRACEFUL_SIGNAL)
-        except ProcessLookupError:
-            pass
     log.warning("%s shutdown: asked the running job to checkpoint and requeue", how)

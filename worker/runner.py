@@ -39,8 +39,9 @@ def _fetch_inputs(
 ) -> tuple[str, str, str | None]:
     """Local paths of the model, training file and validation file of ``job``."""
 
-    def fetch_file(file_id: str, name: str) -> str:
-        f = s.get(File, file_id)
+    def fetch_file(file_id: str | None, name: str) -> str:
+        # None: the file was deleted (the job's reference is SET NULL); reported like a missing row.
+        f = s.get(File, file_id) if file_id is not None else None
         if f is None:
             raise JobInputError(f"dataset {file_id} no longer exists (was it deleted?)")
         dest = work / name
@@ -100,17 +101,19 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
                 jobs.transition(s, job, "cancelled")
                 return "cancelled"
             if reason == "wall_limit":
+                assert cb.usage is not None, "only a run with a usage meter stops at its wall limit"
                 jobs.transition(s, job, "failed", error=cb.usage.limit_error(job.step))
                 return "wall_limit"
             if reason not in ("shutdown", "budget"):
                 jobs.transition(s, job, "succeeded")
                 return "succeeded"
-            why = (
-                "worker shutting down"
-                if reason == "shutdown"
-                else "the tenant's device-hour budget of this "
-                f"period is used (until {cb.budget.period_end.isoformat()})"
-            )
+            if reason == "shutdown":
+                why = "worker shutting down"
+            else:
+                assert cb.budget is not None, "a budget stop records the spent budget"
+                why = (
+                    f"the tenant's device-hour budget of this period is used (until {cb.budget.period_end.isoformat()})"
+                )
             jobs.add_event(s, job_id, "log", f"{why}: checkpointed and requeued")
             jobs.transition(s, job, "queued")
             job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt

@@ -8,6 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gspo_core.toy import build_tiny_model, write_toy_dataset
+from store import jobs
+from store.models import Job
+from store.objects import put_dir
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
 from tests.conftest import empty_database_url
@@ -83,3 +86,44 @@ def job_body(file_id: str, model: str = "toy", **hp) -> dict:
         "reward": TOY_REWARD,
         "hyperparameters": {"steps": 2, "group_size": 4, "prompts_per_step": 2, **hp},
     }
+
+
+@pytest.fixture()
+def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_path):
+    """A job that 'ran' 3 steps: rows written through store/ exactly as the worker writes them."""
+    job_id = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).json()["id"]
+    ckpt_dir = tmp_path / "ckpt"
+    (ckpt_dir / "model").mkdir(parents=True)
+    (ckpt_dir / "model" / "config.json").write_text('{"a": 1}')
+    (ckpt_dir / "model" / "model.safetensors").write_bytes(b"x" * 5000)
+    (ckpt_dir / "trainer_state.pt").write_bytes(b"state")
+    with app.state.db.session() as s:
+        job = jobs.claim(s, job_id, "w1", 30)
+        for step in (1, 2, 3):
+            jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "loss": -step})
+            jobs.record_samples(
+                s,
+                job_id,
+                step,
+                [
+                    {
+                        "prompt": "say a:",
+                        "item": {"answer": "a"},
+                        "completions": [
+                            {
+                                "text": "aa",
+                                "reward": 0.5,
+                                "scores": {"m": 0.5},
+                                "errors": {},
+                                "tokens": 2,
+                                "finish_reason": "stop",
+                            }
+                        ],
+                    }
+                ],
+            )
+        prefix = f"jobs/{job_id}/checkpoints/step-000003"
+        size = put_dir(app.state.objects, prefix, ckpt_dir)
+        jobs.record_checkpoint(s, job, 3, prefix, size, True)
+        jobs.transition(s, s.get(Job, job_id), "succeeded")
+    return job_id

@@ -16,7 +16,6 @@ from store.objects import S3ObjectStore, put_dir
 from store.tenants import create_tenant_and_key
 from tests.api.conftest import job_body
 from tests.api.test_files import stored_objects
-from tests.api.test_progress import job_with_progress  # noqa: F401  (fixture)
 
 
 def _rows_of(app, job_id: str) -> dict:

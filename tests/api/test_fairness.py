@@ -99,21 +99,25 @@ def test_streams_capped_per_tenant_and_idle_streams_hold_no_connection(limited, 
     a, job_a = _tenant_with_job(app, "a")
     b, job_b = _tenant_with_job(app, "b")
     try:
-        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=20) as http:
-            with _open_stream(http, job_a, a), _open_stream(http, job_a, a) as second:
-                _assert_429(http.get(f"/v1/jobs/{job_a}/events", headers=a))
-                with _open_stream(http, job_b, b):  # another tenant's cap is its own
-                    # Three streams wait between polls: none holds a pooled connection.
-                    assert app.state.db.engine.pool.checkedout() == 0
-                    assert http.get("/v1/jobs", headers=b).status_code == 200
-                second.close()
-                deadline = time.monotonic() + 10  # the server sees the disconnect and frees the slot
-                while True:
-                    with http.stream("GET", f"/v1/jobs/{job_a}/events", headers=a) as r:
-                        if r.status_code == 200:
-                            break
-                        assert r.status_code == 429 and time.monotonic() < deadline
-                    time.sleep(0.1)
+        with (
+            LiveServer(app) as live,
+            httpx.Client(base_url=live.url, timeout=20) as http,
+            _open_stream(http, job_a, a),
+            _open_stream(http, job_a, a) as second,
+        ):
+            _assert_429(http.get(f"/v1/jobs/{job_a}/events", headers=a))
+            with _open_stream(http, job_b, b):  # another tenant's cap is its own
+                # Three streams wait between polls: none holds a pooled connection.
+                assert app.state.db.engine.pool.checkedout() == 0
+                assert http.get("/v1/jobs", headers=b).status_code == 200
+            second.close()
+            deadline = time.monotonic() + 10  # the server sees the disconnect and frees the slot
+            while True:
+                with http.stream("GET", f"/v1/jobs/{job_a}/events", headers=a) as r:
+                    if r.status_code == 200:
+                        break
+                    assert r.status_code == 429 and time.monotonic() < deadline
+                time.sleep(0.1)
     finally:
         app.state.db.dispose()
 
@@ -129,9 +133,13 @@ def test_stream_cap_is_shared_by_server_processes_through_redis(settings):
     one, two = create_app(shared), create_app(shared)
     a, job_a = _tenant_with_job(one, "a")
     try:
-        with LiveServer(one) as s1, LiveServer(two) as s2, httpx.Client(timeout=20) as http:
-            with _open_stream(http, job_a, a, s1.url):
-                _assert_429(http.get(f"{s2.url}/v1/jobs/{job_a}/events", headers=a))
+        with (
+            LiveServer(one) as s1,
+            LiveServer(two) as s2,
+            httpx.Client(timeout=20) as http,
+            _open_stream(http, job_a, a, s1.url),
+        ):
+            _assert_429(http.get(f"{s2.url}/v1/jobs/{job_a}/events", headers=a))
     finally:
         one.state.db.dispose()
         two.state.db.dispose()

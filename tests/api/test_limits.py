@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import uuid
@@ -127,22 +128,17 @@ class TcpProxy:
             pass
         finally:
             for sock in (a, b):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def stop(self) -> None:
-        try:  # wakes the thread blocked in accept(); close() alone would leave the port listening
+        # shutdown() wakes the thread blocked in accept(); close() alone would leave the port listening.
+        with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.listener.close()
         for sock in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
         self.conns = []
 

@@ -6,53 +6,9 @@ import io
 import json
 import tarfile
 
-import pytest
-
 from store import jobs
 from store.models import Job
-from store.objects import put_dir
 from tests.api.conftest import job_body
-
-
-@pytest.fixture()
-def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_path):
-    """A job that 'ran' 3 steps: rows written through store/ exactly as the worker writes them."""
-    job_id = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).json()["id"]
-    ckpt_dir = tmp_path / "ckpt"
-    (ckpt_dir / "model").mkdir(parents=True)
-    (ckpt_dir / "model" / "config.json").write_text('{"a": 1}')
-    (ckpt_dir / "model" / "model.safetensors").write_bytes(b"x" * 5000)
-    (ckpt_dir / "trainer_state.pt").write_bytes(b"state")
-    with app.state.db.session() as s:
-        job = jobs.claim(s, job_id, "w1", 30)
-        for step in (1, 2, 3):
-            jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "loss": -step})
-            jobs.record_samples(
-                s,
-                job_id,
-                step,
-                [
-                    {
-                        "prompt": "say a:",
-                        "item": {"answer": "a"},
-                        "completions": [
-                            {
-                                "text": "aa",
-                                "reward": 0.5,
-                                "scores": {"m": 0.5},
-                                "errors": {},
-                                "tokens": 2,
-                                "finish_reason": "stop",
-                            }
-                        ],
-                    }
-                ],
-            )
-        prefix = f"jobs/{job_id}/checkpoints/step-000003"
-        size = put_dir(app.state.objects, prefix, ckpt_dir)
-        jobs.record_checkpoint(s, job, 3, prefix, size, True)
-        jobs.transition(s, s.get(Job, job_id), "succeeded")
-    return job_id
 
 
 def test_metrics_json_after_step_and_csv(client, auth, job_with_progress):
@@ -81,7 +37,7 @@ def test_events_stream_and_resume(client, auth, job_with_progress):
     assert kinds.count("metrics") == 3 and kinds[-1] == "end" and "checkpoint" in kinds
     statuses = [d["data"]["status"] for e, _, d in events if e == "status"]
     assert statuses == ["queued", "running", "succeeded"]
-    mid = [i for e, i, d in events if e == "metrics" and d["step"] == 2][0]
+    mid = next(i for e, i, d in events if e == "metrics" and d["step"] == 2)
     resumed = parse_sse(client.get(f"/v1/jobs/{job_with_progress}/events", headers={**auth, "Last-Event-ID": mid}).text)
     assert [d["step"] for e, _, d in resumed if e == "metrics"] == [3]
 

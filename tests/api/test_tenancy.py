@@ -6,10 +6,9 @@ import pytest
 
 from store.tenants import revoke_key
 from tests.api.conftest import job_body
-from tests.api.test_progress import job_with_progress  # noqa: F401  (fixture)
 
 
-def test_every_endpoint_hides_other_tenants_data(client, auth, other_auth, job_with_progress, uploaded):  # noqa: F811
+def test_every_endpoint_hides_other_tenants_data(client, auth, other_auth, job_with_progress, uploaded):
     job = job_with_progress
     ckpt = client.get(f"/v1/jobs/{job}/checkpoints", headers=auth).json()["data"][0]["id"]
     fid = uploaded["id"]

@@ -6,13 +6,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import psutil
 
+from tests.conftest import spawn_logged
 from tests.worker.conftest import ROOT, wait_for
 
 
@@ -23,13 +23,7 @@ def test_gspo_up_serves_api_dashboard_and_worker(tmp_path):
     env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)}
     env.pop("DATABASE_URL", None), env.pop("REDIS_URL", None)
     log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gspo_cli.main", "up", "--port", str(port)],
-        env=env,
-        cwd=tmp_path,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-    )
+    proc = spawn_logged([sys.executable, "-m", "gspo_cli.main", "up", "--port", str(port)], log, env=env, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _ok(url + "/readyz"), 60, "gspo up ready")

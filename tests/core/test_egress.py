@@ -20,7 +20,10 @@ def sample(text: str) -> dict:
     return {"output_text": text, "output_tokens": len(text), "finish_reason": "stop"}
 
 
-def score(spec, policy=GraderPolicy(), text="abcd"):
+DEFAULT_POLICY = GraderPolicy()  # frozen: one instance serves every call
+
+
+def score(spec, policy=DEFAULT_POLICY, text="abcd"):
     fn = build_reward(spec, policy)
     try:
         return fn.score_batch([{}], [sample(text)])[0]
@@ -155,7 +158,7 @@ def test_allow_list_opens_only_what_it_names(listener):
 
 
 def test_redirect_to_a_refused_host_is_refused_without_connecting(listener):
-    name, addr = loopback_name()
+    name, _ = loopback_name()
     routes = {
         "/lit": (307, {"Location": f"http://127.0.0.1:{listener.port}/x"}, b""),
         "/name": (302, {"Location": f"http://{name}:{listener.port}/x"}, b""),

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -106,7 +107,7 @@ def test_a_process_that_stops_answering_is_killed_and_replaced():
         after = _ready(policy)
         assert not set(before) & set(after)
         for pid in before:  # killed and reaped, not left stopped
-            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+            assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
         assert [r.reward for r in fn.score_batch([{}] * 2, [sample("{}"), sample("[]")])] == [1.0, 0.0]
     finally:
         fn.close()
@@ -114,7 +115,7 @@ def test_a_process_that_stops_answering_is_killed_and_replaced():
 
 def test_pool_processes_have_a_memory_cap():
     for pid in _ready(FAST):
-        limits = open(f"/proc/{pid}/limits").read()
+        limits = Path(f"/proc/{pid}/limits").read_text()
         line = next(ln for ln in limits.splitlines() if ln.startswith("Max address space"))
         assert line.split()[3] != "unlimited", line
 

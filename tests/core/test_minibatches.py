@@ -41,7 +41,7 @@ def test_same_generator_same_split():
     lengths_N = torch.tensor([5, 5, 5, 9, 9, 1, 1, 7])
     a = minibatches(lengths_N, 2, "length", torch.Generator().manual_seed(3))
     b = minibatches(lengths_N, 2, "length", torch.Generator().manual_seed(3))
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("order", ["group", "length"])
@@ -53,6 +53,6 @@ def test_rows_of_a_group_stay_together_where_lengths_allow(order):
     for seed in range(4):
         batches = minibatches(lengths_N, 4, order, torch.Generator().manual_seed(seed), group_size=8)
         groups = [sorted({i // 8 for i in b.tolist()}) for b in batches]
-        assert all(len(g) == 2 for g in groups) and sorted(sum(groups, [])) == list(range(8))
+        assert all(len(g) == 2 for g in groups) and sorted(i for g in groups for i in g) == list(range(8))
         splits.add(tuple(map(tuple, groups)))
     assert len(splits) > 1

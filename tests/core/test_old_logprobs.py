@@ -47,7 +47,7 @@ def test_auto_recomputes_before_any_update_when_the_sampler_is_off(sampled):
     view, metrics, model = _step(sampled, "auto", logprob_bias=1e-3)
     assert view.recomputed and metrics["old_logprobs/recomputed"] == 1.0
     assert metrics["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
-    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert metrics["loss"] == ref_metrics["loss"]
 
@@ -116,7 +116,7 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(sampled, mon
     later = [i for b in view.batches[1:] for i in b.tolist()]
     assert metrics["update/rows_skipped_frac"] == sum(i in tied for i in later) / len(view.completions) > 0
     assert ref_metrics["update/rows_skipped_frac"] == 0
-    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-6)
     # the tied rows of the later batches got no old-logprob forward either

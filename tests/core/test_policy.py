@@ -18,7 +18,13 @@ def _one_thread():
         yield
 
 
-_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+_SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 
 
 def _save(tmp_path, family: str, **extra):
@@ -51,7 +57,7 @@ def _model_logprobs(model, prompts, comps, temperature):
     """Reference: the model's own forward, one row at a time."""
     out = torch.zeros(len(prompts), max(map(len, comps)))
     with torch.no_grad():
-        for b, (p, c) in enumerate(zip(prompts, comps)):
+        for b, (p, c) in enumerate(zip(prompts, comps, strict=True)):
             lp = (model(input_ids=torch.tensor([p + c])).logits[0].float() / temperature).log_softmax(-1)
             out[b, : len(c)] = lp[len(p) - 1 : len(p) + len(c) - 1].gather(1, torch.tensor(c)[:, None])[:, 0]
     return out
@@ -60,9 +66,9 @@ def _model_logprobs(model, prompts, comps, temperature):
 @pytest.mark.parametrize(
     "family,extra",
     [
-        ("gemma2", dict(final_logit_softcapping=3.0, head_dim=16)),
-        ("cohere", dict(logit_scale=0.25)),
-        ("granite", dict(logits_scaling=8.0)),
+        ("gemma2", {"final_logit_softcapping": 3.0, "head_dim": 16}),
+        ("cohere", {"logit_scale": 0.25}),
+        ("granite", {"logits_scaling": 8.0}),
     ],
 )
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

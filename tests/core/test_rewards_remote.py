@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -32,7 +33,7 @@ class _Handler(BaseHTTPRequestHandler):
     """A reward endpoint (/score*), an OpenAI-shaped chat-completions judge (/v1/chat/completions)
     and misbehaving routes; failures and delays are set per test."""
 
-    calls: list = []
+    calls: ClassVar[list] = []  # shared by the server's handler instances; reset per test
     fail_first = 0
     delay = 0.0
 
@@ -92,7 +93,7 @@ def server():
 def test_http_grader_posts_sample_and_item(server):
     r = score({"type": "http", "url": server + "/score", "headers": {"X-Token": "t"}}, "abcd", {"q": 1})
     assert r.reward == pytest.approx(0.4) and not r.errors
-    path, body, headers = _Handler.calls[0]
+    _, body, headers = _Handler.calls[0]
     assert body == {"sample": sample("abcd"), "item": {"q": 1}} and headers["X-Token"] == "t"
     assert score({"type": "http", "url": server + "/plain"}, "x").reward == 0.25
 
@@ -248,10 +249,9 @@ def test_reward_models_are_loaded_once_per_process_and_the_cache_is_bounded(rewa
     small = ModelCache(max_models=4, max_bytes=1)  # no model fits: each leaves as soon as it is unused
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    load = lambda: (
-        AutoTokenizer.from_pretrained(dirs[1]),
-        AutoModelForSequenceClassification.from_pretrained(dirs[1]),
-    )
+    def load():
+        return AutoTokenizer.from_pretrained(dirs[1]), AutoModelForSequenceClassification.from_pretrained(dirs[1])
+
     entry = small.acquire((str(dirs[1]), "cpu"), load)
     assert small.acquire((str(dirs[1]), "cpu"), load) is entry and small.loads == 1  # held: kept and shared
     small.release((str(dirs[1]), "cpu"))

@@ -214,8 +214,8 @@ def check_logprobs_only_when_asked(engine, prompts, max_tokens: int) -> None:
     spec = SamplingSpec(n=3, max_tokens=max_tokens, ignore_eos=True, seed=21)
     with_lp = engine.generate(prompts, spec)
     without = engine.generate(prompts, replace(spec, logprobs=False))
-    for g_a, g_b in zip(with_lp, without):
-        for a, b in zip(g_a, g_b):
+    for g_a, g_b in zip(with_lp, without, strict=True):
+        for a, b in zip(g_a, g_b, strict=True):
             assert len(a.logprobs) == len(a.completion_ids) == max_tokens and b.logprobs == []
             assert a.completion_ids == b.completion_ids
 

@@ -82,8 +82,8 @@ def test_more_sequences_than_fit_wait_their_turn_and_sample_the_same(tiny_model_
     assert preempted == [0]
     assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
     assert all(len(c.completion_ids) == 59 for g in got for c in g)
-    for g, w in zip(got, want):
-        for c, r in zip(g, w):
+    for g, w in zip(got, want, strict=True):
+        for c, r in zip(g, w, strict=True):
             assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
 
 
@@ -96,8 +96,8 @@ def test_16_and_32_token_blocks_sample_the_same(tiny_model_dir):
         got = at16.generate(PROMPTS, SPEC)
     assert (at32.kv_block, at16.kv_block) == (32, cpu.cpu_kv_block(SPEC.max_tokens, "float32"))
     assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
-    for g, w in zip(got, want):
-        for c, r in zip(g, w):
+    for g, w in zip(got, want, strict=True):
+        for c, r in zip(g, w, strict=True):
             assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
 
 

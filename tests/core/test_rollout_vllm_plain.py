@@ -28,7 +28,7 @@ def test_plain_sampling_engine(tiny_model_dir):
     try:
         prompts = [tok("say a:")["input_ids"], tok("say bb, then c:")["input_ids"]]
         groups = eng.generate(prompts, SamplingSpec(n=4, max_tokens=12, ignore_eos=True, seed=3))
-        for g, prompt in zip(groups, prompts):
+        for g, prompt in zip(groups, prompts, strict=True):
             assert len({tuple(c.completion_ids) for c in g}) > 1
             for c in g:
                 ref = reference_logprobs(model, prompt, c.completion_ids)

@@ -79,8 +79,9 @@ def test_graders_written_for_openai_environment_work(name):
 def test_grader_package_set_and_every_stdlib_module_import():
     src = (
         "import contextlib, importlib, io, sys\n"
-        "GUI_OR_OTHER_OS = {'antigravity', 'this', 'tkinter', '_tkinter', 'turtle', 'turtledemo', 'idlelib', 'msilib',\n"
-        "                   '_msi', 'msvcrt', 'nt', 'winreg', 'winsound', '_winapi', '_overlapped', '_scproxy', '_wmi'}\n"
+        "GUI_OR_OTHER_OS = {'antigravity', 'this', 'tkinter', '_tkinter', 'turtle', 'turtledemo', 'idlelib',\n"
+        "                   'msilib', '_msi', 'msvcrt', 'nt', 'winreg', 'winsound', '_winapi', '_overlapped',\n"
+        "                   '_scproxy', '_wmi'}\n"
         "def grade(sample, item):\n"
         "    bad = {}\n"
         "    for name in sorted(set(sys.stdlib_module_names) - GUI_OR_OTHER_OS) + item['packages']:\n"

@@ -85,7 +85,7 @@ def test_head_logprobs_match_the_head_then_the_plain_formula(monkeypatch, temper
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(ent, ref_ent.detach())
     assert not ent.requires_grad
-    for got, want in zip(_grads(h, head, (logp * w).sum()), _grads(h, head, (ref_logp * w).sum())):
+    for got, want in zip(_grads(h, head, (logp * w).sum()), _grads(h, head, (ref_logp * w).sum()), strict=True):
         torch.testing.assert_close(got, want)
 
 

@@ -80,7 +80,7 @@ def test_metrics_samples_eval_and_checkpoints(tiny_model_dir, tmp_path):
         assert m["tokens/sampled"] == pytest.approx(m["completion/len_mean"] * n_rows)
         assert m["tokens/trained"] >= m["tokens/sampled"] + n_rows
     assert last["completion/truncated_frac"] > 0.5  # the random model rarely says EOS within 4 tokens
-    step, rows = rec.samples[0]
+    _, rows = rec.samples[0]
     assert len(rows) == 4 and len(rows[0]["completions"]) == 8  # samples_per_step prompts, G each
     assert set(rows[0]) == {"prompt", "item", "completions"} and rows[0]["prompt"].startswith("say ")
     comp = rows[0]["completions"][0]
@@ -179,7 +179,7 @@ def test_warmup_then_cosine_schedule():
     import math
 
     cosine = [0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(6)]
-    assert lrs == pytest.approx([0.5, 1.0] + cosine)
+    assert lrs == pytest.approx([0.5, 1.0, *cosine])
     opt, sched = make_optimizer(lin, cfg.model_copy(update={"lr_schedule": "constant", "warmup_steps": 0}))
     assert opt.param_groups[0]["lr"] == 1.0
 

@@ -72,10 +72,10 @@ def _assert_same_update(
     is ~0 moves by an amount rounding decides: the weights are compared at a tolerance of 2 % of lr.)"""
     (_, metrics_a, model_a), (_, metrics_b, model_b) = a, b
     assert len(grads_a) == len(grads_b) == UPDATE_CFG.mini_batches
-    for ga, gb in zip(grads_a, grads_b):
-        for x, y in zip(ga, gb):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        for x, y in zip(ga, gb, strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-3)
-    for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
+    for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=0.02 * UPDATE_CFG.learning_rate, rtol=0, msg=name)
     for key in keys:
         assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-4, abs=1e-6), key

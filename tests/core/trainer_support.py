@@ -77,7 +77,7 @@ def Trainer(spec: JobSpec, callbacks=None, **kw) -> gspo_core.trainer.Trainer:
 def toy_spec(model_dir, tmp_path, **hp) -> JobSpec:
     """The toy task ("say a:" -> "aaaa") on the tiny model (run with `TOY_RUNTIME`: the transformers engine)."""
     data = write_toy_dataset(tmp_path / "toy.jsonl", n=64)
-    base = dict(steps=3, prompts_per_step=8, group_size=8, max_new_tokens=4, learning_rate=3e-3)
+    base = {"steps": 3, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4, "learning_rate": 3e-3}
     return JobSpec(
         model=str(model_dir),
         training_file=str(data),

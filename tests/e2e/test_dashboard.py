@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import spawn_logged
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,12 +44,11 @@ def service(tmp_path_factory):
     run_migrations(settings.resolved_database_url())
     build_tiny_model(settings.models_dir / "toy")
     env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
-    worker = subprocess.Popen(
+    worker = spawn_logged(
         [sys.executable, "-m", "gspo_cli.main", "worker", "--loglevel", "WARNING"],
+        tmp / "worker.log",
         env=env,
         cwd=ROOT,
-        stdout=open(tmp / "worker.log", "w"),
-        stderr=subprocess.STDOUT,
     )
     app = create_app(settings)
     with app.state.db.session() as s:

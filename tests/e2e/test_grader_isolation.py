@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from tests.conftest import spawn_logged
 from tests.e2e.test_service_e2e import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,12 +43,11 @@ def test_healthz_answers_during_a_dry_run_of_graders_that_never_yield(tmp_path):
     _gspo(env, "migrate")
     key = _gspo(env, "admin", "create-key", "--tenant", "iso").splitlines()[-1]
     port = free_port()
-    api = subprocess.Popen(
+    api = spawn_logged(
         [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
+        tmp_path / "api.log",
         env=env,
         cwd=ROOT,
-        stdout=open(tmp_path / "api.log", "w"),
-        stderr=subprocess.STDOUT,
     )
     url, h = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
     spec = {

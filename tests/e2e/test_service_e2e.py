@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 import tarfile
 import time
@@ -13,7 +12,7 @@ import pytest
 
 from gspo_client import ApiError, Client
 from gspo_core.toy import TOY_REWARD, write_toy_dataset
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, spawn_logged
 from tests.worker.conftest import ROOT, build_rig, wait_for
 
 
@@ -31,12 +30,11 @@ def service(pg_database, tmp_path):
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"
     rig = build_rig(tmp_path, pg_database, redis_url, GSPO_ROLLOUT_ENGINE="vllm")
     port = free_port()
-    api = subprocess.Popen(
+    api = spawn_logged(
         [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
+        tmp_path / "api.log",
         env=rig.env,
         cwd=ROOT,
-        stdout=open(tmp_path / "api.log", "w"),
-        stderr=subprocess.STDOUT,
     )
     rig.start_worker()
     url = f"http://127.0.0.1:{port}"

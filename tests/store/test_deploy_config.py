@@ -15,7 +15,7 @@ FOREIGN = {"HF_HOME"}  # read by the Hugging Face libraries, not by Settings
 def _settings_env_names() -> set[str]:
     names = set()
     for field in Settings.model_fields.values():
-        names |= {c for c in field.validation_alias.choices}
+        names |= set(field.validation_alias.choices)
     return names
 
 

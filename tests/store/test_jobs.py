@@ -250,7 +250,7 @@ def test_queue_position_counts_only_the_tenants_own_jobs_and_active_count(db):
 
 
 def test_queued_without_message_lists_only_old_waiting_jobs(db):
-    old, fresh, running = make_job(db), make_job(db), make_job(db)
+    old, _fresh, running = make_job(db), make_job(db), make_job(db)
     with db.session() as s:
         s.get(Job, old).created_at = jobs._now().replace(year=2000)
         s.get(Job, running).created_at = jobs._now().replace(year=2000)

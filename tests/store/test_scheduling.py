@@ -47,13 +47,16 @@ def submit(db, owner: tuple[str, str], n: int = 1, max_active: int | None = None
     return ids
 
 
-def take(db, policy: QueuePolicy = QueuePolicy(), worker: str = "w") -> str | None:
+DEFAULT_POLICY = QueuePolicy()  # frozen: one instance serves every call
+
+
+def take(db, policy: QueuePolicy = DEFAULT_POLICY, worker: str = "w") -> str | None:
     with db.session() as s:
         job = scheduling.claim_next(s, worker, 60, policy)
         return job.id if job else None
 
 
-def use(db, job_id: str, seconds: float, policy: QueuePolicy = QueuePolicy()) -> None:
+def use(db, job_id: str, seconds: float, policy: QueuePolicy = DEFAULT_POLICY) -> None:
     """Record ``seconds`` of device time of the job in the current period."""
     with db.session() as s:
         job = s.get(Job, job_id)

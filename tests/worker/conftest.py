@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
 from store.models import Job, StepMetric
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
-from tests.conftest import REDIS_URL, truncate_all
+from tests.conftest import REDIS_URL, spawn_logged, truncate_all
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_GRADER = {
@@ -68,13 +69,11 @@ class Rig:
         """`gspo worker`'s exact Celery command, in its own process group (the pool child included)."""
         from gspo_cli.service_cmd import worker_command
 
-        log = open(self.tmp / f"worker-{len(self.workers)}.log", "w")
+        log = self.tmp / f"worker-{len(self.workers)}.log"
         cmd = worker_command(
             "INFO", name=f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h", queue=self.settings.worker_queue
         )
-        proc = subprocess.Popen(
-            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
-        )
+        proc = spawn_logged(cmd, log, env=self.env, cwd=ROOT, start_new_session=True)
         self.workers.append(proc)
         return proc
 
@@ -136,21 +135,17 @@ class Rig:
 
     def stop_all(self) -> None:
         for p in self.workers:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(10)
         self.client.close()
         self.app.state.db.dispose()
         if self.settings.redis_url:
             q = self.settings.worker_queue
-            try:
+            with contextlib.suppress(redis.ConnectionError):
                 redis.Redis.from_url(self.settings.redis_url).delete(
                     q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}"
                 )
-            except redis.ConnectionError:
-                pass
 
 
 def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 6, **extra_env: str) -> Rig:
