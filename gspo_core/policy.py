@@ -59,9 +59,7 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device) -> tuple
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # Ignored for mypy: transformers declares `to` with functools.wraps, which mypy types as a callable
-        # that does not bind self (it asks for the model as the first argument).
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)  # type: ignore[arg-type]
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     except (OSError, ValueError) as exc:
         raise OSError(
             f"cannot load model {model_path!r} (a Hugging Face id the machine can download, or a "
