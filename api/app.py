@@ -80,6 +80,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Objects of rows deleted just before a crash or during an object-store outage.
     threading.Thread(target=_purge_leftovers, args=(app,), name="purge", daemon=True).start()
     yield
+    # Frozen objects are never collected, not even at exit: an extension loaded in this process then dumps
+    # them as leaks (triton's, which transformers loads in `gspo demo`'s process: "nanobind: leaked ...").
+    gc.unfreeze()
     await app.state.limits.close()
     app.state.stream_pool.shutdown(wait=False, cancel_futures=True)
     app.state.grading_pool.shutdown(wait=False, cancel_futures=True)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from pathlib import Path
 
 
-def _serve(port: int):
+def _serve(port: int, log_level: str):
     import uvicorn
 
     from api.app import create_app
@@ -17,7 +18,7 @@ def _serve(port: int):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(uvicorn.Config(create_app(get_settings()), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(get_settings()), log_level=log_level))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     while not server.started:
@@ -41,6 +42,11 @@ def _watch(client, job_id: str, total: int) -> list[float]:
 
 
 def run_demo(args) -> int:
+    from gspo_cli import logs
+
+    level = logs.level_of(args.verbose)
+    logs.configure(level)  # before the libraries below load
+
     from gspo_cli.service_cmd import create_key, migrate, start_worker, stop_worker
     from gspo_client import Client
     from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
@@ -50,8 +56,8 @@ def run_demo(args) -> int:
     migrate()
     model_dir = build_tiny_model(settings.models_dir / "toy-demo", shape="toy")
     data = write_toy_dataset(settings.data_dir / "demo" / "toy.jsonl", n=64)
-    worker = start_worker(rollout_engine=args.engine)
-    server, th, url = _serve(args.port)
+    worker = start_worker(logging.getLevelName(level), rollout_engine=args.engine)
+    server, th, url = _serve(args.port, logs.uvicorn_level(level))
     try:
         with Client(url, create_key("demo")) as client:
             print(f"service up at {url} (dashboard: {url}/)")

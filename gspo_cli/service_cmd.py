@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -68,10 +69,16 @@ def worker_command(loglevel: str = "INFO", name: str | None = None, queue: str |
 
 
 def start_worker(loglevel: str = "WARNING", rollout_engine: str | None = None) -> subprocess.Popen:
-    """The worker in its own process group, so a forced stop reaches its pool child too; ``rollout_engine``
-    (the operator's setting, `Settings.rollout_engine`) overrides GSPO_ROLLOUT_ENGINE for it."""
+    """The embedded worker in its own process group, so a forced stop reaches its pool child too;
+    ``rollout_engine`` (the operator's setting, `Settings.rollout_engine`) overrides GSPO_ROLLOUT_ENGINE for it."""
     env = {**os.environ, **({"GSPO_ROLLOUT_ENGINE": rollout_engine} if rollout_engine else {})}
-    return subprocess.Popen(worker_command(loglevel), env=env, start_new_session=True)
+    cmd = worker_command(loglevel)
+    if logging.getLevelName(loglevel.upper()) > logging.INFO:
+        # Celery warns of any worker run as root. Its danger, a pickled message running code as root, is one
+        # Celery refuses itself here (the worker accepts JSON only), and the embedded worker runs as whoever
+        # started `gspo up` on their machine: theirs to choose, so the warning shows at --verbose only.
+        cmd[1:1] = ["-W", "ignore:You're running the worker with superuser privileges"]
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
 
 
 def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -85,13 +92,13 @@ def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
             proc.wait()
 
 
-def run_api(host: str, port: int, workers: int = 1) -> None:
+def run_api(host: str, port: int, workers: int = 1, log_level: str = "warning") -> None:
     import uvicorn
 
     if workers == 1:
         from api.app import create_app
 
-        uvicorn.run(create_app(_settings()), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(_settings()), host=host, port=port, log_level=log_level)
         return
     # Each worker process builds its own app (engine pool, object store) from the same Settings, and
     # counts its Prometheus metrics into one shared directory that a scrape of any of them sums.
@@ -102,23 +109,27 @@ def run_api(host: str, port: int, workers: int = 1) -> None:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="gspo-prometheus-")
     try:
-        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
+        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def up(args) -> int:
+    from gspo_cli import logs
+
+    level = logs.level_of(args.verbose)
+    logs.configure(level)
     migrate()
     key = create_key(args.tenant)
-    proc = start_worker(rollout_engine=args.rollout_engine)
+    proc = start_worker(logging.getLevelName(level), rollout_engine=args.rollout_engine)
     print(f"GSPO service on http://{args.host}:{args.port}  (dashboard: /, API docs: /docs)")
     print(f"API key for tenant {args.tenant!r}: {key}")
     print(f"data directory: {_settings().data_dir.resolve()}")
     # uvicorn re-raises SIGTERM after its shutdown; turn it into SystemExit so the worker is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        run_api(args.host, args.port)
+        run_api(args.host, args.port, log_level=logs.uvicorn_level(level))
     finally:
         stop_worker(proc)
     return 0
@@ -156,6 +167,9 @@ def demo(args) -> int:
     return run_demo(args)
 
 
+VERBOSE_HELP = "show every library's logs too (vLLM, Celery, uvicorn...): GSPO_LOG_LEVEL=INFO"
+
+
 def register(sub) -> None:
     p = sub.add_parser("up", help="run API + worker + dashboard on this machine (embedded default)")
     p.add_argument("--host", default="127.0.0.1")
@@ -166,6 +180,7 @@ def register(sub) -> None:
         choices=["auto", "vllm", "transformers"],
         help="the worker's rollout engine (default: GSPO_ROLLOUT_ENGINE, else auto)",
     )
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=up)
     p = sub.add_parser("api", help="run the API server only")
     p.add_argument("--host", default="0.0.0.0")
@@ -193,4 +208,5 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"])
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=demo)

@@ -12,7 +12,8 @@ RUN_JOB_TASK = "worker.tasks.run_job"
 
 def broker_url(settings: Settings) -> str:
     """Redis when configured; else a server-less filesystem broker under the data directory."""
-    return settings.redis_url or "filesystem://"
+    # The filesystem transport ignores the host; naming kombu's default spares a warning at every connection.
+    return settings.redis_url or "filesystem://localhost//"
 
 
 def broker_options(settings: Settings) -> dict:

@@ -155,6 +155,14 @@ class Settings(BaseSettings):
         description="CPU training: freed memory stays in the job process's heap",
     )
 
+    log_level: str = Field(
+        "WARNING",
+        pattern=r"(?i)^(DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
+        validation_alias=_env("LOG_LEVEL"),
+        description="Level of the logs of `gspo up`, `gspo demo` and their worker, libraries' included "
+        "(INFO shows vLLM's, Celery's and the others' progress, as `--verbose` does)",
+    )
+
     # Worker leases and retries.
     lease_seconds: float = Field(30.0, validation_alias=_env("LEASE_SECONDS"))
     heartbeat_seconds: float = Field(5.0, validation_alias=_env("HEARTBEAT_SECONDS"))

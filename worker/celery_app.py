@@ -14,7 +14,11 @@ from store.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 # Sent by the main process to its pool child on warm shutdown: the job checkpoints and is requeued.
-GRACEFUL_SIGNAL = signal.SIGUSR2
+# SIGURG, not SIGUSR2: in the pool the embedded (filesystem) broker runs, billiard puts its exit handler on
+# SIGUSR2 and other signals after the child's init hook, so SIGUSR2 ended a running job without its
+# checkpoint and an idle child with "exited with 'exitcode 70'". SIGURG is none of billiard's, and its
+# default is to be ignored: a child that has no handler yet is not harmed.
+GRACEFUL_SIGNAL = signal.SIGURG
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -61,6 +65,13 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+@signals.after_setup_logger.connect
+def _setup_logging(loglevel=None, **_):
+    from worker.logs import configure_process
+
+    configure_process(loglevel or logging.WARNING)
+
+
 @signals.worker_ready.connect
 def _start_reaper(sender=None, **_):
     # The main process of every worker reaps: a busy worker's queue cannot carry the reap task
@@ -85,8 +96,15 @@ def _graceful(sig=None, how=None, **_):
     """Warm shutdown (SIGTERM/SIGINT) of the main process: ask the running job to checkpoint and
     requeue itself; the main process then waits for the task to return, acks it and exits."""
     import psutil
+    from celery.worker import state
 
+    from worker import context
+
+    # Inherited by a job process forked from now on: the consumer of the embedded broker can still take a
+    # message (the requeued job's own) until it stops, and that process must leave the job alone.
+    context.SHUTDOWN.set()
     for child in psutil.Process().children():
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, GRACEFUL_SIGNAL)
-    log.warning("%s shutdown: asked the running job to checkpoint and requeue", how)
+    if state.active_requests:  # an idle worker's stop is no news
+        log.warning("%s shutdown: asked the running job to checkpoint and requeue", how)

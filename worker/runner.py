@@ -197,6 +197,8 @@ def _train(
 def run_job(job_id: str) -> str:
     """The body of the Celery task: run the job a free slot is given (see `_claim`). Returns what
     happened (for logs and tests)."""
+    if SHUTDOWN.is_set():  # forked during its worker's warm shutdown: claiming would start an attempt the stop kills
+        return "skipped"
     settings = get_settings()
     runtime = RuntimeOptions.from_mapping(settings.runtime_options())
     prepare_process(runtime)  # this process runs one job (a fresh pool child per task): its owner prepares it

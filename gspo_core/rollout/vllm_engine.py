@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import logging
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -14,6 +16,65 @@ from gspo_core.rollout.base import Completion, SamplingSpec
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from vllm import LLM
+
+#: Warnings vLLM logs at every start or push of this engine that are no fault, by the logger that emits
+#: them (the start of the message): each is turned into an INFO record, shown where INFO is (`--verbose`).
+BENIGN_VLLM_WARNINGS: dict[str, tuple[str, ...]] = {
+    # A push reloads the weights layer by layer. The rotary embedding's cos/sin cache is a buffer computed
+    # from the config, in no checkpoint: vLLM finds no weights for it and puts the cache back as it was
+    # (tests/core/test_rollout_vllm.py: after a push the logprobs are the pushed model's, to 1e-5).
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    # In-process by design (the push hands tensors over); vLLM seeds the process's generators with the
+    # job's seed, which the trainer seeded them with already. Chunked prefill is off on CPU on purpose
+    # (gspo_core.platform.cpu: CPU generators cannot rewind a split prefill's seed); the logprobs are
+    # checked against the policy's own (tests/core/test_rollout_vllm.py).
+    "vllm.engine.arg_utils": (
+        "The global random seed is set to",
+        "This model does not officially support disabling chunked prefill",
+    ),
+    # The CPU platform's choices (eager mode, 16-token KV blocks for short completions) and vLLM's CPU
+    # build, which runs its own kernels without Triton: notes on how it runs, not faults.
+    "vllm.config.vllm": (
+        "Enforce eager set",
+        "Inductor compilation was disabled by user settings",
+        "Model Runner V2 requires Triton",
+    ),
+    "vllm.platforms.cpu": (
+        "Triton is not installed. triton-cpu is expected",
+        "CPU backend prefers block_size is multiples of 32",
+        "Reset SSM cache type to float32",
+    ),
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
+    # Advice on tuning the host (preloaded allocator and OpenMP runtime), and vLLM's own thread settings
+    # meeting its own CPU thread binding: nothing a job can act on.
+    "vllm.v1.worker.cpu_worker": (
+        "libtcmalloc is not found in LD_PRELOAD",
+        "libiomp is not found in LD_PRELOAD",
+        "CPU backend doesn't allow to use `torch.set_num_threads`",
+    ),
+}
+
+
+class _BenignWarnings(logging.Filter):
+    """On one vLLM logger: its listed warnings become INFO records (dropped where INFO is not shown)."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or not record.getMessage().startswith(self.starts):
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+
+
+def _quiet_benign_warnings() -> None:
+    """Install the filters once per process (logging holds them; nothing here configures levels or handlers)."""
+    for name, starts in BENIGN_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _BenignWarnings) for f in logger.filters):
+            logger.addFilter(_BenignWarnings(starts))
 
 
 def _has_reload_weights(worker: object) -> bool:
@@ -63,6 +124,7 @@ class VLLMEngine:
         max_new_tokens: int | None = None,
         platform: Platform | None = None,
     ) -> None:
+        _quiet_benign_warnings()  # before vLLM loads: it warns of Triton on import
         import vllm.envs
         from vllm import LLM
 
@@ -99,7 +161,15 @@ class VLLMEngine:
         #: Tokens per KV block where the platform picks it (vLLM's own choice otherwise).
         self.kv_block: int | None = kwargs.get("block_size")
         self._sleep_capable = bool(kwargs.get("enable_sleep_mode"))
-        llm = LLM(**kwargs)
+        # The weight-loading progress bar goes with vLLM's INFO logs.
+        kwargs["use_tqdm_on_load"] = logging.getLogger("vllm").isEnabledFor(logging.INFO)
+        with warnings.catch_warnings():
+            # vLLM's kernel dispatcher reads every attribute of every loaded module, torch's deprecated
+            # `torch.distributed.reduce_op` included: torch's deprecation notice, for an attribute nobody uses.
+            warnings.filterwarnings(
+                "ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning
+            )
+            llm = LLM(**kwargs)
         #: The engine; None once :meth:`close` released it.
         self.llm: LLM | None = llm
         self.max_model_len = max_model_len

@@ -6,28 +6,44 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
+from sqlalchemy import select
 
+from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
 from tests.conftest import spawn_logged
 from tests.worker.conftest import ROOT, wait_for
 
+# Its own lines only: no library's INFO, and no error at the worker's stop (tests/cli/test_quiet_run.py).
+NOISE = re.compile(r"\b(ERROR|CRITICAL|INFO)\b|Traceback")
 
-def test_gspo_up_serves_api_dashboard_and_worker(tmp_path):
+
+def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, str, Path]:
+    """`gspo up` on a free port, ready: its process, URL, API key and output file."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)}
-    env.pop("DATABASE_URL", None), env.pop("REDIS_URL", None)
+    for name in ("DATABASE_URL", "REDIS_URL", "GSPO_LOG_LEVEL", "LOG_LEVEL"):
+        env.pop(name, None)
     log = tmp_path / "up.log"
-    proc = spawn_logged([sys.executable, "-m", "gspo_cli.main", "up", "--port", str(port)], log, env=env, cwd=tmp_path)
+    proc = spawn_logged(
+        [sys.executable, "-m", "gspo_cli.main", "up", "--port", str(port), *args], log, env=env, cwd=tmp_path
+    )
     url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _ok(url + "/readyz"), 60, "gspo up ready")
+    key = re.search(r"API key for tenant 'default': (\S+)", log.read_text()).group(1)
+    return proc, url, key, log
+
+
+def test_gspo_up_serves_api_dashboard_and_worker(tmp_path):
+    proc, url, key, log = start_up(tmp_path)
     try:
-        wait_for(lambda: _ok(url + "/readyz"), 60, "gspo up ready")
-        key = re.search(r"API key for tenant 'default': (\S+)", log.read_text()).group(1)
         assert httpx.get(url + "/v1/jobs", headers={"Authorization": f"Bearer {key}"}).json()["data"] == []
         assert "GSPO jobs" in httpx.get(url + "/").text
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -38,6 +54,39 @@ def test_gspo_up_serves_api_dashboard_and_worker(tmp_path):
         proc.wait(60)
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "no orphaned worker"
+    assert not NOISE.search(log.read_text()), log.read_text()
+
+
+def test_stopping_gspo_up_mid_job_checkpoints_and_requeues_it(tmp_path):
+    """The embedded worker's warm shutdown reaches the running job (its pool differs from Redis's, whose
+    case tests/worker/test_worker.py covers): the job checkpoints and is queued again, and nothing errs."""
+    from gspo_client import Client
+
+    build_tiny_model(tmp_path / "data" / "models" / "toy")
+    proc, url, key, log = start_up(tmp_path, "--rollout-engine", "transformers")
+    try:
+        with Client(url, key) as client:
+            f = client.upload_file(write_toy_dataset(tmp_path / "toy.jsonl", n=32))
+            hp = {"steps": 200, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "save_every": 1000}
+            job_id = client.create_job(model="toy", training_file=f["id"], reward=TOY_REWARD, hyperparameters=hp)["id"]
+            wait_for(lambda: (client.get_job(job_id)["step"] or 0) >= 2, 120, "2 steps")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    out = log.read_text()
+    assert "asked the running job to checkpoint and requeue" in out, out
+    assert not NOISE.search(out), out
+    from store.db import Database
+    from store.models import Job, JobEvent
+    from store.settings import Settings
+
+    db = Database(Settings(data_dir=tmp_path / "data").resolved_database_url())
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        messages = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
+    db.dispose()
+    assert job.status == "queued" and job.attempts == 0, (job.status, job.attempts, messages)
+    assert "worker shutting down: checkpointed and requeued" in messages, messages
 
 
 def _ok(url: str) -> bool:

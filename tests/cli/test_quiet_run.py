@@ -1,0 +1,67 @@
+"""A quiet first run: `gspo demo` shows the service's own progress; libraries' logs show at --verbose only."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.worker.conftest import ROOT
+
+# vLLM where it is installed: its engine is the noisy one (a log line per push, warnings at start).
+ENGINE = "vllm" if importlib.util.find_spec("vllm") else "transformers"
+# A record at that level in any of the formats seen here: Celery's "[...: ERROR/MainProcess]", vLLM's
+# "ERROR 11-25 ...", logging's "... ERROR name: ...", uvicorn's "ERROR:".
+ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b")
+INFO_LINE = re.compile(r"\bINFO\b")
+# Set by the code under test itself; an outer setting would hide what it does.
+OWN_VARIABLES = ("GSPO_LOG_LEVEL", "LOG_LEVEL", "VLLM_CONFIGURE_LOGGING", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+def run_demo(tmp_path, *args: str) -> list[str]:
+    """`gspo demo` as a user runs it: its stdout and stderr together, one entry per line or bar update."""
+    env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("DATABASE_URL", "REDIS_URL", "TORCH_CPP_LOG_LEVEL", *OWN_VARIABLES):
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "gspo_cli.main", "demo", "--engine", ENGINE, *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-5000:]
+    return re.split(r"[\r\n]+", out.stdout)
+
+
+@pytest.mark.slow
+def test_the_demo_shows_its_own_progress_and_no_library_noise(tmp_path):
+    lines = run_demo(tmp_path, "--steps", "2")
+    text = "\n".join(lines)
+    assert "[status] succeeded" in text and "the trained model answers 'say c:' with" in text, text[-3000:]
+    assert not [line for line in lines if ERROR_LINE.search(line)], text  # the worker's stop included
+    assert "Traceback (most recent call last)" not in text, text
+    assert "nanobind: leaked" not in text, text
+    assert not [line for line in lines if INFO_LINE.search(line)], text  # vLLM's at every push among them
+    assert "Failed to load weights" not in text, text  # vLLM's false alarm at a push of a rotary model
+    assert "Loading weights:" not in text and "Writing model shards" not in text, text  # libraries' progress bars
+
+
+@pytest.mark.slow
+def test_verbose_shows_the_libraries_info_logs(tmp_path):
+    """The other side of the test above (it could not fail if nothing ever logged at INFO)."""
+    lines = run_demo(tmp_path, "--steps", "1", "--verbose")
+    info = [line for line in lines if INFO_LINE.search(line)]
+    assert any("Task worker.tasks.run_job[" in line for line in info), lines  # Celery's
+    assert any("Application startup complete" in line for line in info), lines  # uvicorn's
+    if ENGINE == "vllm":
+        assert any("Reloading weights" in line for line in info), lines  # vLLM's, at the push
+        # vLLM's known false alarms are demoted to INFO, not dropped.
+        assert all(INFO_LINE.search(line) for line in lines if "Failed to load weights" in line), lines
+    assert not [line for line in lines if ERROR_LINE.search(line)], lines
