@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from api import errors
 from api.limits import Limits
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
-from api.routers import checkpoints, files, health, jobs, metrics, rewards, ui, usage
+from api.routers import checkpoints, files, fine_tuning, health, jobs, metrics, rewards, ui, usage
 from api.schemas import error_responses
 from api.services.deletion import purge
 from api.services.health import Monitoring
@@ -110,6 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics.router,
         checkpoints.router,
         rewards.router,
+        fine_tuning.router,
         usage.router,
         health.router,
     ):

@@ -1,4 +1,6 @@
-"""The API's one error shape ``{"error": {type, message, field, line}}`` and its handlers."""
+"""The API's error shape ``{"error": {type, message, field, line}}`` and its handlers; under the OpenAI-shaped
+routes (`OPENAI_PREFIXES`) OpenAI's ``{"error": {message, type, param, code}}``, so its SDK raises its own
+exception classes with ``param`` set."""
 
 from __future__ import annotations
 
@@ -37,6 +39,41 @@ def body(type_: str, message: str, field: str | None = None, line: int | None = 
     return ErrorBody(error=ErrorDetail(type=type_, message=message, field=field, line=line)).model_dump()
 
 
+#: Paths answered with OpenAI's error shape. Under /v1/fine_tuning the body is OpenAI's (a 422 is a 400, as
+#: OpenAI answers a bad parameter); /v1/files keeps its own status codes and fields and adds ``param``/``code``.
+OPENAI_ROUTES = "/v1/fine_tuning"
+FILE_ROUTES = "/v1/files"
+
+
+def openai_body(status: int, type_: str, message: str, field: str | None) -> dict[str, Any]:
+    """OpenAI's error object: ``type`` its class of error, ``code`` ours (e.g. ``invalid_hyperparameters``)."""
+    kind = {401: "authentication_error", 403: "permission_denied_error", 404: "invalid_request_error"}.get(status)
+    if kind is None:
+        kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": field, "code": type_}}
+
+
+def respond(
+    request: Request,
+    status: int,
+    type_: str,
+    message: str,
+    field: str | None = None,
+    line: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error in the shape of the route that answers it."""
+    path = request.url.path
+    if path.startswith(OPENAI_ROUTES):
+        return JSONResponse(
+            openai_body(status, type_, message, field), 400 if status == 422 else status, headers=headers
+        )
+    content = body(type_, message, field, line)
+    if path.startswith(FILE_ROUTES):
+        content["error"].update(param=field, code=type_)
+    return JSONResponse(content, status, headers=headers)
+
+
 def not_found(what: str, ident: str) -> ApiError:
     return ApiError(404, "not_found", f"{what} {ident} not found")
 
@@ -48,31 +85,33 @@ def _loc(loc: Sequence[str | int]) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(body(exc.type, exc.message, exc.field, exc.line), exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return respond(request, exc.status, exc.type, exc.message, exc.field, exc.line, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         field = _loc(err.get("loc", ()))
-        return JSONResponse(body("invalid_request", f"{field}: {err.get('msg')}", field), 422)
+        return respond(request, 422, "invalid_request", f"{field}: {err.get('msg')}", field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            body(getattr(exc, "error_type", "http_error"), str(exc.detail), getattr(exc, "field", None)),
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(
+            request,
             exc.status_code,
+            getattr(exc, "error_type", "http_error"),
+            str(exc.detail),
+            getattr(exc, "field", None),
             headers=getattr(exc, "headers", None),
         )
 
     @app.exception_handler(BadKey)
     async def _bad_key(
-        _: Request, exc: BadKey
+        request: Request, exc: BadKey
     ) -> JSONResponse:  # a stored key that would leave its prefix: never served
-        return JSONResponse(body("not_found", "stored object not found"), 404)
+        return respond(request, 404, "not_found", "stored object not found")
 
     @app.exception_handler(OperationalError)
-    async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
-        return JSONResponse(
-            body("unavailable", "the database is unreachable; retry shortly"), 503, headers={"Retry-After": "5"}
-        )
+    async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
+        message = "the database is unreachable; retry shortly"
+        return respond(request, 503, "unavailable", message, headers={"Retry-After": "5"})

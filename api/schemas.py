@@ -76,13 +76,27 @@ class Page(BaseModel, Generic[T]):
 
 
 class FileOut(BaseModel):
+    """A file: OpenAI's file object (``created_at`` in Unix seconds, ``purpose``, ``status``) plus ``rows``
+    and ``item_fields``."""
+
     id: str
     object: Literal["file"] = "file"
     filename: str
     bytes: int
     rows: int
     item_fields: list[str]
-    created_at: UtcDatetime
+    created_at: int = Field(description="Unix time (seconds) of the upload")
+    purpose: Literal["fine-tune"] = "fine-tune"
+    status: Literal["processed"] = Field(
+        default="processed", description="Always processed: files are validated at upload"
+    )
+
+
+class FilePage(Page[FileOut]):
+    """``GET /v1/files``: newest first; OpenAI's list fields (``object``, ``has_more``) with ours."""
+
+    object: Literal["list"] = "list"
+    has_more: bool = False
 
 
 def hyperparameters_schema() -> dict[str, Any]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api.deps import DatabaseDep, FileDep, LimitsDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import FileOut, Page, error_responses
+from api.schemas import FileOut, FilePage, error_responses
 from api.services import deletion
 from api.services import files as svc
 
@@ -29,7 +29,8 @@ UPLOAD_BODY: dict[str, Any] = {
                             "type": "string",
                             "format": "binary",
                             "description": "JSONL: one object per line with `prompt` or `messages`",
-                        }
+                        },
+                        "purpose": {"type": "string", "enum": ["fine-tune"], "description": "OpenAI's; optional"},
                     },
                 }
             }
@@ -58,9 +59,15 @@ async def upload_file(
     return await svc.upload(lambda: request.form(max_files=1, max_fields=8), db, objects, settings, limits, tenant)
 
 
-@router.get("", response_model=Page[FileOut], responses=ERRORS)
-def list_files(s: SessionDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Page[FileOut]:
-    return svc.list_files(s, tenant, limit)
+@router.get("", response_model=FilePage, responses=ERRORS)
+def list_files(
+    s: SessionDep,
+    tenant: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+) -> FilePage:
+    """Newest first; ``after``: the last file id of the previous page (OpenAI's cursor)."""
+    return svc.list_files(s, tenant, limit, after)
 
 
 @router.get("/{file_id}", response_model=FileOut, responses=ERRORS)
@@ -78,6 +85,7 @@ def file_content(f: FileDep, objects: ObjectsDep) -> StreamingResponse:
 
 
 @router.delete("/{file_id}", status_code=204, responses={**error_responses(409), **ERRORS})
-def delete_file(f: FileDep, s: SessionDep, db: DatabaseDep, objects: ObjectsDep) -> None:
+def delete_file(f: FileDep, s: SessionDep, db: DatabaseDep, objects: ObjectsDep) -> Response:
     """409 while a queued or running job uses it; jobs that finished keep `training_file: null`."""
     deletion.delete_file(s, f, db, objects)
+    return Response(status_code=204)  # no content type: OpenAI's SDK then reads no JSON from it

@@ -15,7 +15,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from api.errors import ApiError
 from api.limits import Limits
-from api.schemas import FileOut, Page
+from api.schemas import FileOut, FilePage, as_utc
 from api.services.scan import scan_in_child
 from gspo_core.data import DataError, jsonl_summary
 from store.db import Database
@@ -102,14 +102,29 @@ def file_out(f: File) -> FileOut:
         bytes=f.bytes,
         rows=f.rows,
         item_fields=f.item_fields or [],
-        created_at=f.created_at,
+        created_at=int(as_utc(f.created_at).timestamp()),
     )
 
 
-def list_files(s: Session, tenant: Tenant, limit: int) -> Page[FileOut]:
-    """The tenant's newest ``limit`` files."""
-    rows = s.scalars(select(File).where(File.tenant_id == tenant.id).order_by(File.created_at.desc()).limit(limit))
-    return Page[FileOut](data=[file_out(f) for f in rows])
+def list_files(s: Session, tenant: Tenant, limit: int, after: str | None = None) -> FilePage:
+    """The tenant's newest ``limit`` files, after the file ``after`` (OpenAI's cursor: the last id seen)."""
+    q = select(File).where(File.tenant_id == tenant.id)
+    if after:
+        last = s.get(File, after)
+        if last is None or last.tenant_id != tenant.id:
+            raise ApiError(404, "not_found", f"file {after} not found", "after")
+        q = q.where((File.created_at < last.created_at) | ((File.created_at == last.created_at) & (File.id < last.id)))
+    rows = list(s.scalars(q.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1)))
+    return FilePage(data=[file_out(f) for f in rows[:limit]], has_more=len(rows) > limit)
+
+
+def check_purpose(form: FormData) -> None:
+    """OpenAI's SDK sends ``purpose``; files here are datasets for fine-tuning jobs only."""
+    purpose = form.get("purpose")
+    if purpose is not None and purpose != "fine-tune":
+        raise ApiError(
+            422, "invalid_request", f"purpose: only 'fine-tune' files are stored here, not {purpose!r}", "purpose"
+        )
 
 
 async def upload(
@@ -129,6 +144,7 @@ async def upload(
         # Starlette spools the part to a temporary file (in memory up to 1 MiB) as it arrives.
         form = await read_form()
         try:
+            check_purpose(form)
             part = form.get("file")
             if not isinstance(part, UploadFile):
                 raise ApiError(

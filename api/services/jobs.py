@@ -90,11 +90,13 @@ def create_job(
 ) -> tuple[JobOut, bool]:
     """Validate everything, insert the job, commit, enqueue it. Returns (the job, created): a request
     repeated with its Idempotency-Key answers with the job the first one created."""
-    job, created = _create(s, settings, tenant, req, idem_key)
+    job, created = create_row(s, settings, tenant, req, idem_key)
     return to_out(s, settings, job), created
 
 
-def _create(s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None) -> tuple[Job, bool]:
+def create_row(
+    s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None
+) -> tuple[Job, bool]:
     """``(job, created)``: the new job, committed and enqueued, or the one this Idempotency-Key made."""
     cfg = check_hyperparameters(req.hyperparameters)
     if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:

@@ -1,0 +1,182 @@
+"""OpenAI's fine-tuning shapes (``/v1/fine_tuning/...``), as its official SDK reads and sends them."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+T = TypeVar("T")
+OpenAIStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIErrorDetail
+
+
+def openai_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of an OpenAI-shaped route that answers ``codes`` with OpenAI's error body."""
+    return {code: {"model": OpenAIErrorBody} for code in codes}
+
+
+class ListOut(BaseModel, Generic[T]):
+    """OpenAI's cursor page: the next page is ``?after=<last id>`` while ``has_more``."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class ReinforcementIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: dict[str, Any] = Field(
+        description="OpenAI's grader: string_check, text_similarity, python, score_model, multi"
+    )
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="OpenAI's (batch_size, n_epochs, learning_rate_multiplier, eval_interval, eval_samples, "
+        "compute_multiplier, reasoning_effort; each 'auto' or a value) and, as extensions, GSPOConfig's fields",
+    )
+
+
+class MethodIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(max_length=64, description="reinforcement (supervised and dpo are not built yet)")
+    reinforcement: ReinforcementIn | None = None
+    supervised: dict[str, Any] | None = None
+    dpo: dict[str, Any] | None = None
+
+
+class FineTuningJobCreate(BaseModel):
+    """``client.fine_tuning.jobs.create(...)``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=512)
+    training_file: str = Field(min_length=1, max_length=64)
+    validation_file: str | None = Field(None, max_length=64)
+    suffix: str | None = Field(None, max_length=64)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1, strict=True)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    method: MethodIn | None = None
+    hyperparameters: dict[str, Any] | None = Field(None, description="Deprecated by OpenAI (supervised only)")
+    integrations: list[dict[str, Any]] | None = None
+
+
+class FineTuningJobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class FineTuningJob(BaseModel):
+    """OpenAI's ``fine_tuning.job``; ``gspo_*``, ``step`` and ``total_steps`` are this service's extras."""
+
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    model: str
+    fine_tuned_model: str | None = Field(description="ckpt:<id> of the final checkpoint: a `model` a new job takes")
+    organization_id: str
+    status: OpenAIStatus
+    created_at: int
+    finished_at: int | None
+    estimated_finish: int | None
+    trained_tokens: int | None
+    error: FineTuningJobError | None
+    result_files: list[str]
+    seed: int
+    suffix: str | None
+    metadata: dict[str, str]
+    method: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    training_file: str | None
+    validation_file: str | None
+    integrations: list[dict[str, Any]] = Field(default_factory=list)
+    step: int
+    total_steps: int
+    gspo_status: str = Field(description="This service's own status (e.g. cancelling)")
+    gspo_hyperparameters: dict[str, Any] = Field(description="The GSPOConfig the job runs with")
+
+
+class FineTuningJobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    type: Literal["message", "metrics"]
+    data: dict[str, Any] | None = None
+
+
+class FineTuningJobCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str = Field(description="ckpt:<id>: a `model` a new job takes")
+    fine_tuning_job_id: str
+    step_number: int
+    metrics: dict[str, Any]
+    download_url: str
+
+
+class GraderRunIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: dict[str, Any]
+    model_sample: str = Field(max_length=1_000_000)
+    item: dict[str, Any] | None = None
+
+
+class GraderValidateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: dict[str, Any]
+
+
+class GraderRunErrors(BaseModel):
+    formula_parse_error: bool = False
+    invalid_variable_error: bool = False
+    model_grader_parse_error: bool = False
+    model_grader_refusal_error: bool = False
+    model_grader_server_error: bool = False
+    model_grader_server_error_details: str | None = None
+    other_error: bool = False
+    python_grader_runtime_error: bool = False
+    python_grader_runtime_error_details: str | None = None
+    python_grader_server_error: bool = False
+    python_grader_server_error_type: str | None = None
+    sample_parse_error: bool = False
+    truncated_observation_error: bool = False
+    unresponsive_reward_error: bool = False
+
+
+class GraderRunMetadata(BaseModel):
+    errors: GraderRunErrors
+    execution_time: float
+    name: str
+    sampled_model_name: str | None = None
+    scores: dict[str, Any]
+    token_usage: int | None = None
+    type: str
+
+
+class GraderRunOut(BaseModel):
+    reward: float
+    sub_rewards: dict[str, Any]
+    metadata: GraderRunMetadata
+    model_grader_token_usage_per_model: dict[str, Any] = Field(default_factory=dict)
+
+
+class GraderValidateOut(BaseModel):
+    grader: dict[str, Any]

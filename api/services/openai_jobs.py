@@ -1,0 +1,183 @@
+"""OpenAI's fine-tuning jobs over this service's jobs: a create translated to a native job (api/services/jobs.py
+does every check and the insert), and any job, however made, shown as OpenAI's ``fine_tuning.job``."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import ApiError
+from api.openai_schemas import FineTuningJob, FineTuningJobCreate, FineTuningJobError, ListOut, OpenAIStatus
+from api.schemas import JobCreate, as_utc
+from api.services import jobs as native
+from api.services.openai_hparams import field_param, from_native, to_native
+from gspo_core.rewards import redact_secrets
+from store.models import Checkpoint, File, Job, Tenant
+from store.settings import Settings
+
+STATUS: dict[str, OpenAIStatus] = {
+    "queued": "queued",
+    "running": "running",
+    "cancelling": "cancelled",  # OpenAI's cancel answers cancelled; the worker stops within a step
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "cancelled": "cancelled",
+}
+NOT_BUILT = {
+    "supervised": "supervised fine-tuning is not built yet here (see docs/openai.md); use method.type 'reinforcement'",
+    "dpo": "DPO is not built here (see docs/openai.md); use method.type 'reinforcement'",
+}
+
+
+def unix(value: datetime | None) -> int | None:
+    return int(as_utc(value).timestamp()) if value is not None else None
+
+
+def _check_method(req: FineTuningJobCreate) -> dict[str, Any]:
+    """The reinforcement method's grader and hyperparameters; 400 naming what this service does not do."""
+    method = req.method
+    kind = method.type if method else "supervised"  # OpenAI's default method
+    if kind in NOT_BUILT:
+        raise ApiError(400, "unsupported_method", NOT_BUILT[kind], "method.type")
+    if kind != "reinforcement":
+        raise ApiError(400, "invalid_request", f"method.type: unknown method {kind!r}", "method.type")
+    if method is None or method.reinforcement is None:
+        raise ApiError(
+            400, "invalid_request", "method.reinforcement: required for reinforcement", "method.reinforcement"
+        )
+    if req.hyperparameters:
+        raise ApiError(
+            400,
+            "invalid_request",
+            "hyperparameters: give them in method.reinforcement.hyperparameters",
+            "hyperparameters",
+        )
+    if req.integrations:
+        raise ApiError(400, "invalid_request", "integrations: none are built here", "integrations")
+    return {"grader": method.reinforcement.grader, "hyperparameters": method.reinforcement.hyperparameters}
+
+
+def create(s: Session, settings: Settings, tenant: Tenant, req: FineTuningJobCreate) -> FineTuningJob:
+    """Translate, then create through the native service; its errors name OpenAI's fields."""
+    rl = _check_method(req)
+    train = s.get(File, req.training_file)
+    if train is None or train.tenant_id != tenant.id:
+        raise ApiError(404, "not_found", f"file {req.training_file} not found", "training_file")
+    try:
+        body = JobCreate(
+            model=req.model,
+            training_file=req.training_file,
+            validation_file=req.validation_file,
+            reward=rl["grader"],
+            hyperparameters=to_native(rl["hyperparameters"], train.rows, req.validation_file is not None),
+            name=req.suffix,
+            metadata=req.metadata or {},
+            seed=req.seed if req.seed is not None else random.randrange(2**31),
+            max_wall_seconds=None,
+        )
+        job, _ = native.create_row(s, settings, tenant, body, None)
+    except ApiError as exc:
+        exc.field = field_param(exc.field, rl["hyperparameters"])
+        raise
+    return job_object(s, job)
+
+
+def _rows(s: Session, job: Job) -> int | None:
+    return s.scalar(select(File.rows).where(File.id == job.training_file_id)) if job.training_file_id else None
+
+
+def _estimated_finish(job: Job) -> int | None:
+    if job.status != "running" or job.started_at is None or job.step <= 0:
+        return None
+    started = as_utc(job.started_at)
+    elapsed = (datetime.now(UTC) - started).total_seconds()
+    return unix(started) + int(elapsed / job.step * job.total_steps)  # type: ignore[operator]
+
+
+def job_object(s: Session, job: Job) -> FineTuningJob:
+    """Any job as OpenAI's ``fine_tuning.job``; ``fine_tuned_model``: ``ckpt:<final checkpoint>``."""
+    final = None
+    if job.status == "succeeded":
+        final = s.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job.id, Checkpoint.final.is_(True)))
+    hp = from_native(job.hyperparameters, _rows(s, job))
+    error = None
+    if job.status == "failed":
+        error = FineTuningJobError(code="job_failed", message=job.error or "the job failed", param=None)
+    return FineTuningJob(
+        id=job.id,
+        model=job.model,
+        fine_tuned_model=f"ckpt:{final}" if final else None,
+        organization_id=job.tenant_id,
+        status=STATUS.get(job.status, "failed"),
+        created_at=unix(job.created_at) or 0,
+        finished_at=unix(job.finished_at),
+        estimated_finish=_estimated_finish(job),
+        trained_tokens=job.tokens_trained or 0,
+        error=error,
+        result_files=[],
+        seed=job.seed,
+        suffix=job.name,
+        metadata={str(k): str(v) for k, v in (job.job_metadata or {}).items()},
+        method={
+            "type": "reinforcement",
+            "reinforcement": {"grader": redact_secrets(job.reward), "hyperparameters": hp},
+        },
+        hyperparameters={k: hp[k] for k in ("batch_size", "learning_rate_multiplier", "n_epochs")},
+        training_file=job.training_file_id,
+        validation_file=job.validation_file_id,
+        step=job.step,
+        total_steps=job.total_steps,
+        gspo_status=job.status,
+        gspo_hyperparameters={**job.hyperparameters, "seed": job.seed},
+    )
+
+
+def _after(q: Any, last: Job) -> Any:
+    return q.where((Job.created_at < last.created_at) | ((Job.created_at == last.created_at) & (Job.id < last.id)))
+
+
+def list_jobs(
+    s: Session, tenant: Tenant, after: str | None, limit: int, metadata: dict[str, str]
+) -> ListOut[FineTuningJob]:
+    """Newest first, after the job ``after``; only jobs whose metadata holds every ``metadata`` pair (read on in
+    batches and matched here: JSON containment differs between SQLite and PostgreSQL)."""
+    q = select(Job).where(Job.tenant_id == tenant.id).order_by(Job.created_at.desc(), Job.id.desc())
+    last = None
+    if after:
+        last = s.get(Job, after)
+        if last is None or last.tenant_id != tenant.id:
+            raise ApiError(404, "not_found", f"job {after} not found", "after")
+    found: list[Job] = []
+    batch = limit + 1 if not metadata else 200
+    while len(found) <= limit:
+        rows = list(s.scalars((_after(q, last) if last is not None else q).limit(batch)))
+        found += [j for j in rows if all((j.job_metadata or {}).get(k) == v for k, v in metadata.items())]
+        if len(rows) < batch:
+            break
+        last = rows[-1]
+    data = [job_object(s, j) for j in found[:limit]]
+    return ListOut[FineTuningJob](
+        data=data,
+        has_more=len(found) > limit,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+    )
+
+
+def cancel(s: Session, settings: Settings, job: Job) -> FineTuningJob:
+    native.cancel_job(s, settings, job)
+    return job_object(s, job)
+
+
+def pause_or_resume(job: Job, action: str) -> FineTuningJob:
+    """Refused: the job state machine (store/jobs.py) has no paused state yet."""
+    raise ApiError(
+        400,
+        "unsupported_operation",
+        f"{action} is not supported here yet: a job runs to its end or is cancelled "
+        f"(it can start again from a checkpoint: model 'ckpt:<id>'); job {job.id} is unchanged",
+    )

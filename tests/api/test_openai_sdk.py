@@ -1,0 +1,287 @@
+"""The unmodified official `openai` SDK against a real `gspo api` (uvicorn) process and a real worker: files,
+reinforcement jobs, events, checkpoints, graders and errors in OpenAI's shapes over the same jobs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+
+import httpx
+import openai
+import pytest
+
+from gspo_core.toy import write_toy_dataset
+from store.db import run_migrations
+from store.settings import Settings
+from store.tenants import create_tenant_and_key
+from tests.worker.conftest import ROOT, wait_for
+
+PY_GRADER = {
+    "type": "python",
+    "name": "starts",
+    "source": "def grade(sample, item):\n    return 1.0 if sample['output_text'].startswith(item['answer']) else 0.0\n",
+}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, tiny_model_dir):
+    """Embedded default (SQLite, local objects, filesystem broker): `gspo api` and `gspo worker` processes."""
+    tmp = tmp_path_factory.mktemp("openai")
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+        "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
+    }
+    settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
+    run_migrations(settings.resolved_database_url())
+    from store.db import Database
+
+    db = Database(settings.resolved_database_url())
+    keys = []
+    with db.session() as s:
+        for name in ("acme", "globex", "initech"):
+            keys.append(create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1])
+    db.dispose()
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = [sys.executable, "-m", "gspo_cli.main"]
+    commands = {
+        "api": ["api", "--host", "127.0.0.1", "--port", str(port)],
+        "worker": ["worker", "--loglevel", "WARNING"],
+    }
+    with ExitStack() as stack:
+        procs = [
+            stack.enter_context(
+                subprocess.Popen(
+                    [*cli, *args],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=stack.enter_context(open(tmp / f"{name}.log", "w")),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            for name, args in commands.items()
+        ]
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _up(url), 60, "API up")
+        yield url, keys, tmp
+        for p in procs:
+            p.terminate()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def sdk(service, tenant: int = 0, key: str | None = None) -> openai.OpenAI:
+    url, keys, _ = service
+    return openai.OpenAI(base_url=url + "/v1", api_key=key or keys[tenant], max_retries=0)
+
+
+def upload(client: openai.OpenAI, tmp) -> str:
+    path = write_toy_dataset(tmp / "toy.jsonl", n=16)
+    with open(path, "rb") as fh:
+        f = client.files.create(file=fh, purpose="fine-tune")
+    assert f.object == "file" and f.purpose == "fine-tune" and f.status == "processed"
+    assert isinstance(f.created_at, int) and f.bytes == path.stat().st_size
+    return f.id
+
+
+def rl_method(**hp) -> dict:
+    return {
+        "type": "reinforcement",
+        "reinforcement": {
+            "grader": PY_GRADER,
+            "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "max_new_tokens": 4, **hp},
+        },
+    }
+
+
+def test_files(service):
+    client = sdk(service)
+    file_id = upload(client, service[2])
+    assert client.files.retrieve(file_id).filename == "toy.jsonl"
+    assert b'"prompt"' in client.files.content(file_id).read()
+    assert file_id in [f.id for f in client.files.list()]
+    other = upload(client, service[2])
+    assert [f.id for f in client.files.list(limit=1)][:2] == [other, file_id]  # auto-paging with `after`
+    client.files.delete(other)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(other)
+    with pytest.raises(openai.NotFoundError):
+        sdk(service, 1).files.retrieve(file_id)
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.files.create(file=("x.jsonl", b'{"prompt": "a"}\n'), purpose="batch")
+    assert exc.value.param == "purpose"
+
+
+def test_reinforcement_job_runs_to_succeeded(service):
+    url, keys, tmp = service
+    client = sdk(service)
+    file_id = upload(client, tmp)
+    job = client.fine_tuning.jobs.create(
+        model="toy",
+        training_file=file_id,
+        method=rl_method(n_epochs="auto", steps=2, save_every=1),
+        suffix="sdk",
+        seed=7,
+        metadata={"suite": "openai"},
+    )
+    assert job.object == "fine_tuning.job" and job.status == "queued" and job.seed == 7 and job.suffix == "sdk"
+    hp = job.method.reinforcement.hyperparameters
+    assert (hp.batch_size, hp.compute_multiplier, hp.learning_rate_multiplier) == (2, 0.5, 1.0)
+    assert hp.n_epochs == 0.25  # "auto" shown as the value used: 2 steps x 2 prompts over 16 rows
+    deadline = time.monotonic() + 300
+    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+        time.sleep(1)
+    assert job.status == "succeeded", (job, (tmp / "worker.log").read_text()[-3000:])
+    assert job.finished_at >= job.created_at and job.trained_tokens > 0
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
+    assert events == list(client.fine_tuning.jobs.list_events(job.id, limit=3))  # cursor pages, newest first
+    metrics = [e for e in events if e.type == "metrics"]
+    assert [e.data["step"] for e in metrics] == [2, 1]
+    data = metrics[0].data
+    assert data["total_steps"] == 2 and 0.0 <= data["train_mean_reward"] <= 1.0
+    assert set(data["scores"]) == {"starts"} and data["errors"] == {"starts": 0.0} and "step" in data["timing"]
+    assert events[0].type == "message" and events[0].message == "The job has successfully completed"
+    ckpts = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in ckpts] == [2, 1] and ckpts[0].object == "fine_tuning.job.checkpoint"
+    assert job.fine_tuned_model == ckpts[0].fine_tuned_model_checkpoint == f"ckpt:{ckpts[0].id}"
+    assert ckpts[0].metrics.to_dict()["train_mean_reward"] == data["train_mean_reward"]
+    native = httpx.get(f"{url}/v1/jobs/{job.id}", headers={"Authorization": f"Bearer {keys[0]}"}).json()
+    assert native["status"] == "succeeded" and native["hyperparameters"]["group_size"] == 4
+    assert native["name"] == "sdk" and native["metadata"] == {"suite": "openai"}
+
+
+def test_list_pagination_metadata_and_cancel(service):
+    url, keys, tmp = service
+    client = sdk(service, 2)
+    file_id = upload(client, tmp)
+    made = [
+        client.fine_tuning.jobs.create(
+            model="toy", training_file=file_id, method=rl_method(steps=500), metadata={"batch": "b", "i": str(i)}
+        ).id
+        for i in range(2)
+    ]
+    native = httpx.post(  # the native API's job shows in OpenAI's list too
+        f"{url}/v1/jobs",
+        headers={"Authorization": f"Bearer {keys[2]}"},
+        json={"model": "toy", "training_file": file_id, "reward": PY_GRADER, "hyperparameters": {"steps": 500}},
+    ).json()["id"]
+    with pytest.raises(openai.RateLimitError):  # GSPO_MAX_ACTIVE_JOBS_PER_TENANT=3
+        client.fine_tuning.jobs.create(model="toy", training_file=file_id, method=rl_method(steps=1))
+    page = client.fine_tuning.jobs.list(limit=2)
+    assert [j.id for j in page.data] == [native, made[1]] and page.has_more
+    assert [j.id for j in client.fine_tuning.jobs.list(limit=1)] == [native, *reversed(made)]
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"batch": "b"})] == list(reversed(made))
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"i": "0"})] == [made[0]]
+    for job_id in [*made, native]:
+        cancelled = client.fine_tuning.jobs.cancel(job_id)
+        assert cancelled.status == "cancelled" and cancelled.gspo_status in ("cancelled", "cancelling")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.fine_tuning.jobs.pause(made[0])
+    assert "not supported" in exc.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.fine_tuning.jobs.resume(made[0])
+
+
+def test_graders_run_agrees_with_rewards_run(service):
+    url, keys, _ = service
+    client = sdk(service)
+    grader = {
+        "type": "multi",
+        "name": "both",
+        "graders": {
+            "exact": {
+                "type": "string_check",
+                "name": "exact",
+                "input": "{{sample.output_text}}",
+                "reference": "{{item.target}}",
+                "operation": "eq",
+            },
+            "py": PY_GRADER,
+        },
+        "calculate_output": "0.5 * exact + 0.5 * py",
+    }
+    item = {"answer": "a", "target": "aaab"}
+    for sample in ("aaab", "abcd", "zzzz"):
+        ours = httpx.post(
+            f"{url}/v1/rewards/run",
+            headers={"Authorization": f"Bearer {keys[0]}"},
+            json={"reward": grader, "item": item, "samples": [sample]},
+        ).json()["results"][0]
+        run = client.fine_tuning.alpha.graders.run(grader=grader, model_sample=sample, item=item)
+        assert run.reward == ours["reward"] and run.sub_rewards == ours["scores"]
+        assert run.metadata.type == "multi" and not run.metadata.errors.python_grader_runtime_error
+    broken = {**PY_GRADER, "source": "def grade(sample, item):\n    return 1 / 0\n"}
+    run = client.fine_tuning.alpha.graders.run(grader=broken, model_sample="a", item=item)
+    assert run.reward == 0.0 and run.metadata.errors.python_grader_runtime_error
+    assert "ZeroDivisionError" in run.metadata.errors.python_grader_runtime_error_details
+    assert client.fine_tuning.alpha.graders.validate(grader=grader).grader.type == "multi"
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"method": {"type": "supervised", "supervised": {}}}, "method.type"),
+        ({"method": {"type": "dpo", "dpo": {}}}, "method.type"),
+        ({"method": rl_method(batch_size=-1)}, "method.reinforcement.hyperparameters.batch_size"),
+        (
+            {"method": rl_method(compute_multiplier="auto", group_size=1)},
+            "method.reinforcement.hyperparameters.group_size",
+        ),
+        ({"method": rl_method(reasoning_effort="high")}, "method.reinforcement.hyperparameters.reasoning_effort"),
+        ({"method": rl_method(n_epochs=2, steps=3)}, "method.reinforcement.hyperparameters.n_epochs"),
+        ({"model": "no-such-model"}, "model"),
+    ],
+)
+def test_bad_requests_name_the_param(service, change, param):
+    client = sdk(service)
+    body = {"model": "toy", "training_file": upload(client, service[2]), "method": rl_method(steps=1), **change}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.fine_tuning.jobs.create(**body)
+    assert exc.value.param == param, exc.value.body
+
+
+def test_error_classes(service):
+    client = sdk(service)
+    file_id = upload(client, service[2])
+    bad_grader = {**PY_GRADER, "source": "def grade(sample, item) return 1"}
+    with pytest.raises(openai.BadRequestError) as exc:
+        method = {"type": "reinforcement", "reinforcement": {"grader": bad_grader}}
+        client.fine_tuning.jobs.create(model="toy", training_file=file_id, method=method)
+    assert exc.value.param == "method.reinforcement.grader.source"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.fine_tuning.alpha.graders.run(grader={**PY_GRADER, "type": "string_check"}, model_sample="a")
+    assert exc.value.param.startswith("grader.")
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.fine_tuning.jobs.create(model="toy", training_file="file_missing", method=rl_method(steps=1))
+    assert exc.value.param == "training_file"
+    with pytest.raises(openai.AuthenticationError) as exc:
+        sdk(service, key="wrong").fine_tuning.jobs.list()
+    assert exc.value.type == "authentication_error"
+    job = client.fine_tuning.jobs.create(model="toy", training_file=file_id, method=rl_method(steps=1))
+    other = sdk(service, 1)
+    for call in (
+        other.fine_tuning.jobs.retrieve,
+        other.fine_tuning.jobs.cancel,
+        other.fine_tuning.jobs.list_events,
+        other.fine_tuning.jobs.checkpoints.list,
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call(job.id)
+    with pytest.raises(openai.NotFoundError):
+        other.fine_tuning.jobs.create(model="toy", training_file=file_id, method=rl_method(steps=1))
+    client.fine_tuning.jobs.cancel(job.id)
