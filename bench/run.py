@@ -104,7 +104,10 @@ def summarize(runs: list[dict]) -> dict:
     med = {n: [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs if r["name"] == n] for n in out}
     for ours, peer, suffix in RATIOS:
         if ours in out and peer in out:
-            out[f"ratio_per_run_pair{suffix}"] = [a / b for a, b in zip(med[ours], med[peer], strict=True)]
+            pairs = min(len(med[ours]), len(med[peer]))  # mid-way, the last run's peer has not run yet
+            out[f"ratio_per_run_pair{suffix}"] = [
+                a / b for a, b in zip(med[ours][:pairs], med[peer][:pairs], strict=True)
+            ]
             out[f"ratio_ours_over_trl{suffix}"] = statistics.median(out[f"ratio_per_run_pair{suffix}"])
     return out
 

@@ -39,6 +39,12 @@ def test_summary_pairs_alternating_runs_and_drops_warmup():
     assert "0.500" in md and "| trl |" in md and "2.0 %" in md
 
 
+def test_a_summary_written_mid_way_pairs_only_the_runs_both_trainers_finished():
+    # bench.run writes the summary after every run: after ours, trl, ours the second ours has no peer yet.
+    runs = [_run("ours", [9.0, 1.0]), _run("trl", [9.0, 4.0]), _run("ours", [9.0, 3.0])]
+    assert summarize(runs)["ratio_per_run_pair"] == pytest.approx([0.25])
+
+
 def test_summary_of_one_trainer_has_no_ratio():
     s = summarize([_run("ours", [2.0, 1.0])])
     assert "ratio_ours_over_trl" not in s and s["ours"]["step_s_median"] == 1.0
