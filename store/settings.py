@@ -129,7 +129,7 @@ class Settings(BaseSettings):
         description="Grader pool processes per API/worker process; 0: the CPUs, 2..4",
     )
     dry_run_niceness: int = Field(
-        10,
+        19,
         ge=0,
         le=19,
         validation_alias=_env("DRY_RUN_NICENESS"),

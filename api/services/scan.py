@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 from gspo_core.data import DataError, jsonl_summary
 
-NICE = 10
+NICE = 19
 _ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
 
 

@@ -140,7 +140,7 @@ def test_reward_model_dry_runs_load_the_model_once(client, settings, auth):
 
 
 def test_dry_runs_grade_below_the_api_s_priority(client, auth):
-    """A python grader's sandbox and the grader pool run at the operator's dry-run niceness (default 10)."""
+    """A python grader's sandbox and the grader pool run at the operator's dry-run niceness (default 19)."""
     probe = "import os\ndef grade(sample, item):\n    return float(os.getpriority(os.PRIO_PROCESS, 0))"
     spec = {
         "type": "multi",
@@ -152,9 +152,9 @@ def test_dry_runs_grade_below_the_api_s_priority(client, auth):
     }
     r = client.post("/v1/rewards/run", json={"reward": spec, "samples": ["a"]}, headers=auth)
     assert r.status_code == 200, r.text
-    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # relative to the API's own (this process's)
+    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 19)  # relative to the API's own (this process's)
     assert r.json()["results"][0]["scores"]["py"] == want
     from gspo_core.rewards.pool import _POOLS
 
-    niced = [pool for key, pool in _POOLS.items() if key[2] == 10]
+    niced = [pool for key, pool in _POOLS.items() if key[2] == 19]
     assert niced and all(os.getpriority(os.PRIO_PROCESS, pid) == want for pool in niced for pid in pool.pids())
