@@ -16,7 +16,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from api import errors
 from api.limits import Limits
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
-from api.routers import checkpoints, files, fine_tuning, health, jobs, metrics, rewards, ui, usage
+from api.routers import (
+    checkpoints,
+    files,
+    fine_tuning,
+    health,
+    jobs,
+    metrics,
+    openai_webhooks,
+    rewards,
+    ui,
+    usage,
+    webhooks,
+)
 from api.schemas import error_responses
 from api.services.deletion import purge
 from api.services.health import Monitoring
@@ -112,6 +124,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         rewards.router,
         fine_tuning.router,
         usage.router,
+        webhooks.router,
+        openai_webhooks.router,
         health.router,
     ):
         app.include_router(router)

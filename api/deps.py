@@ -16,13 +16,13 @@ from api.limits import Limits
 from api.services.events import parse_last_event_id
 from api.services.health import Monitoring
 from store.db import Database
-from store.models import Checkpoint, File, Job, Tenant
+from store.models import Checkpoint, File, Job, Tenant, WebhookEndpoint
 from store.objects import ObjectStore
 from store.settings import Settings
 from store.tenants import authenticate, owned_by_key
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-OwnedRow = TypeVar("OwnedRow", Job, File, Checkpoint)
+OwnedRow = TypeVar("OwnedRow", Job, File, Checkpoint, WebhookEndpoint)
 
 
 # The async dependencies below do no I/O on the event loop; being async saves each request a hop to
@@ -166,9 +166,18 @@ def owned_checkpoint(
     return _owned(s, Checkpoint, "checkpoint", checkpoint_id, authorization)
 
 
+def owned_webhook(
+    s: SessionDep,
+    webhook_id: Annotated[str, Path(max_length=64)],
+    authorization: Annotated[str | None, Header()] = None,
+) -> WebhookEndpoint:
+    return _owned(s, WebhookEndpoint, "webhook", webhook_id, authorization)
+
+
 JobDep = Annotated[Job, Depends(owned_job)]
 FileDep = Annotated[File, Depends(owned_file)]
 CheckpointDep = Annotated[Checkpoint, Depends(owned_checkpoint)]
+WebhookDep = Annotated[WebhookEndpoint, Depends(owned_webhook)]
 
 
 async def stream_slot(request: Request, job: JobDep, settings: SettingsDep, limits: LimitsDep) -> AsyncIterator[None]:

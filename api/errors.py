@@ -39,9 +39,10 @@ def body(type_: str, message: str, field: str | None = None, line: int | None = 
     return ErrorBody(error=ErrorDetail(type=type_, message=message, field=field, line=line)).model_dump()
 
 
-#: Paths answered with OpenAI's error shape. Under /v1/fine_tuning the body is OpenAI's (a 422 is a 400, as
-#: OpenAI answers a bad parameter); /v1/files keeps its own status codes and fields and adds ``param``/``code``.
-OPENAI_ROUTES = "/v1/fine_tuning"
+#: Paths answered with OpenAI's error shape. Under /v1/fine_tuning and /v1/webhook_endpoints the body is OpenAI's
+#: (a 422 is a 400, as OpenAI answers a bad parameter); /v1/files keeps its own status codes and fields and adds
+#: ``param``/``code``.
+OPENAI_ROUTES = ("/v1/fine_tuning", "/v1/webhook_endpoints")
 FILE_ROUTES = "/v1/files"
 
 

@@ -180,3 +180,34 @@ class GraderRunOut(BaseModel):
 
 class GraderValidateOut(BaseModel):
     grader: dict[str, Any]
+
+
+class WebhookEndpointCreate(BaseModel):
+    """``client.webhooks.create``: ``event_types`` among the fine-tuning events this service sends."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_types: list[str] = Field(min_length=1, max_length=3)
+    name: str = Field(max_length=200)
+    url: str = Field(max_length=2048)
+
+
+class WebhookEndpoint(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    created_at: int
+    updated_at: int
+    event_types: list[str]
+    name: str
+    url: str
+    signing_secret_hint: str = Field(description="The secret's last four characters")
+
+
+class WebhookEndpointWithSecret(WebhookEndpoint):
+    signing_secret: str = Field(description="Shown only when the endpoint is created")
+
+
+class DeletedWebhookEndpoint(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint.deleted"] = "webhook_endpoint.deleted"
+    deleted: bool = True

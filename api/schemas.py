@@ -276,3 +276,71 @@ class RewardRunResult(BaseModel):
 class RewardRunOut(BaseModel):
     results: list[RewardRunResult]
     grader_names: list[str]
+
+
+WebhookEvent = Literal["fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled"]
+
+
+class WebhookCreate(BaseModel):
+    """``POST /v1/webhooks``: where to send which job events."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        max_length=2048,
+        description="http(s) URL; private, loopback and metadata addresses only where the operator allows them",
+    )
+    events: list[WebhookEvent] | None = Field(None, min_length=1, max_length=3, description="Default: all three")
+    name: str | None = Field(None, max_length=200)
+
+
+class WebhookOut(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    url: str
+    name: str | None = None
+    events: list[WebhookEvent]
+    created_at: int = Field(description="Unix time (seconds)")
+
+
+class WebhookCreated(WebhookOut):
+    secret: str = Field(description="The Standard Webhooks signing secret (whsec_...): shown only in this answer")
+
+
+class WebhookList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[WebhookOut]
+
+
+class DeliveryAttempt(BaseModel):
+    at: int = Field(description="Unix time (seconds) the attempt ended")
+    status_code: int | None = Field(description="The receiver's HTTP status; null when no answer came")
+    error: str | None = Field(description="What failed (never the receiver's body); null on a 2xx")
+    duration_ms: int
+
+
+class WebhookDeliveryOut(BaseModel):
+    """One event sent to one endpoint: ``id`` is the ``webhook-id`` header, the same on every attempt."""
+
+    id: str
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    endpoint_id: str
+    event_id: str
+    event_type: WebhookEvent
+    job_id: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    next_attempt_at: int | None = Field(description="Unix time of the next attempt; null once delivered or failed")
+    created_at: int
+    finished_at: int | None
+    history: list[DeliveryAttempt]
+
+
+class WebhookDeliveryPage(BaseModel):
+    """Newest first; the next page with ``after=<last id>``."""
+
+    object: Literal["list"] = "list"
+    data: list[WebhookDeliveryOut]
+    has_more: bool = False

@@ -10,6 +10,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from store import webhooks
 from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, Tenant, utcnow
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -119,7 +120,8 @@ def create_job(
 
 
 def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Job:
-    """Move ``job`` to ``to`` if legal, stamping times and recording a status event."""
+    """Move ``job`` to ``to`` if legal, stamping times and recording a status event; a terminal status
+    also writes the tenant's webhook deliveries (store.webhooks), in the same transaction."""
     if to not in LEGAL.get(job.status, set()):
         raise IllegalTransition(f"job {job.id}: {job.status} -> {to} is not allowed")
     job.status = to
@@ -133,6 +135,8 @@ def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Jo
     if error is not None:
         job.error = error
     add_event(s, job.id, "status", to if not error else f"{to}: {error}", {"status": to, "error": error})
+    if to in TERMINAL:  # the outbox: the event is sent if and only if this status is committed
+        webhooks.enqueue_job_event(s, job, to)
     return job
 
 

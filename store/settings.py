@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     egress_allow: str = Field(
         "",
         validation_alias=_env("EGRESS_ALLOW"),
-        description="Comma-separated hosts or CIDRs graders' URLs may reach although private",
+        description="Comma-separated hosts or CIDRs graders' and webhooks' URLs may reach although private",
     )
     grader_local_timeout_s: float = Field(
         5.0,
@@ -161,6 +161,23 @@ class Settings(BaseSettings):
         validation_alias=_env("LOG_LEVEL"),
         description="Level of the logs of `gspo up`, `gspo demo` and their worker, libraries' included "
         "(INFO shows vLLM's, Celery's and the others' progress, as `--verbose` does)",
+    )
+
+    # Webhooks (store.webhooks, worker/webhooks.py): sent by every worker's main process.
+    max_webhooks_per_tenant: int = Field(10, ge=0, validation_alias=_env("MAX_WEBHOOKS_PER_TENANT"))
+    webhook_max_attempts: int = Field(
+        8, ge=1, le=100, validation_alias=_env("WEBHOOK_MAX_ATTEMPTS"), description="Attempts per delivery"
+    )
+    webhook_retry_base_seconds: float = Field(
+        30.0,
+        gt=0,
+        validation_alias=_env("WEBHOOK_RETRY_BASE_SECONDS"),
+        description="Wait before the 2nd attempt; doubled before each next one",
+    )
+    webhook_retry_max_seconds: float = Field(3600.0, gt=0, validation_alias=_env("WEBHOOK_RETRY_MAX_SECONDS"))
+    webhook_timeout_seconds: float = Field(10.0, gt=0, le=60, validation_alias=_env("WEBHOOK_TIMEOUT_SECONDS"))
+    webhook_poll_seconds: float = Field(
+        2.0, gt=0, validation_alias=_env("WEBHOOK_POLL_SECONDS"), description="How often due deliveries are sent"
     )
 
     # Worker leases and retries.

@@ -76,9 +76,12 @@ def _setup_logging(loglevel=None, **_):
 def _start_reaper(sender=None, **_):
     # The main process of every worker reaps: a busy worker's queue cannot carry the reap task
     # (concurrency 1), and the row locks in store.jobs.reap make concurrent reapers safe.
+    # Webhook deliveries are sent from here too, for the same reason (worker/webhooks.py).
     from worker.reaper import start_reaper_thread
+    from worker.webhooks import start_sender_thread
 
     start_reaper_thread(get_settings())
+    start_sender_thread(get_settings())
 
 
 @signals.worker_process_init.connect

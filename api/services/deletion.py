@@ -1,4 +1,4 @@
-"""Deleting a tenant's data: jobs (with their metrics, samples, events and checkpoints), checkpoints, files.
+"""Deleting a tenant's data: jobs (with everything they produced, webhook deliveries too), checkpoints, files.
 
 Rows go first, in one transaction (committed here) that also records their objects' prefixes as
 pending deletions; the objects go after the commit, and then the record. A failure in between leaves objects that no
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError, not_found
 from store.db import Database
 from store.jobs import ACTIVE
-from store.models import Checkpoint, File, Job, JobEvent, PendingDeletion, Sample, StepMetric
+from store.models import Checkpoint, File, Job, JobEvent, PendingDeletion, Sample, StepMetric, WebhookDelivery
 from store.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _delete_job_rows(s: Session, job: Job) -> None:
             f"job {user[0]} trains from this job's checkpoint {user[1]}; delete this job once it has finished",
             "job_id",
         )
-    for table in (JobEvent, StepMetric, Sample, Checkpoint):
+    for table in (JobEvent, StepMetric, Sample, Checkpoint, WebhookDelivery):
         s.execute(delete(table).where(table.job_id == job.id))
     s.execute(delete(Job).where(Job.id == job.id))
     s.add(PendingDeletion(prefix=f"jobs/{job.id}"))  # every checkpoint and any upload a lost attempt left

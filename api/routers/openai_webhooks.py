@@ -1,0 +1,50 @@
+"""/v1/webhook_endpoints: OpenAI's webhook endpoint API (create, list, retrieve, delete) for the `openai` SDK."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api.bodies import StrictJsonRoute
+from api.deps import SessionDep, SettingsDep, TenantDep, WebhookDep
+from api.openai_schemas import (
+    DeletedWebhookEndpoint,
+    ListOut,
+    WebhookEndpoint,
+    WebhookEndpointCreate,
+    WebhookEndpointWithSecret,
+    openai_errors,
+)
+from api.services import openai_webhooks as svc
+
+router = APIRouter(prefix="/v1/webhook_endpoints", tags=["openai webhooks"], route_class=StrictJsonRoute)
+ERRORS = openai_errors(400, 401, 404, 409)
+
+
+@router.post("", response_model=WebhookEndpointWithSecret, responses=ERRORS)
+def create_endpoint(
+    req: WebhookEndpointCreate, s: SessionDep, settings: SettingsDep, tenant: TenantDep
+) -> WebhookEndpointWithSecret:
+    """The endpoint with its ``signing_secret``, shown only here (as ``POST /v1/webhooks``)."""
+    return svc.create(s, settings, tenant, req)
+
+
+@router.get("", response_model=ListOut[WebhookEndpoint], responses=ERRORS)
+def list_endpoints(
+    s: SessionDep,
+    tenant: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+) -> ListOut[WebhookEndpoint]:
+    return svc.list_page(s, tenant, limit, after)
+
+
+@router.get("/{webhook_id}", response_model=WebhookEndpoint, responses=ERRORS)
+def get_endpoint(ep: WebhookDep) -> WebhookEndpoint:
+    return svc.to_openai(ep)
+
+
+@router.delete("/{webhook_id}", response_model=DeletedWebhookEndpoint, responses=ERRORS)
+def delete_endpoint(ep: WebhookDep, s: SessionDep) -> DeletedWebhookEndpoint:
+    return svc.delete(s, ep)

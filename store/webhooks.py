@@ -1,0 +1,206 @@
+"""Webhooks: tenants' endpoints and the outbox of deliveries (written with a job's terminal status)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from store.models import Job, WebhookDelivery, WebhookEndpoint, new_id
+
+#: The events an endpoint may subscribe to (OpenAI's names); all of them when a tenant names none.
+EVENTS = ("fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
+
+
+class TooManyEndpoints(RuntimeError):
+    """The tenant already has its maximum of webhook endpoints."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"at most {limit} webhook endpoints per tenant")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts per delivery and the exponential backoff between them (from Settings)."""
+
+    max_attempts: int
+    base_s: float
+    cap_s: float
+
+    def delay(self, attempts: int) -> float:
+        """Seconds before the attempt after ``attempts`` failed ones: base, 2 x base, 4 x base, ... up to cap."""
+        return min(self.cap_s, self.base_s * 2 ** max(0, attempts - 1))
+
+
+@dataclass(frozen=True)
+class Due:
+    """A delivery the sender has claimed: what it needs to sign and send it."""
+
+    id: str
+    url: str
+    secret: str
+    payload: str
+    attempts: int
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_secret() -> str:
+    """A Standard Webhooks signing secret: ``whsec_`` and 24 random bytes in base64."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+def create_endpoint(
+    s: Session, tenant_id: str, url: str, events: list[str], max_endpoints: int, name: str | None = None
+) -> WebhookEndpoint:
+    """A new endpoint with a new secret; `TooManyEndpoints` past the cap, counted under the tenant's lock."""
+    from store.jobs import lock_tenant  # store.jobs imports this module
+
+    lock_tenant(s, tenant_id)
+    count = s.scalar(select(func.count()).select_from(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id))
+    if (count or 0) >= max_endpoints:
+        raise TooManyEndpoints(max_endpoints)
+    ep = WebhookEndpoint(tenant_id=tenant_id, url=url, name=name, events=list(events), secret=new_secret())
+    s.add(ep)
+    s.flush()
+    return ep
+
+
+def list_endpoints(s: Session, tenant_id: str) -> list[WebhookEndpoint]:
+    q = select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id)
+    return list(s.scalars(q.order_by(WebhookEndpoint.created_at.desc(), WebhookEndpoint.id.desc())))
+
+
+def delete_endpoint(s: Session, endpoint_id: str) -> None:
+    """The endpoint and its deliveries (pending ones are not sent)."""
+    s.execute(delete(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id))
+    s.execute(delete(WebhookEndpoint).where(WebhookEndpoint.id == endpoint_id))
+
+
+def list_deliveries(s: Session, endpoint_id: str, limit: int, after: str | None = None) -> list[WebhookDelivery]:
+    """Newest first; ``after`` a delivery id of the previous page (an unknown one: from the start)."""
+    q = select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id)
+    if after:
+        prev = s.get(WebhookDelivery, after)
+        if prev is not None and prev.endpoint_id == endpoint_id:
+            q = q.where(
+                or_(
+                    WebhookDelivery.created_at < prev.created_at,
+                    and_(WebhookDelivery.created_at == prev.created_at, WebhookDelivery.id < prev.id),
+                )
+            )
+    q = q.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id.desc()).limit(limit)
+    return list(s.scalars(q))
+
+
+def enqueue_job_event(s: Session, job: Job, status: str) -> int:
+    """One delivery per endpoint of the job's tenant that subscribes to ``fine_tuning.job.<status>``, in
+    the caller's transaction (the one that sets the status); returns how many."""
+    event_type = f"fine_tuning.job.{status}"
+    endpoints = [
+        ep
+        for ep in s.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == job.tenant_id))
+        if event_type in (ep.events or ())
+    ]
+    if not endpoints:
+        return 0
+    event_id = new_id("evt")
+    event = {
+        "id": event_id,
+        "object": "event",
+        "type": event_type,
+        "created_at": int(time.time()),
+        "data": {"id": job.id},
+    }
+    payload = json.dumps(event, separators=(",", ":"))
+    now = _now()
+    for ep in endpoints:
+        s.add(
+            WebhookDelivery(
+                endpoint_id=ep.id,
+                tenant_id=job.tenant_id,
+                job_id=job.id,
+                event_id=event_id,
+                event_type=event_type,
+                payload=payload,
+                status="pending",
+                attempts=0,
+                next_attempt_at=now,
+                history=[],
+            )
+        )
+    return len(endpoints)
+
+
+def claim_due(s: Session, limit: int, hold_s: float) -> list[Due]:
+    """Up to ``limit`` pending deliveries whose time has come, oldest first, each held for ``hold_s``
+    (its next attempt moved past the send): a concurrent sender skips them, and one whose sender died
+    is sent again once the hold has passed (at least once; receivers deduplicate on ``webhook-id``)."""
+    if s.get_bind().dialect.name == "sqlite":  # the writer's lock first (no FOR UPDATE): senders claim in turn
+        s.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id == "")
+            .values(status=WebhookDelivery.status)
+            .execution_options(synchronize_session=False)
+        )
+    now = _now()
+    q = (
+        select(WebhookDelivery)
+        .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
+        .order_by(WebhookDelivery.next_attempt_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    rows = list(s.scalars(q))
+    if not rows:
+        return []
+    eps = {
+        e.id: e for e in s.scalars(select(WebhookEndpoint).where(WebhookEndpoint.id.in_({r.endpoint_id for r in rows})))
+    }
+    for r in rows:
+        r.next_attempt_at = now + timedelta(seconds=hold_s)
+    return [Due(r.id, eps[r.endpoint_id].url, eps[r.endpoint_id].secret, r.payload, r.attempts) for r in rows]
+
+
+def record_attempt(
+    s: Session,
+    delivery_id: str,
+    policy: RetryPolicy,
+    *,
+    status_code: int | None,
+    error: str | None,
+    retry: bool,
+    duration_s: float,
+) -> WebhookDelivery | None:
+    """Record one attempt: a 2xx (``error`` None) delivers; else, when ``retry`` and attempts are left,
+    the next attempt is scheduled with backoff, otherwise the delivery has failed. None when the delivery
+    was deleted meanwhile."""
+    row = s.get(WebhookDelivery, delivery_id, with_for_update=True)
+    if row is None or row.status != "pending":
+        return None
+    now = _now()
+    row.attempts += 1
+    row.last_status_code, row.last_error = status_code, error
+    entry = {
+        "at": int(now.timestamp()),
+        "status_code": status_code,
+        "error": error,
+        "duration_ms": int(duration_s * 1000),
+    }
+    row.history = [*(row.history or []), entry]
+    if error is None:
+        row.status, row.next_attempt_at, row.finished_at = "delivered", None, now
+    elif retry and row.attempts < policy.max_attempts:
+        row.next_attempt_at = now + timedelta(seconds=policy.delay(row.attempts))
+    else:
+        row.status, row.next_attempt_at, row.finished_at = "failed", None, now
+    return row
