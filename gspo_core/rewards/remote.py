@@ -96,11 +96,13 @@ def _url(grader: Grader, key: str) -> str:
     url = grader.req(key, str)
     if not re.match(r"^https?://[^/\s]+", url):
         raise RewardSpecError(grader.field(key), "must be an http(s) URL")
+    import httpx
+
     from gspo_core.egress import EgressPolicy
 
     try:
         why = EgressPolicy(grader.policy.egress_allow).literal_refusal(url)
-    except ValueError:  # httpx.InvalidURL
+    except (ValueError, httpx.InvalidURL):  # InvalidURL is no ValueError: e.g. "http://[::1" (a bad port)
         raise RewardSpecError(grader.field(key), "must be an http(s) URL") from None
     if why:
         raise RewardSpecError(grader.field(key), f"not reachable from this service: {why}")

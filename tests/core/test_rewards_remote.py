@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from gspo_core.rewards import GraderPolicy, build_reward
+from gspo_core.rewards import GraderPolicy, RewardSpecError, build_reward
 
 #: The local test servers listen on loopback, which graders reach only when the operator allows it.
 LOCAL = GraderPolicy(egress_allow=("127.0.0.1",))
@@ -257,3 +257,12 @@ def test_reward_models_are_loaded_once_per_process_and_the_cache_is_bounded(rewa
     small.release((str(dirs[1]), "cpu"))
     small.release((str(dirs[1]), "cpu"))
     assert len(small) == 0
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://host:abc/"])
+def test_a_url_httpx_cannot_parse_is_a_spec_error_naming_the_field(url):
+    # httpx's InvalidURL is no ValueError: it escaped the check as a 500 before.
+    with pytest.raises(RewardSpecError, match="url"):
+        build_reward({"type": "http", "url": url})
+    with pytest.raises(RewardSpecError, match="base_url"):
+        build_reward({"type": "score_model", "model": "m", "input": [], "base_url": url})
