@@ -124,6 +124,7 @@ def test_a_finished_jobs_results_file_is_made_once(db, tmp_path):
         jobs.record_step(s, job_id, 1, {"reward/mean": 0.25, "loss": 1.5, "step": 1.0})
         jobs.record_step(s, job_id, 2, {"reward/mean": 0.5, "loss": 1.0, "eval/reward/mean": 0.75})
         jobs.transition(s, job, "succeeded")
+        assert results.jobs_without_results(s) == [job_id], "the reaper's sweep would write it"
         made = results.attach(s, objects, job)
     with db.session() as s:
         again = results.attach(s, objects, s.get(Job, job_id))
