@@ -275,9 +275,24 @@ def latest_checkpoint(s: Session, job_id: str) -> Checkpoint | None:
     return s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1))
 
 
+def lock_job(s: Session, job: Job) -> Job:
+    """Lock the job's row until this transaction ends and re-read it, so that a user's request decides on
+    the status a worker's concurrent write (fenced by `hold`, which locks the same row) left, never on a
+    stale read: PostgreSQL's row lock, SQLite's write lock (its UPDATE opens the transaction)."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(select(Job).where(Job.id == job.id).with_for_update().execution_options(populate_existing=True))
+    else:
+        s.execute(
+            update(Job).where(Job.id == job.id).values(status=Job.status).execution_options(synchronize_session=False)
+        )
+        s.refresh(job)
+    return job
+
+
 def request_cancel(s: Session, job: Job) -> Job:
     """Queued and paused jobs are cancelled at once; running (or pausing) ones go to ``cancelling``
     (seen within a step)."""
+    lock_job(s, job)
     if job.status in ("queued", "paused"):
         return transition(s, job, "cancelled")
     if job.status in ("running", "pausing"):
@@ -289,6 +304,7 @@ def request_pause(s: Session, job: Job) -> Job:
     """Queued jobs are paused at once (the scheduler takes only queued ones); running ones go to
     ``pausing``: the worker checkpoints at its next step boundary and stops, then settles ``paused``.
     A pausing or paused job is left as it is; any other raises `IllegalTransition`."""
+    lock_job(s, job)
     if job.status in ("pausing", "paused"):
         return job
     return transition(s, job, "paused" if job.status == "queued" else "pausing")
@@ -298,6 +314,7 @@ def request_resume(s: Session, job: Job, max_active: int | None = None) -> bool:
     """A paused job goes back to the queue (it continues from its latest checkpoint); a pausing one back to
     running (its worker has not stopped yet). Returns True when the job was queued: the caller sends it a
     token after commit. ``max_active``: the tenant's cap, checked as at submission (`TooManyActiveJobs`)."""
+    lock_job(s, job)
     if job.status in ("queued", "running"):
         return False
     if job.status == "pausing":
