@@ -29,7 +29,7 @@ EXAMPLE_REWARD: JsonDict = {
     "reference": "{{item.answer}}",
     "operation": "eq",
 }
-JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+JobStatus = Literal["queued", "running", "cancelling", "pausing", "paused", "succeeded", "failed", "cancelled"]
 
 
 def json_response(model: BaseModel, status_code: int = 200) -> Response:
@@ -86,7 +86,9 @@ class FileOut(BaseModel):
     rows: int
     item_fields: list[str]
     created_at: int = Field(description="Unix time (seconds) of the upload")
-    purpose: Literal["fine-tune"] = "fine-tune"
+    purpose: Literal["fine-tune", "fine-tune-results"] = Field(
+        default="fine-tune", description="fine-tune: an uploaded dataset; fine-tune-results: a job's metrics CSV"
+    )
     status: Literal["processed"] = Field(
         default="processed", description="Always processed: files are validated at upload"
     )

@@ -68,6 +68,14 @@ def jobs_cancel(c: Client, args):
     print(c.cancel_job(args.job_id)["status"])
 
 
+def jobs_pause(c: Client, args):
+    print(c.pause_job(args.job_id)["status"])
+
+
+def jobs_resume(c: Client, args):
+    print(c.resume_job(args.job_id)["status"])
+
+
 def jobs_delete(c: Client, args):
     c.delete_job(args.job_id)
     print("deleted")
@@ -163,6 +171,8 @@ def register(sub) -> None:
     for name, fn, help_ in (
         ("get", jobs_get, "show a job"),
         ("cancel", jobs_cancel, "cancel a job"),
+        ("pause", jobs_pause, "pause a job (a running one checkpoints at its next step and stops)"),
+        ("resume", jobs_resume, "resume a paused job from its checkpoint"),
         ("delete", jobs_delete, "delete a finished job and everything it made"),
         ("watch", jobs_watch, "follow a job live"),
     ):

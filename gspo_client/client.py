@@ -105,6 +105,14 @@ class Client:
     def cancel_job(self, job_id: str) -> dict:
         return self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")).json()
 
+    def pause_job(self, job_id: str) -> dict:
+        """Queued: paused at once; running: ``pausing`` until it checkpointed at its next step (then ``paused``)."""
+        return self._check(self.http.post(f"/v1/jobs/{job_id}/pause")).json()
+
+    def resume_job(self, job_id: str) -> dict:
+        """A paused job is queued again and continues from its latest checkpoint."""
+        return self._check(self.http.post(f"/v1/jobs/{job_id}/resume")).json()
+
     def delete_job(self, job_id: str) -> None:
         """A finished job with its metrics, samples, events and checkpoints (409 while it is active)."""
         self._check(self.http.delete(f"/v1/jobs/{job_id}"))

@@ -14,11 +14,19 @@ from store import webhooks
 from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, Tenant, utcnow
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
-ACTIVE = {"queued", "running", "cancelling"}
+# Statuses in which a worker holds the job's lease (``pausing``: asked to pause, it stops at its next step).
+HELD = ("running", "cancelling", "pausing")
+# Unfinished jobs: their files and checkpoints are in use. ``paused`` holds no worker and does not count
+# against the tenant's cap of active jobs (`count_active`); resuming it is checked against the cap.
+ACTIVE = {"queued", *HELD, "paused"}
 LEGAL = {
-    "queued": {"running", "cancelled", "failed"},
-    "running": {"succeeded", "failed", "cancelling", "queued"},
+    "queued": {"running", "cancelled", "failed", "paused"},
+    "running": {"succeeded", "failed", "cancelling", "queued", "pausing"},
     "cancelling": {"cancelled", "failed", "succeeded"},
+    # A pausing run checkpoints at its next step boundary and stops (paused), unless it ends first; a
+    # resume before it stopped takes it back (running), a cancel turns it into cancelling.
+    "pausing": {"paused", "running", "cancelling", "succeeded", "failed"},
+    "paused": {"queued", "cancelled"},
 }
 
 
@@ -48,7 +56,7 @@ def add_event(s: Session, job_id: str, kind: str, message: str, data: dict | Non
 
 
 class TooManyActiveJobs(RuntimeError):
-    """The tenant already has its maximum of queued and running jobs."""
+    """The tenant already has its maximum of queued and running jobs (paused ones not counted)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -130,7 +138,7 @@ def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Jo
     if to in TERMINAL:
         job.finished_at = utcnow()
         job.worker_id, job.lease_until = None, None
-    if to == "queued":
+    if to in ("queued", "paused"):  # no worker holds it any more
         job.worker_id, job.lease_until = None, None
     if error is not None:
         job.error = error
@@ -143,7 +151,7 @@ def transition(s: Session, job: Job, to: str, *, error: str | None = None) -> Jo
 def _stale(now: datetime):
     """A running job whose holder's lease expired, still within its retry budget."""
     return and_(
-        Job.status.in_(("running", "cancelling")),
+        Job.status.in_(HELD),
         or_(Job.lease_until.is_(None), Job.lease_until < now),
         Job.attempts < Job.max_attempts,
     )
@@ -201,7 +209,7 @@ def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> 
     now = _now()
     res = s.execute(
         update(Job)
-        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(HELD))
         .values(lease_until=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -219,7 +227,7 @@ def hold(s: Session, job_id: str, worker_id: str) -> None:
     """
     res = s.execute(
         update(Job)
-        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(("running", "cancelling")))
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status.in_(HELD))
         .values(heartbeat_at=_now())
         .execution_options(synchronize_session=False)
     )
@@ -271,32 +279,75 @@ def latest_checkpoint(s: Session, job_id: str) -> Checkpoint | None:
     return s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1))
 
 
+def lock_job(s: Session, job: Job) -> Job:
+    """Lock the job's row until this transaction ends and re-read it, so that a user's request decides on
+    the status a worker's concurrent write (fenced by `hold`, which locks the same row) left, never on a
+    stale read: PostgreSQL's row lock, SQLite's write lock (its UPDATE opens the transaction)."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(select(Job).where(Job.id == job.id).with_for_update().execution_options(populate_existing=True))
+    else:
+        s.execute(
+            update(Job).where(Job.id == job.id).values(status=Job.status).execution_options(synchronize_session=False)
+        )
+        s.refresh(job)
+    return job
+
+
 def request_cancel(s: Session, job: Job) -> Job:
-    """Queued jobs are cancelled at once; running ones go to ``cancelling`` (seen within a step)."""
-    if job.status == "queued":
+    """Queued and paused jobs are cancelled at once; running (or pausing) ones go to ``cancelling``
+    (seen within a step)."""
+    lock_job(s, job)
+    if job.status in ("queued", "paused"):
         return transition(s, job, "cancelled")
-    if job.status == "running":
+    if job.status in ("running", "pausing"):
         return transition(s, job, "cancelling")
     return job
+
+
+def request_pause(s: Session, job: Job) -> Job:
+    """Queued jobs are paused at once (the scheduler takes only queued ones); running ones go to
+    ``pausing``: the worker checkpoints at its next step boundary and stops, then settles ``paused``.
+    A pausing or paused job is left as it is; any other raises `IllegalTransition`."""
+    lock_job(s, job)
+    if job.status in ("pausing", "paused"):
+        return job
+    return transition(s, job, "paused" if job.status == "queued" else "pausing")
+
+
+def request_resume(s: Session, job: Job, max_active: int | None = None) -> bool:
+    """A paused job goes back to the queue (it continues from its latest checkpoint); a pausing one back to
+    running (its worker has not stopped yet). Returns True when the job was queued: the caller sends it a
+    token after commit. ``max_active``: the tenant's cap, checked as at submission (`TooManyActiveJobs`)."""
+    lock_job(s, job)
+    if job.status in ("queued", "running"):
+        return False
+    if job.status == "pausing":
+        transition(s, job, "running")
+        return False
+    if job.status == "paused" and max_active is not None:
+        lock_tenant(s, job.tenant_id)
+        if count_active(s, job.tenant_id) >= max_active:
+            raise TooManyActiveJobs(max_active)
+    transition(s, job, "queued")
+    return True
 
 
 def stale_jobs(s: Session) -> list[Job]:
     """Running/cancelling jobs whose lease expired (their worker died or hung), row-locked so that
     concurrent reapers (one per worker) on PostgreSQL never handle the same job twice."""
-    q = (
-        select(Job)
-        .where(Job.status.in_(("running", "cancelling")), Job.lease_until < _now())
-        .with_for_update(skip_locked=True)
-    )
+    q = select(Job).where(Job.status.in_(HELD), Job.lease_until < _now()).with_for_update(skip_locked=True)
     return list(s.scalars(q))
 
 
 def reap(s: Session) -> tuple[list[str], list[str]]:
-    """Requeue jobs with stale leases; fail those past their retry budget. Returns (requeued, failed)."""
+    """Requeue jobs with stale leases; fail those past their retry budget. Returns (requeued, failed).
+    A cancelling job whose worker died is cancelled, a pausing one paused (at its latest checkpoint)."""
     requeued, failed = [], []
     for job in stale_jobs(s):
         if job.status == "cancelling":
             transition(s, job, "cancelled")
+        elif job.status == "pausing":
+            transition(s, job, "paused")
         elif job.attempts >= job.max_attempts:
             transition(
                 s, job, "failed", error=f"worker lost {job.attempts} times (lease expired); retry budget exhausted"
@@ -326,6 +377,8 @@ def queued_without_message(s: Session, older_than_s: float) -> list[str]:
 
 
 def count_active(s: Session, tenant_id: str) -> int:
+    """The tenant's jobs that count against its cap: queued or held by a worker (not paused ones)."""
+    counted = ("queued", *HELD)
     return int(
-        s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))) or 0
+        s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(counted))) or 0
     )

@@ -47,6 +47,9 @@ class ApiKey(Base):
 
 class File(Base):
     __tablename__ = "files"
+    # ``job_id``: the job whose results file this is (purpose fine-tune-results), at most one per job. No
+    # foreign key: the file is the tenant's and outlives the job (like its usage records).
+    __table_args__ = (Index("ix_files_job_id", "job_id", unique=True),)
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     filename: Mapped[str] = mapped_column(String(255))
@@ -55,6 +58,8 @@ class File(Base):
     object_key: Mapped[str] = mapped_column(String(512))
     item_fields: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    purpose: Mapped[str] = mapped_column(String(32), default="fine-tune", server_default="fine-tune")
+    job_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
 
 
 class Job(Base):

@@ -24,7 +24,7 @@ from store import jobs
 from store.models import Job
 from store.usage import Budget, QueuePolicy, as_utc, budget, now_utc, period_device_seconds
 
-RUNNING = ("running", "cancelling")
+RUNNING = jobs.HELD  # jobs a worker holds
 # Picks tried per claim before giving up (each loses only to another worker's claim of the same job).
 CLAIM_TRIES = 8
 

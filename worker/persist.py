@@ -102,7 +102,7 @@ class RunUsage:
 
 
 class PersistCallbacks(Callbacks):
-    """Writes through store/ what the trainer reports; stops on cancel, shutdown, lost lease or the
+    """Writes through store/ what the trainer reports; stops on cancel, pause, shutdown, lost lease or the
     job's wall-clock limit."""
 
     def __init__(
@@ -182,6 +182,8 @@ class PersistCallbacks(Callbacks):
             status = self._tx(lambda s: s.get(Job, self.job_id, populate_existing=True).status, "polling status")
             if status == "cancelling":
                 self.stop_reason = "cancel"
+            elif status == "pausing":  # asked to pause: the trainer checkpoints this step boundary and stops
+                self.stop_reason = "pause"
             elif self.usage is not None and self.usage.over_limit():
                 self.stop_reason = "wall_limit"
             elif self.usage is not None and self.usage.meter.policy.budget_s > 0 and self.steps_run:

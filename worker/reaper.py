@@ -1,4 +1,4 @@
-"""Requeues jobs whose worker lease went stale; fails those past their retry budget."""
+"""Requeues jobs whose worker lease went stale; fails those past their retry budget; writes missing results files."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import logging
 import threading
 import time
 
-from store import jobs
+from store import jobs, results
 from store.queue import enqueue_run_job, queue_depth
 from store.scheduling import jobs_needing_tokens
 from store.settings import Settings
 from store.usage import QueuePolicy
-from worker.context import get_db
+from worker.context import get_db, get_store
 
 log = logging.getLogger(__name__)
 _RESENT: dict[str, float] = {}  # job id -> when this process last sent it a token (time.monotonic)
@@ -20,6 +20,7 @@ _RESENT: dict[str, float] = {}  # job id -> when this process last sent it a tok
 def reap_once(settings: Settings) -> tuple[list[str], list[str]]:
     with get_db(settings).session() as s:
         requeued, failed = jobs.reap(s)
+    attach_missing_results(settings)
     for job_id in requeued:
         enqueue_run_job(settings, job_id)
     if requeued or failed:
@@ -28,6 +29,14 @@ def reap_once(settings: Settings) -> tuple[list[str], list[str]]:
     if resent:
         log.warning("reaper: sent again %s (queued, but no message in the broker)", resent)
     return requeued, failed
+
+
+def attach_missing_results(settings: Settings) -> None:
+    """Results files of jobs that ended without one (cancelled or failed here, or a settle that could not
+    write it); `results.attach` makes each once."""
+    with get_db(settings).session() as s:
+        for job_id in results.jobs_without_results(s):
+            results.attach_committed(s, get_store(settings), job_id)
 
 
 def resend_lost(settings: Settings) -> list[str]:

@@ -15,7 +15,7 @@ from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError
 from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
-from store import jobs
+from store import jobs, results
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
 from store.objects import ObjectStore, get_dir
@@ -84,9 +84,20 @@ def _claim(s, job_id: str, worker_id: str, settings: Settings) -> Job | None:
     )
 
 
-def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> str:
+def _stopped_why(reason: str | None, cb: PersistCallbacks) -> str:
+    """Why a graceful stop requeues the job, for its log."""
+    if reason == "shutdown":
+        return "worker shutting down"
+    if reason == "pause":
+        return "resumed while pausing"
+    assert cb.budget is not None, "a budget stop records the spent budget"
+    return f"the tenant's device-hour budget of this period is used (until {cb.budget.period_end.isoformat()})"
+
+
+def _settle(db, objects: ObjectStore, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> str:
     """Write the outcome of a finished or stopped run (its holder only; retried while the database is
-    down, so a restart at the end of a run does not turn a finished job into a failed one)."""
+    down, so a restart at the end of a run does not turn a finished job into a failed one). A job that
+    ended gets its results file right after."""
     reason = cb.stop_reason
     if reason == "lease_lost":
         return "lease_lost"
@@ -97,29 +108,12 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
             if cb.usage is not None:
                 cb.usage.write(s)
             job = s.get(Job, job_id, populate_existing=True)
-            if reason == "cancel" or job.status == "cancelling":
-                jobs.transition(s, job, "cancelled")
-                return "cancelled"
-            if reason == "wall_limit":
-                assert cb.usage is not None, "only a run with a usage meter stops at its wall limit"
-                jobs.transition(s, job, "failed", error=cb.usage.limit_error(job.step))
-                return "wall_limit"
-            if reason not in ("shutdown", "budget"):
-                jobs.transition(s, job, "succeeded")
-                return "succeeded"
-            if reason == "shutdown":
-                why = "worker shutting down"
-            else:
-                assert cb.budget is not None, "a budget stop records the spent budget"
-                why = (
-                    f"the tenant's device-hour budget of this period is used (until {cb.budget.period_end.isoformat()})"
-                )
-            jobs.add_event(s, job_id, "log", f"{why}: checkpointed and requeued")
-            jobs.transition(s, job, "queued")
-            job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt
-            return "requeued"
+            return _outcome(s, job, reason, cb)
 
     outcome = with_db_retry(run, what="settling the job")
+    if outcome in ("succeeded", "cancelled", "wall_limit"):
+        with db.session() as s:
+            results.attach_committed(s, objects, job_id)
     if outcome == "requeued":
         try:
             enqueue_run_job(settings, job_id)
@@ -128,7 +122,29 @@ def _settle(db, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> 
     return outcome
 
 
-def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None = None) -> str:
+def _outcome(s, job: Job, reason: str | None, cb: PersistCallbacks) -> str:
+    """The status change that settles a run stopped for ``reason`` (None: it ran to its last step)."""
+    if reason == "cancel" or job.status == "cancelling":
+        jobs.transition(s, job, "cancelled")
+        return "cancelled"
+    if reason == "wall_limit":
+        assert cb.usage is not None, "only a run with a usage meter stops at its wall limit"
+        jobs.transition(s, job, "failed", error=cb.usage.limit_error(job.step))
+        return "wall_limit"
+    if reason is None:
+        jobs.transition(s, job, "succeeded")
+        return "succeeded"
+    if job.status == "pausing":  # asked to pause (or stopped otherwise while pausing): checkpointed, paused
+        jobs.add_event(s, job.id, "log", f"paused at step {job.step}: checkpointed; resume to continue")
+        jobs.transition(s, job, "paused")
+    else:
+        jobs.add_event(s, job.id, "log", f"{_stopped_why(reason, cb)}: checkpointed and requeued")
+        jobs.transition(s, job, "queued")
+    job.attempts = max(0, job.attempts - 1)  # a graceful stop is not a failed attempt
+    return "paused" if job.status == "paused" else "requeued"
+
+
+def _fail(db, objects: ObjectStore, job_id: str, worker_id: str, message: str, usage: RunUsage | None = None) -> str:
     def run():
         with db.session() as s:
             jobs.hold(s, job_id, worker_id)
@@ -141,6 +157,8 @@ def _fail(db, job_id: str, worker_id: str, message: str, usage: RunUsage | None 
     except jobs.LeaseLost:  # another worker runs it now: its outcome is not ours to write
         log.warning("job %s failed here (%s), but this worker no longer holds it", job_id, message)
         return "lease_lost"
+    with db.session() as s:
+        results.attach_committed(s, objects, job_id)
     return "failed"
 
 
@@ -181,8 +199,8 @@ def _train(
             output_dir=str(work / "output"),
         )
         cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
-        if status == "cancelling":
-            cb.stop_reason = "cancel"
+        if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
+            cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
             train(
                 spec,
@@ -191,7 +209,7 @@ def _train(
                 grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
                 runtime=runtime,
             )
-        return _settle(db, job_id, worker_id, cb, settings)
+        return _settle(db, objects, job_id, worker_id, cb, settings)
 
 
 def run_job(job_id: str) -> str:
@@ -213,7 +231,7 @@ def run_job(job_id: str) -> str:
         usage = RunUsage(job.id, job.tenant_id, worker_id, job.attempts, meter, limit, source)
         job_id = job.id
     if usage.over_limit():  # its earlier attempts used it all (e.g. a worker died at the limit)
-        return _fail(db, job_id, worker_id, usage.limit_error(job.step), usage)
+        return _fail(db, objects, job_id, worker_id, usage.limit_error(job.step), usage)
     work = settings.data_dir / "work" / job_id
     shutil.rmtree(work, ignore_errors=True)
     private_dir(work)
@@ -223,10 +241,11 @@ def run_job(job_id: str) -> str:
         log.warning("%s: stopped without writing further", exc)
         return "lease_lost"
     except (JobInputError, DataError, ValidationError) as exc:
-        return _fail(db, job_id, worker_id, f"invalid job input: {exc}", usage)
+        return _fail(db, objects, job_id, worker_id, f"invalid job input: {exc}", usage)
     except OSError as exc:
         return _fail(
             db,
+            objects,
             job_id,
             worker_id,
             str(exc) if "cannot load model" in str(exc) else f"could not read the job's inputs: {exc}",
@@ -234,6 +253,6 @@ def run_job(job_id: str) -> str:
         )
     except Exception as exc:
         log.exception("job %s failed", job_id)
-        return _fail(db, job_id, worker_id, f"{type(exc).__name__}: {exc}", usage)
+        return _fail(db, objects, job_id, worker_id, f"{type(exc).__name__}: {exc}", usage)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -75,12 +75,14 @@ def get_file(f: FileDep) -> FileOut:
     return svc.file_out(f)
 
 
-@router.get("/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}}, **ERRORS})
+@router.get("/{file_id}/content", responses={200: {"content": {"application/jsonl": {}, "text/csv": {}}}, **ERRORS})
 def file_content(f: FileDep, objects: ObjectsDep) -> StreamingResponse:
+    """A dataset's JSONL, or a job's metrics CSV (purpose fine-tune-results)."""
+    csv = f.purpose == "fine-tune-results"
     return StreamingResponse(
         svc.open_content(objects, f.object_key),
-        media_type="application/jsonl",
-        headers={"Content-Disposition": f'attachment; filename="{f.id}.jsonl"'},
+        media_type="text/csv" if csv else "application/jsonl",
+        headers={"Content-Disposition": f'attachment; filename="{f.id}.{"csv" if csv else "jsonl"}"'},
     )
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from api.bodies import StrictJsonRoute
-from api.deps import GradingPoolDep, JobDep, LimitsDep, SessionDep, SettingsDep, TenantDep
+from api.deps import GradingPoolDep, JobDep, LimitsDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
 from api.openai_schemas import (
     FineTuningJob,
     FineTuningJobCheckpoint,
@@ -52,20 +52,21 @@ def retrieve_job(job: JobDep, s: SessionDep) -> FineTuningJob:
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=FineTuningJob, responses=ERRORS)
-def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> FineTuningJob:
-    return svc.cancel(s, settings, job)
+def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep, objects: ObjectsDep) -> FineTuningJob:
+    return svc.cancel(s, settings, objects, job)
 
 
 @router.post("/jobs/{job_id}/pause", response_model=FineTuningJob, responses=ERRORS)
-def pause_job(job: JobDep) -> FineTuningJob:
-    """Not supported yet (400): the job state machine has no paused state."""
-    return svc.pause_or_resume(job, "pause")
+def pause_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> FineTuningJob:
+    """A queued job pauses at once; a running one checkpoints at its next step and stops (``paused``, with
+    ``gspo_status`` pausing until then); 400 when it has finished."""
+    return svc.pause(s, settings, job)
 
 
 @router.post("/jobs/{job_id}/resume", response_model=FineTuningJob, responses=ERRORS)
-def resume_job(job: JobDep) -> FineTuningJob:
-    """Not supported yet (400): the job state machine has no paused state."""
-    return svc.pause_or_resume(job, "resume")
+def resume_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> FineTuningJob:
+    """A paused job is queued again and continues from its latest checkpoint (429 at the tenant's cap)."""
+    return svc.resume(s, settings, job)
 
 
 @router.get("/jobs/{job_id}/events", response_model=ListOut[FineTuningJobEvent], responses=ERRORS)

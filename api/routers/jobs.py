@@ -1,4 +1,4 @@
-"""/v1/jobs: create (validated, idempotent), list (cursor), get, cancel, delete."""
+"""/v1/jobs: create (validated, idempotent), list (cursor), get, cancel, pause, resume, delete."""
 
 from __future__ import annotations
 
@@ -57,8 +57,22 @@ def get_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> Response:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)
-def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> JobOut:
-    return svc.cancel_job(s, settings, job)
+def cancel_job(job: JobDep, s: SessionDep, settings: SettingsDep, objects: ObjectsDep) -> JobOut:
+    return svc.cancel_job(s, settings, objects, job)
+
+
+@router.post("/{job_id}/pause", response_model=JobOut, responses={**error_responses(409), **ERRORS})
+def pause_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> JobOut:
+    """A queued job is paused at once; a running one is ``pausing`` until it checkpointed at its next step
+    and stopped (then ``paused``); 409 naming its status when it has finished or is cancelling."""
+    return svc.pause_job(s, settings, job)
+
+
+@router.post("/{job_id}/resume", response_model=JobOut, responses={**error_responses(409), **ERRORS})
+def resume_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> JobOut:
+    """A paused job is queued again and continues from its latest checkpoint (429 at the tenant's cap of
+    active jobs); a pausing one runs on; 409 naming its status when it has finished or is cancelling."""
+    return svc.resume_job(s, settings, job)
 
 
 @router.delete("/{job_id}", status_code=204, responses={**error_responses(409), **ERRORS})

@@ -103,6 +103,7 @@ def file_out(f: File) -> FileOut:
         rows=f.rows,
         item_fields=f.item_fields or [],
         created_at=int(as_utc(f.created_at).timestamp()),
+        purpose="fine-tune-results" if f.purpose == "fine-tune-results" else "fine-tune",
     )
 
 

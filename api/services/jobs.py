@@ -1,8 +1,10 @@
-"""Jobs at the API: submission checks (hyperparameters, grader spec, model, files), creation, listing, cancelling."""
+"""Jobs at the API: submission checks (hyperparameters, grader spec, model, files), creation, listing,
+cancelling, pausing and resuming."""
 
 from __future__ import annotations
 
 import base64
+import logging
 from datetime import datetime
 from typing import Any, cast
 
@@ -17,12 +19,16 @@ from api.services.rewards import build_checked
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig
 from gspo_core.rewards import redact_secrets
 from store import jobs as job_state
+from store import results
 from store.model_refs import ModelRefError, check_local_or_hub
 from store.models import Checkpoint, File, Job, JobEvent, Tenant
+from store.objects import ObjectStore
 from store.queue import enqueue_run_job
 from store.scheduling import TenantQueue
 from store.settings import Settings
 from store.usage import QueuePolicy
+
+log = logging.getLogger(__name__)
 
 
 def check_hyperparameters(raw: dict[str, Any]) -> GSPOConfig:
@@ -82,6 +88,8 @@ def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
     f = s.get(File, file_id)
     if f is None or f.tenant_id != tenant.id:
         raise ApiError(404, "not_found", f"file {file_id} not found", field)
+    if f.purpose != "fine-tune":
+        raise ApiError(422, "invalid_file", f"file {file_id} is a job's results ({f.purpose}), not a dataset", field)
     return f
 
 
@@ -207,10 +215,51 @@ def queue_view(s: Session, settings: Settings, tenant_id: str) -> TenantQueue:
     return TenantQueue(s, QueuePolicy.of(settings), tenant_id)
 
 
-def cancel_job(s: Session, settings: Settings, job: Job) -> JobOut:
-    """Queued jobs are cancelled at once; running ones go to ``cancelling`` (the worker stops within a step)."""
+def cancel_job(s: Session, settings: Settings, objects: ObjectStore, job: Job) -> JobOut:
+    """Queued and paused jobs are cancelled at once (their results file written); running ones go to
+    ``cancelling`` (the worker stops within a step)."""
     job_state.request_cancel(s, job)
     s.commit()
+    results.attach_committed(s, objects, job.id)
+    return to_out(s, settings, job)
+
+
+def _status_error(job: Job, action: str, exc: job_state.IllegalTransition) -> ApiError:
+    return ApiError(409, "invalid_status", f"job {job.id} is {job.status}: it cannot be {action} ({exc})", "status")
+
+
+def pause_job(s: Session, settings: Settings, job: Job) -> JobOut:
+    """A queued job pauses at once; a running one goes to ``pausing`` (it checkpoints at its next step and
+    stops, freeing its worker); a pausing or paused one is unchanged. 409 for a finished or cancelling job."""
+    try:
+        job_state.request_pause(s, job)
+    except job_state.IllegalTransition as exc:
+        raise _status_error(job, "paused", exc) from None
+    s.commit()
+    return to_out(s, settings, job)
+
+
+def resume_job(s: Session, settings: Settings, job: Job) -> JobOut:
+    """A paused job is queued again (it continues from its latest checkpoint, within the tenant's cap of
+    active jobs: 429); a pausing one runs on; a queued or running one is unchanged."""
+    try:
+        queued = job_state.request_resume(s, job, settings.max_active_jobs_per_tenant)
+    except job_state.IllegalTransition as exc:
+        raise _status_error(job, "resumed", exc) from None
+    except job_state.TooManyActiveJobs as exc:
+        s.rollback()
+        raise ApiError(
+            429,
+            "too_many_jobs",
+            f"at most {exc.limit} queued or running jobs per tenant (GSPO_MAX_ACTIVE_JOBS_PER_TENANT); "
+            f"job {job.id} stays paused: wait for one to finish or cancel one",
+        ) from None
+    s.commit()
+    if queued:
+        try:
+            enqueue_run_job(settings, job.id)
+        except Exception as exc:  # queued in the database: the reaper sends its token again
+            log.warning("could not publish the resumed job %s (%s); the reaper will send it again", job.id, exc)
     return to_out(s, settings, job)
 
 

@@ -16,13 +16,17 @@ from api.schemas import JobCreate, as_utc
 from api.services import jobs as native
 from api.services.openai_hparams import field_param, from_native, to_native
 from gspo_core.rewards import redact_secrets
+from store import results
 from store.models import Checkpoint, File, Job, Tenant
+from store.objects import ObjectStore
 from store.settings import Settings
 
 STATUS: dict[str, OpenAIStatus] = {
     "queued": "queued",
     "running": "running",
     "cancelling": "cancelled",  # OpenAI's cancel answers cancelled; the worker stops within a step
+    "pausing": "paused",  # OpenAI's pause answers paused; the worker checkpoints and stops within a step
+    "paused": "paused",
     "succeeded": "succeeded",
     "failed": "failed",
     "cancelled": "cancelled",
@@ -118,7 +122,7 @@ def job_object(s: Session, job: Job) -> FineTuningJob:
         estimated_finish=_estimated_finish(job),
         trained_tokens=job.tokens_trained or 0,
         error=error,
-        result_files=[],
+        result_files=results.result_file_ids(s, job.id),
         seed=job.seed,
         suffix=job.name,
         metadata={str(k): str(v) for k, v in (job.job_metadata or {}).items()},
@@ -168,16 +172,29 @@ def list_jobs(
     )
 
 
-def cancel(s: Session, settings: Settings, job: Job) -> FineTuningJob:
-    native.cancel_job(s, settings, job)
+def cancel(s: Session, settings: Settings, objects: ObjectStore, job: Job) -> FineTuningJob:
+    native.cancel_job(s, settings, objects, job)
     return job_object(s, job)
 
 
-def pause_or_resume(job: Job, action: str) -> FineTuningJob:
-    """Refused: the job state machine (store/jobs.py) has no paused state yet."""
-    raise ApiError(
-        400,
-        "unsupported_operation",
-        f"{action} is not supported here yet: a job runs to its end or is cancelled "
-        f"(it can start again from a checkpoint: model 'ckpt:<id>'); job {job.id} is unchanged",
-    )
+def pause(s: Session, settings: Settings, job: Job) -> FineTuningJob:
+    """The native pause; a job that cannot pause (finished, cancelling) is a 400, as OpenAI answers."""
+    try:
+        native.pause_job(s, settings, job)
+    except ApiError as exc:
+        raise _as_bad_request(exc) from None
+    return job_object(s, job)
+
+
+def resume(s: Session, settings: Settings, job: Job) -> FineTuningJob:
+    try:
+        native.resume_job(s, settings, job)
+    except ApiError as exc:
+        raise _as_bad_request(exc) from None
+    return job_object(s, job)
+
+
+def _as_bad_request(exc: ApiError) -> ApiError:
+    if exc.status == 409:
+        exc.status, exc.field = 400, None
+    return exc

@@ -56,7 +56,7 @@
     const used = job.usage && job.usage.device_seconds ? ` · ${(job.usage.device_seconds / 60).toFixed(1)} device-min` : "";
     document.getElementById("job-progress").textContent = `step ${job.step}/${job.total_steps} · ${job.model}${used}${waiting}`;
     document.getElementById("job-error").textContent = job.error || "";
-    document.getElementById("cancel").disabled = !["queued", "running"].includes(job.status);
+    document.getElementById("cancel").disabled = !["queued", "running", "pausing", "paused"].includes(job.status);
     document.getElementById("config").textContent = JSON.stringify({ model: job.model, training_file: job.training_file,
       validation_file: job.validation_file, seed: job.seed, reward: job.reward, hyperparameters: job.hyperparameters,
       metadata: job.metadata }, null, 2);

@@ -45,8 +45,12 @@ def test_error_bodies(client, auth, other_auth, uploaded, model_name):
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = client.get(f"/v1/fine_tuning/jobs/{job}/events?after=ftevent-e999999", headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "after"
-    r = client.post(f"/v1/fine_tuning/jobs/{job}/pause", headers=auth)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_operation"
+    r = client.post(f"/v1/fine_tuning/jobs/{job}/pause", headers=auth)  # a queued job pauses at once
+    assert r.status_code == 200 and r.json()["status"] == r.json()["gspo_status"] == "paused"
+    cancelled = client.post(f"/v1/fine_tuning/jobs/{job}/cancel", headers=auth).json()
+    assert cancelled["gspo_status"] == "cancelled" and len(cancelled["result_files"]) == 1
+    r = client.post(f"/v1/fine_tuning/jobs/{job}/resume", headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_status" and "cancelled" in r.text
     r = client.post("/v1/files", files={"file": ("x.jsonl", b"[1]\n")}, headers=auth)
     err = r.json()["error"]
     assert r.status_code == 400 and err["line"] == 1 and err["param"] == err["field"] and err["code"] == err["type"]

@@ -60,9 +60,9 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(db, tmp_path):
     with pytest.raises(jobs.LeaseLost):
         _callbacks(db, objects, job_id, "w1", 1).should_stop()  # before its heartbeat noticed
     assert objects.list(f"jobs/{job_id}/") == [], "nothing uploaded by the worker that lost the job"
-    assert _fail(db, job_id, "w1", "RuntimeError: boom") == "lease_lost"
+    assert _fail(db, objects, job_id, "w1", "RuntimeError: boom") == "lease_lost"
     with pytest.raises(jobs.LeaseLost):
-        _settle(db, job_id, "w1", _callbacks(db, objects, job_id, "w1", 1), settings=None)
+        _settle(db, objects, job_id, "w1", _callbacks(db, objects, job_id, "w1", 1), settings=None)
 
     new = _callbacks(db, objects, job_id, "w2", 2)
     new.on_step(2, {"reward/mean": 0.2})
@@ -81,7 +81,7 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(db, tmp_path):
     with db.session() as s:
         assert drop_orphan_uploads(s, objects, job_id) == [f"jobs/{job_id}/checkpoints/step-000003-a1"]
     assert {k.split("/")[3] for k, _ in objects.list(f"jobs/{job_id}/")} == {"step-000002-a2"}
-    assert _settle(db, job_id, "w2", new, settings=None) == "succeeded"
+    assert _settle(db, objects, job_id, "w2", new, settings=None) == "succeeded"
 
 
 class _Link:
@@ -141,7 +141,9 @@ def test_a_finished_run_waits_out_a_database_outage_instead_of_failing(pg_databa
         cb.on_step(1, {"reward/mean": 0.5})
         link.cut()  # the database goes away just as the run finishes
         outcome: list[str] = []
-        t = threading.Thread(target=lambda: outcome.append(_settle(relayed, job_id, "w1", cb, settings=None)))
+        t = threading.Thread(
+            target=lambda: outcome.append(_settle(relayed, cb.objects, job_id, "w1", cb, settings=None))
+        )
         t.start()
         t.join(2.0)
         assert t.is_alive(), "settling must wait for the database, not give up"

@@ -1,0 +1,59 @@
+"""A run asked to pause: its callbacks stop it at the step boundary and its settle pauses it (or requeues it
+when it was resumed meanwhile); a run that ends writes its results file once. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+
+from store import jobs, results
+from store.models import File, Job
+from store.objects import LocalObjectStore
+from tests.store.conftest import db, make_job  # noqa: F401 (db: a migrated SQLite and PostgreSQL database)
+from worker.persist import PersistCallbacks
+from worker.runner import _settle
+
+
+def _running(database, job_id: str, objects) -> PersistCallbacks:
+    with database.session() as s:
+        jobs.claim(s, job_id, "w1", lease_seconds=60)
+    cb = PersistCallbacks(database, objects, job_id, "w1", 1, threading.Event(), threading.Event())
+    cb.on_step(1, {"reward/mean": 0.5})
+    assert not cb.should_stop()
+    with database.session() as s:
+        jobs.request_pause(s, s.get(Job, job_id))
+    assert cb.should_stop() and cb.stop_reason == "pause"
+    return cb
+
+
+def test_a_pausing_run_settles_paused_and_frees_its_worker(db, tmp_path):  # noqa: F811
+    objects = LocalObjectStore(tmp_path)
+    job_id = make_job(db)
+    cb = _running(db, job_id, objects)
+    cb.on_step(2, {"reward/mean": 0.75})  # the step in flight when the pause came is recorded
+    assert _settle(db, objects, job_id, "w1", cb, settings=None) == "paused"
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.step, job.attempts, job.worker_id) == ("paused", 2, 0, None)
+        assert results.result_file_ids(s, job_id) == [], "a paused job has not ended"
+        assert jobs.request_resume(s, job) is True
+    with db.session() as s:
+        assert jobs.claim(s, job_id, "w2", lease_seconds=60).status == "running"
+
+
+def test_a_run_resumed_while_pausing_is_requeued_and_an_ended_one_gets_its_results_once(db, tmp_path):  # noqa: F811
+    objects = LocalObjectStore(tmp_path)
+    job_id = make_job(db)
+    cb = _running(db, job_id, objects)
+    with db.session() as s:
+        jobs.request_resume(s, s.get(Job, job_id))  # pausing -> running before the worker settled
+    assert _settle(db, objects, job_id, "w1", cb, settings=None) == "requeued"  # (no broker: the reaper resends)
+    with db.session() as s:
+        assert s.get(Job, job_id).status == "queued"
+    cb = PersistCallbacks(db, objects, job_id, "w2", 2, threading.Event(), threading.Event())
+    with db.session() as s:
+        jobs.claim(s, job_id, "w2", lease_seconds=60)
+    assert _settle(db, objects, job_id, "w2", cb, settings=None) == "succeeded"
+    with db.session() as s:
+        (file_id,) = results.result_file_ids(s, job_id)
+        assert results.attach_committed(s, objects, job_id).id == file_id  # a second writer finds it
+        assert objects.get_bytes(s.get(File, file_id).object_key).decode().splitlines()[1].startswith("1,0.5,")
