@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from api.errors import OPENAI_ROUTES
 from store.models import File, Job, JobEvent
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
@@ -198,4 +199,6 @@ def test_every_v1_endpoint_needs_a_valid_key(client, app, revoked_auth):
             )
             r = client.request(method, concrete, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
-            assert r.json()["error"]["type"] == "unauthorized" and r.headers["WWW-Authenticate"] == "Bearer"
+            # OpenAI's routes answer in OpenAI's shape, which the openai SDK maps to AuthenticationError.
+            want = "authentication_error" if path.startswith(OPENAI_ROUTES) else "unauthorized"
+            assert r.json()["error"]["type"] == want and r.headers["WWW-Authenticate"] == "Bearer"
