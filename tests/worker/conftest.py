@@ -172,13 +172,25 @@ def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 6, *
 
 
 @pytest.fixture()
-def rig(pg_database, tmp_path):
+def make_rig(pg_database, tmp_path):
+    """``make_rig(**env)``: a rig whose Settings (API and workers) take ``env``; stopped at the end."""
     truncate_all(pg_database)
     redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
     try:
         redis.Redis.from_url(redis_url).ping()
     except redis.ConnectionError as exc:
         pytest.skip(f"Redis not reachable: {exc}")
-    r = build_rig(tmp_path, pg_database, redis_url)
-    yield r
-    r.stop_all()
+    rigs = []
+
+    def make(**env: str):
+        rigs.append(build_rig(tmp_path, pg_database, redis_url, **env))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.stop_all()
+
+
+@pytest.fixture()
+def rig(make_rig):
+    return make_rig()

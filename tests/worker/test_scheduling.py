@@ -7,35 +7,13 @@ import time
 from datetime import datetime
 
 import pytest
-import redis
 from sqlalchemy import select
 
 from store import jobs
 from store.models import Checkpoint, JobEvent, StepMetric, UsageRecord
 from store.tenants import authenticate
 from store.usage import QueuePolicy
-from tests.conftest import REDIS_URL, truncate_all
-from tests.worker.conftest import build_rig, wait_for
-
-
-@pytest.fixture()
-def make_rig(pg_database, tmp_path):
-    """``make_rig(**env)``: a rig whose Settings (API and workers) take ``env``."""
-    truncate_all(pg_database)
-    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
-    try:
-        redis.Redis.from_url(redis_url).ping()
-    except redis.ConnectionError as exc:
-        pytest.skip(f"Redis not reachable: {exc}")
-    rigs = []
-
-    def make(**env: str):
-        rigs.append(build_rig(tmp_path, pg_database, redis_url, **env))
-        return rigs[-1]
-
-    yield make
-    for r in rigs:
-        r.stop_all()
+from tests.worker.conftest import wait_for
 
 
 def ts(value: str) -> float:

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import redis
 from standardwebhooks import Webhook
 
-from tests.conftest import REDIS_URL, truncate_all
 from tests.webhook_receiver import Receiver
-from tests.worker.conftest import build_rig, wait_for
+from tests.worker.conftest import wait_for
 
 
 @pytest.fixture()
-def hook_rig(pg_database, tmp_path):
-    truncate_all(pg_database)
-    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
-    try:
-        redis.Redis.from_url(redis_url).ping()
-    except redis.ConnectionError as exc:
-        pytest.skip(f"Redis not reachable: {exc}")
-    r = build_rig(tmp_path, pg_database, redis_url, GSPO_EGRESS_ALLOW="127.0.0.1", GSPO_WEBHOOK_POLL_SECONDS="0.2")
-    yield r
-    r.stop_all()
+def hook_rig(make_rig):
+    return make_rig(GSPO_EGRESS_ALLOW="127.0.0.1", GSPO_WEBHOOK_POLL_SECONDS="0.2")
 
 
 def test_worker_sends_a_signed_event_when_a_job_succeeds(hook_rig):
