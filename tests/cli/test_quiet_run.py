@@ -41,16 +41,22 @@ def run_demo(tmp_path, *args: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_demo_shows_its_own_progress_and_no_library_noise(tmp_path):
-    lines = run_demo(tmp_path, "--steps", "2")
-    text = "\n".join(lines)
-    assert "[status] succeeded" in text and "the trained model answers 'say c:' with" in text, text[-3000:]
-    assert not [line for line in lines if ERROR_LINE.search(line)], text  # the worker's stop included
-    assert "Traceback (most recent call last)" not in text, text
-    assert "nanobind: leaked" not in text, text
-    assert not [line for line in lines if INFO_LINE.search(line)], text  # vLLM's at every push among them
-    assert "Failed to load weights" not in text, text  # vLLM's false alarm at a push of a rotary model
-    assert "Loading weights:" not in text and "Writing model shards" not in text, text  # libraries' progress bars
+def test_the_demo_twice_shows_its_own_progress_no_library_noise_and_loads_its_own_checkpoint(tmp_path):
+    loaded = []
+    for steps in ("2", "1"):  # the README's first command, run again in the same data directory
+        lines = run_demo(tmp_path, "--steps", steps)
+        text = "\n".join(lines)
+        assert "[status] succeeded" in text and "the trained model answers 'say c:' with" in text, text[-3000:]
+        found = re.search(r"downloaded \S*/(ckpt_\w+)\.tar\.gz .* loaded with transformers from (\S+)", text)
+        assert found and f"/{found.group(1)}/" in found.group(2), text[-2000:]
+        loaded.append(found.group(1))
+        assert not [line for line in lines if ERROR_LINE.search(line)], text  # the worker's stop included
+        assert "Traceback (most recent call last)" not in text, text
+        assert "nanobind: leaked" not in text, text
+        assert not [line for line in lines if INFO_LINE.search(line)], text  # vLLM's at every push among them
+        assert "Failed to load weights" not in text, text  # vLLM's false alarm at a push of a rotary model
+        assert "Loading weights:" not in text and "Writing model shards" not in text, text  # progress bars
+    assert loaded[0] != loaded[1]  # the second run loads its own checkpoint, not the first run's
 
 
 @pytest.mark.slow

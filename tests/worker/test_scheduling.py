@@ -80,7 +80,7 @@ def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_bound
 
 
 def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_shown(make_rig):
-    period = 30
+    period = 20
     rig = make_rig(
         GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.01",
         GSPO_BUDGET_PERIOD_SECONDS=str(period),
@@ -124,7 +124,7 @@ def test_a_tenant_over_its_budget_waits_for_the_next_period_with_the_reason_show
 
 
 def test_a_running_job_is_paused_when_its_tenant_spends_the_budget_and_resumes_next_period(make_rig):
-    period = 45
+    period = 30
     rig = make_rig(
         GSPO_TENANT_DEVICE_HOURS_PER_PERIOD="0.002",
         GSPO_BUDGET_PERIOD_SECONDS=str(period),
