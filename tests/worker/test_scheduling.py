@@ -52,7 +52,7 @@ def test_a_tenant_that_queued_later_runs_before_the_first_tenants_backlog(make_r
 
 
 def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_boundary(make_rig):
-    limit = 40
+    limit = 30
     rig = make_rig()
     w = rig.start_worker()
     job_id = rig.submit(steps=500, job={"max_wall_seconds": limit})
