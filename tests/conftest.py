@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -142,3 +143,16 @@ def s3_settings():
     )
     proc.terminate()
     proc.wait(10)
+
+
+def run_gspo(env: dict, *args: str) -> str:
+    """The `gspo` command in a subprocess, from the checkout's root: its stdout, stripped."""
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_cli.main", *args],
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()

@@ -9,21 +9,10 @@ import time
 
 import httpx
 
+from tests.conftest import run_gspo
 from tests.e2e.test_service_e2e import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _gspo(env: dict, *args: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "gspo_cli.main", *args],
-        env=env,
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout.strip()
 
 
 def _requests_counted(url: str, route: str) -> float:
@@ -43,8 +32,8 @@ def test_two_server_processes_share_metrics_and_revocation(tmp_path):
     }
     env.pop("DATABASE_URL", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    _gspo(env, "migrate")
-    key = _gspo(env, "admin", "create-key", "--tenant", "w").splitlines()[-1]
+    run_gspo(env, "migrate")
+    key = run_gspo(env, "admin", "create-key", "--tenant", "w").splitlines()[-1]
     port = free_port()
     api = subprocess.Popen(
         [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port), "--workers", "2"],
@@ -68,7 +57,7 @@ def test_two_server_processes_share_metrics_and_revocation(tmp_path):
         for _ in range(30):
             assert httpx.get(url + "/v1/files", headers=h).status_code == 200
         assert _requests_counted(url, "/v1/files") == 30  # whichever process answers the scrape sums all
-        _gspo(env, "admin", "revoke-key", key)
+        run_gspo(env, "admin", "revoke-key", key)
         assert all(httpx.get(url + "/v1/files", headers=h).status_code == 401 for _ in range(10))
     finally:
         api.terminate()

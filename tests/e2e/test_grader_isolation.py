@@ -11,23 +11,11 @@ import time
 
 import httpx
 
-from tests.conftest import spawn_logged
+from tests.conftest import run_gspo, spawn_logged
 from tests.e2e.test_service_e2e import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 3.0  # GSPO_GRADER_LOCAL_TIMEOUT_S of the server under test
-
-
-def _gspo(env: dict, *args: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "gspo_cli.main", *args],
-        env=env,
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout.strip()
 
 
 def test_healthz_answers_during_a_dry_run_of_graders_that_never_yield(tmp_path):
@@ -40,8 +28,8 @@ def test_healthz_answers_during_a_dry_run_of_graders_that_never_yield(tmp_path):
     }
     env.pop("DATABASE_URL", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    _gspo(env, "migrate")
-    key = _gspo(env, "admin", "create-key", "--tenant", "iso").splitlines()[-1]
+    run_gspo(env, "migrate")
+    key = run_gspo(env, "admin", "create-key", "--tenant", "iso").splitlines()[-1]
     port = free_port()
     api = spawn_logged(
         [sys.executable, "-m", "gspo_cli.main", "api", "--host", "127.0.0.1", "--port", str(port)],
