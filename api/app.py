@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # full passes over it stalled every request (the load test's p99 spikes; docs/bench.md).
     gc.collect()
     gc.freeze()
+    # Under a tenant's load (uploads' copy threads, dry runs' pipe readers, stream polls) the event loop
+    # queues behind those threads for the GIL, one switch interval each time: a shorter one bounds that
+    # wait for every other request (docs/bench.md, "Fairness").
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(app.state.settings.api_switch_interval_ms / 1000)
     _per_lifespan(app)
     # Objects of rows deleted just before a crash or during an object-store outage.
     threading.Thread(target=_purge_leftovers, args=(app,), name="purge", daemon=True).start()
@@ -95,6 +101,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Frozen objects are never collected, not even at exit: an extension loaded in this process then dumps
     # them as leaks (triton's, which transformers loads in `gspo demo`'s process: "nanobind: leaked ...").
     gc.unfreeze()
+    sys.setswitchinterval(switch_interval)
     await app.state.limits.close()
     app.state.stream_pool.shutdown(wait=False, cancel_futures=True)
     app.state.grading_pool.shutdown(wait=False, cancel_futures=True)

@@ -135,6 +135,14 @@ class Settings(BaseSettings):
         validation_alias=_env("DRY_RUN_NICENESS"),
         description="Niceness of the processes the API's dry runs grade in (not the worker's)",
     )
+    api_switch_interval_ms: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        validation_alias=_env("API_SWITCH_INTERVAL_MS"),
+        description="How long a thread of an API process may hold the GIL while another waits (Python's "
+        "default is 5 ms): the event loop waits at most this long behind a busy thread",
+    )
     grader_pool_memory_mb: int = Field(
         1024,
         ge=64,

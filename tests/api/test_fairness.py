@@ -279,3 +279,23 @@ def test_streams_end_after_their_maximum_and_the_client_resumes(settings):
         assert seen[-1][0] == "end" and seen[-1][1]["status"] == "succeeded"
     finally:
         app.state.db.dispose()
+
+
+def test_api_process_gil_switch_interval_is_the_operators_while_it_serves(settings):
+    """The event loop waits at most the switch interval behind a busy thread: the API sets the operator's
+    value for as long as it serves, and gives the process its own back afterwards."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    before = sys.getswitchinterval()
+    app = create_app(settings.model_copy(update={"api_switch_interval_ms": 2.0}))
+    try:
+        with TestClient(app) as client:
+            assert client.get("/healthz").status_code == 200
+            assert sys.getswitchinterval() == pytest.approx(0.002)
+        assert sys.getswitchinterval() == before
+    finally:
+        app.state.db.dispose()
