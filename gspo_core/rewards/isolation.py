@@ -150,6 +150,10 @@ def kill_uid(uid: int) -> None:
         time.sleep(0.005)
 
 
+#: Where the sandbox mounts a fresh tmpfs of its own.
+_FRESH_MOUNTS = ("/tmp/", "/dev/shm/")
+
+
 def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
     """The bwrap command line that runs ``argv`` (the interpreter first) in a fresh sandbox."""
     if iso.bwrap is None:
@@ -173,8 +177,12 @@ def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
+    # A grader environment under /tmp or /dev/shm (a checkout in /tmp) is bound after the sandbox's own
+    # tmpfs there, which would hide it if bound before.
+    late = [p for p in iso.binds if p.startswith(_FRESH_MOUNTS)]
     for path in iso.binds:
-        cmd += ["--ro-bind", path, path]
+        if path not in late:
+            cmd += ["--ro-bind", path, path]
     cmd += [
         "--proc",
         "/proc",
@@ -194,6 +202,10 @@ def command(iso: Isolation, tmp_mb: int, argv: list[str]) -> list[str]:
         str(tmp_mb << 20),
         "--tmpfs",
         "/tmp",
+    ]
+    for path in late:
+        cmd += ["--ro-bind", path, path]
+    cmd += [
         "--remount-ro",
         "/",
         "--chdir",

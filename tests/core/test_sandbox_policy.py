@@ -147,6 +147,25 @@ def test_no_isolation_refuses_python_graders_unless_the_operator_allows_weak():
     assert isolation_for(grader_policy(allow_weak_isolation=True)).mode == BUBBLEWRAP
 
 
+def test_a_grader_environment_under_tmp_is_not_hidden_by_the_sandboxs_own_tmp():
+    """A checkout under /tmp: the grader environment is bound over the sandbox's fresh /tmp, not under it."""
+    import subprocess
+
+    base = grader_policy().python or sys.executable
+    env = tempfile.mkdtemp(prefix="grader-env-", dir="/tmp")
+    os.chmod(env, 0o755)  # readable by the sandbox's unprivileged uid, as a checkout's would be
+    try:
+        subprocess.run([base, "-m", "venv", "--without-pip", env], check=True, timeout=120)
+        policy = grader_policy(python=f"{env}/bin/python")
+        iso = isolation_for(policy)
+        assert iso.mode == BUBBLEWRAP, iso.reason
+        assert any(b.startswith("/tmp/") for b in iso.binds), iso.binds
+        res = run(OK, ["x", "y"], policy=policy)
+        assert [r.reward for r in res] == [1.0, 0.0] and not any(r.errors for r in res), res
+    finally:
+        subprocess.run(["rm", "-rf", env], check=False)
+
+
 def test_the_service_interpreter_is_the_default():
     iso = isolation_for(grader_policy(python=None))
     assert iso.python == sys.executable and iso.mode in (BUBBLEWRAP, REFUSED)
