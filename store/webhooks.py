@@ -48,6 +48,7 @@ class Due:
     secret: str
     payload: str
     attempts: int
+    tenant_id: str
 
 
 def _now() -> datetime:
@@ -141,10 +142,14 @@ def enqueue_job_event(s: Session, job: Job, status: str) -> int:
     return len(endpoints)
 
 
-def claim_due(s: Session, limit: int, hold_s: float) -> list[Due]:
-    """Up to ``limit`` pending deliveries whose time has come, oldest first, each held for ``hold_s``
-    (its next attempt moved past the send): a concurrent sender skips them, and one whose sender died
-    is sent again once the hold has passed (at least once; receivers deduplicate on ``webhook-id``)."""
+def claim_due(
+    s: Session, limit: int, hold_s: float, busy_tenants: frozenset[str] = frozenset(), per_tenant: int = 1
+) -> list[Due]:
+    """Up to ``limit`` pending deliveries whose time has come, oldest first but at most ``per_tenant`` of
+    each tenant and none of ``busy_tenants`` (those the caller is sending to already): one tenant's backlog
+    or slow receivers cannot hold the sender's threads. Each is held for ``hold_s`` (its next attempt
+    moved past the send): a concurrent sender skips it, and one whose sender died is sent again once the
+    hold has passed (at least once; receivers deduplicate on ``webhook-id``)."""
     if s.get_bind().dialect.name == "sqlite":  # the writer's lock first (no FOR UPDATE): senders claim in turn
         s.execute(
             update(WebhookDelivery)
@@ -153,10 +158,23 @@ def claim_due(s: Session, limit: int, hold_s: float) -> list[Due]:
             .execution_options(synchronize_session=False)
         )
     now = _now()
+    order = (WebhookDelivery.next_attempt_at, WebhookDelivery.id)
+    ranked = (
+        select(
+            WebhookDelivery.id,
+            func.row_number().over(partition_by=WebhookDelivery.tenant_id, order_by=order).label("rank"),
+        )
+        .where(
+            WebhookDelivery.status == "pending",
+            WebhookDelivery.next_attempt_at <= now,
+            WebhookDelivery.tenant_id.not_in(busy_tenants),
+        )
+        .subquery()
+    )
     q = (
         select(WebhookDelivery)
-        .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
-        .order_by(WebhookDelivery.next_attempt_at)
+        .where(WebhookDelivery.id.in_(select(ranked.c.id).where(ranked.c.rank <= per_tenant)))
+        .order_by(*order)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
@@ -168,7 +186,9 @@ def claim_due(s: Session, limit: int, hold_s: float) -> list[Due]:
     }
     for r in rows:
         r.next_attempt_at = now + timedelta(seconds=hold_s)
-    return [Due(r.id, eps[r.endpoint_id].url, eps[r.endpoint_id].secret, r.payload, r.attempts) for r in rows]
+    return [
+        Due(r.id, eps[r.endpoint_id].url, eps[r.endpoint_id].secret, r.payload, r.attempts, r.tenant_id) for r in rows
+    ]
 
 
 def record_attempt(

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Receiver:
-    """``answers``: the status of each request in turn (the last one repeats); ``hits``: (headers, body)."""
+    """``answers``: the status of each request in turn (the last one repeats); ``hits``: (headers, body) of
+    each request received; ``delay``: seconds each answer takes."""
 
-    def __init__(self, answers: tuple[int, ...] = (200,)) -> None:
+    def __init__(self, answers: tuple[int, ...] = (200,), delay: float = 0.0) -> None:
         self.answers, self.hits = list(answers), []
         outer = self
 
@@ -18,6 +20,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 code = outer.answers[min(len(outer.hits), len(outer.answers) - 1)]
                 outer.hits.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                time.sleep(delay)
                 text = b"secret remote details"  # must never reach the tenant
                 self.send_response(code)
                 self.send_header("content-length", str(len(text)))

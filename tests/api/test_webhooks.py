@@ -3,6 +3,7 @@ outbox a terminal status writes, and the worker's sender against a real receiver
 
 from __future__ import annotations
 
+import threading
 import time
 
 import openai
@@ -16,7 +17,7 @@ from tests.api.conftest import job_body
 from tests.api.live import LiveServer
 from tests.conftest import empty_database_url
 from tests.webhook_receiver import Receiver
-from worker.webhooks import make_client, send_due
+from worker.webhooks import make_client, send_due, start_sender_thread
 
 ALL = ["fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled"]
 
@@ -174,3 +175,30 @@ def test_openai_sdk_manages_endpoints(app, auth, other_auth):
         assert sdk.webhooks.delete(ep.id).deleted is True
         with pytest.raises(openai.NotFoundError):
             sdk.webhooks.retrieve(ep.id)
+
+
+def test_one_tenants_slow_receivers_do_not_hold_the_others_deliveries(
+    client, app, settings, auth, other_auth, uploaded, toy_dataset, model_name
+):
+    """Tenant A's four endpoints (as many as the sender's threads) each take a second to answer, and its
+    deliveries are older; tenant B's is sent at once, on a free thread, while A has one in flight."""
+    other_file = client.post("/v1/files", files={"file": ("toy.jsonl", toy_dataset)}, headers=other_auth).json()
+    with Receiver((200,), delay=1.0) as slow, Receiver((200,)) as fast:
+        for _ in range(4):
+            assert client.post("/v1/webhooks", json={"url": slow.url}, headers=auth).status_code == 201
+        assert client.post("/v1/webhooks", json={"url": fast.url}, headers=other_auth).status_code == 201
+        a_job = client.post("/v1/jobs", json=job_body(uploaded["id"]), headers=auth).json()["id"]
+        b_job = client.post("/v1/jobs", json=job_body(other_file["id"]), headers=other_auth).json()["id"]
+        _finish(app, a_job, "succeeded")
+        _finish(app, b_job, "succeeded")
+        stop = threading.Event()
+        thread = start_sender_thread(settings.model_copy(update={"webhook_poll_seconds": 0.05}), stop)
+        try:
+            deadline = time.monotonic() + 10
+            while not fast.hits:
+                assert time.monotonic() < deadline, "tenant B's delivery was not sent"
+                time.sleep(0.01)
+            assert len(slow.hits) == 1, "tenant A had more than one delivery in flight, or none"
+        finally:
+            stop.set()
+            thread.join(10)
