@@ -48,7 +48,7 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy gspo_core store api worker
 
 test: install services lint
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=30 tests
 
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -285,3 +285,26 @@ def test_error_classes(service):
     with pytest.raises(openai.NotFoundError):
         other.fine_tuning.jobs.create(model="toy", training_file=file_id, method=rl_method(steps=1))
     client.fine_tuning.jobs.cancel(job.id)
+
+
+def test_the_readmes_openai_script_runs_unchanged(service):
+    """README's "Coming from OpenAI" script, as written there, against the service (the SDK's own env vars)."""
+    url, keys, tmp = service
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Coming from OpenAI") :]
+    script = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python"))]
+    (tmp / "rft.py").write_text(script)
+    dataset = write_toy_dataset(tmp / "readme.jsonl", n=16)
+    env = {**os.environ, "OPENAI_BASE_URL": url + "/v1", "OPENAI_API_KEY": keys[1]}
+    done = subprocess.run(
+        [sys.executable, str(tmp / "rft.py"), "toy", str(dataset)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1].startswith("succeeded ckpt:"), done.stdout
+    assert "metrics" in {line.split()[0] for line in lines[:-1]}, done.stdout
