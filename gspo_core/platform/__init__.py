@@ -8,6 +8,8 @@ of gspo_core only through the small interface below, chosen once per process (:f
   process-wide state itself.
 * ``vllm_engine_args(...)``: the vLLM constructor arguments this platform wants (KV block size and
   cache sizing, eager mode, chunked prefill, sleep mode), passed through vLLM's public ``LLM(...)``.
+* ``after_weight_update(model)``: a version-guarded fix-up of a vLLM defect after a weight push, run in
+  vLLM's worker by our weight-transfer engines (docs/scaling.md lists each).
 
 Every tuning here goes through public extension points (documented torch, glibc and vLLM APIs, vLLM's
 attention-backend registry). Tunings that needed private ops or swapped methods were removed; their
@@ -84,6 +86,10 @@ class Platform:
         if current_platform.is_sleep_mode_available():
             args["enable_sleep_mode"] = True  # frees the KV cache and weights during the update
         return args
+
+    def after_weight_update(self, model: Any) -> None:
+        """Run by our weight-transfer engines in each vLLM worker after a push is loaded into ``model``
+        (vLLM's model module): where this platform's vLLM needs a fix-up. None here."""
 
 
 @functools.cache
