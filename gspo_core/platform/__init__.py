@@ -70,9 +70,9 @@ class Platform:
     def prepare_process(self, options: RuntimeOptions) -> list[str]:
         """Once, by the process owner, before any model or engine is built. Returns what it applied.
 
-        vLLM runs in this process (the weight push hands it tensors, not a path): its multiprocessing
+        vLLM runs in this process, so the weight push hands it the tensors (no copy): its multiprocessing
         switch is an environment variable only, read when an engine starts. An explicit setting by the
-        operator is kept (`VLLMEngine` then refuses to start, naming it)."""
+        operator is kept (`VLLMEngine` then pushes over gloo, docs/scaling.md)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return ["vllm_in_process"]
 
