@@ -82,7 +82,9 @@ class GlooPush:
         world = self.world_size + 1
 
         def join() -> None:
-            self.group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, world, "gloo")
+            self.group = stateless_init_torch_distributed_process_group(
+                "127.0.0.1", port, 0, world, "gloo", timeout=weight_transfer.GLOO_TIMEOUT
+            )
 
         info = {"host": "127.0.0.1", "port": port, "world_size": world}
         _while(lambda: llm.init_weight_transfer_engine({"init_info": info}), join)

@@ -6,6 +6,7 @@ import contextlib
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from vllm.distributed.weight_transfer.base import (
 #: The backend names, as `vllm.LLM(weight_transfer_config={"backend": ...})` takes them.
 IN_PROCESS = "gspo_in_process"
 GLOO = "gspo_gloo"
+
+#: How long a gloo rank waits for its peer: a side that failed mid-push must not leave the other blocked
+#: for torch's default half hour (a push of the 55 M small shape takes about a second).
+GLOO_TIMEOUT = timedelta(minutes=5)
 
 #: Weights handed over in this process, by handle: the trainer puts an iterable here and names its handle in
 #: ``update_weights``; the engine, in the same process, takes it out and loads it as it iterates (no copy).
@@ -138,7 +143,7 @@ class GlooEngine(_LayerwiseReload):
         parallel = self.parallel_config
         rank = 1 + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.group = stateless_init_torch_distributed_process_group(
-            init_info.host, init_info.port, rank, init_info.world_size, "gloo"
+            init_info.host, init_info.port, rank, init_info.world_size, "gloo", timeout=GLOO_TIMEOUT
         )
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
