@@ -23,23 +23,29 @@ def backend_for(*, multiprocess: bool, world_size: int) -> str:
     return weight_transfer.IN_PROCESS if not multiprocess and world_size == 1 else weight_transfer.GLOO
 
 
-def checkpoint_names(model_dir: str) -> set[str]:
-    """The tensor names of the checkpoint vLLM loaded (safetensors headers only, no tensor is read)."""
+def checkpoint_names(model_dir: str) -> set[str] | None:
+    """The tensor names of the checkpoint vLLM loaded (safetensors headers only, no tensor is read);
+    None for a checkpoint in another format, whose pushes then go unchecked."""
     from safetensors import safe_open
 
+    paths = sorted(Path(model_dir).glob("*.safetensors"))
+    if not paths:
+        return None
     names: set[str] = set()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    for path in paths:
         with safe_open(str(path), "pt") as f:
             names.update(f.keys())
     return names
 
 
-def unknown_names(names: Iterable[str], known: set[str], *, tied_embeddings: bool) -> list[str]:
+def unknown_names(names: Iterable[str], known: set[str] | None, *, tied_embeddings: bool) -> list[str]:
     """Pushed names the engine's model would not know. A failed update leaves vLLM's layers half-loaded
     (no rollback; the next forward kills the engine), so they are refused before the update starts.
     Tolerated beyond the checkpoint's: a tied ``lm_head.weight`` (vLLM skips it), and the fused expert
     tensors transformers 5 holds in memory where the checkpoint has per-expert ones (vLLM's MoE loaders
     for such models read both)."""
+    if known is None:
+        return []
     bad = []
     for name in names:
         if name in known or (tied_embeddings and name == "lm_head.weight"):

@@ -113,3 +113,20 @@ def test_a_bad_name_is_refused_before_the_update_and_the_engine_lives(moe):
     with pytest.raises(ValueError, match=r"no weight named model\.layers\.0\.mlp\.experts\.not_a_weight"):
         engine.load_weights(stale.items())
     assert engine_error(engine, model, prompt) < 1e-5
+
+
+def test_the_name_check_knows_the_checkpoint_a_tied_head_and_fused_experts():
+    """Checkpoint names pass; a tied ``lm_head.weight`` passes only when tied; transformers 5's fused
+    expert tensors pass only where the checkpoint has that layer's per-expert ones; no safetensors, no check."""
+    from gspo_core.rollout.weight_push import unknown_names
+
+    known = {"model.embed_tokens.weight", "model.layers.0.mlp.experts.0.gate_proj.weight"}
+    known |= {"model.layers.0.mlp.experts.0.down_proj.weight"}
+    fused = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    assert unknown_names(["model.embed_tokens.weight", *fused], known, tied_embeddings=False) == []
+    assert unknown_names(["lm_head.weight"], known, tied_embeddings=False) == ["lm_head.weight"]
+    assert unknown_names(["lm_head.weight"], known, tied_embeddings=True) == []
+    assert unknown_names(["model.layers.1.mlp.experts.down_proj"], known, tied_embeddings=False) == [
+        "model.layers.1.mlp.experts.down_proj"
+    ]
+    assert unknown_names(["anything"], None, tied_embeddings=False) == []
