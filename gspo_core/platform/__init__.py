@@ -8,6 +8,8 @@ of gspo_core only through the small interface below, chosen once per process (:f
   process-wide state itself.
 * ``vllm_engine_args(...)``: the vLLM constructor arguments this platform wants (KV block size and
   cache sizing, eager mode, chunked prefill, sleep mode), passed through vLLM's public ``LLM(...)``.
+* ``after_weight_update(model)``: a version-guarded fix-up of a vLLM defect after a weight push, run in
+  vLLM's worker by our weight-transfer engines (docs/scaling.md lists each).
 
 Every tuning here goes through public extension points (documented torch, glibc and vLLM APIs, vLLM's
 attention-backend registry). Tunings that needed private ops or swapped methods were removed; their
@@ -68,9 +70,9 @@ class Platform:
     def prepare_process(self, options: RuntimeOptions) -> list[str]:
         """Once, by the process owner, before any model or engine is built. Returns what it applied.
 
-        vLLM runs in this process (the weight push hands it tensors, not a path): its multiprocessing
+        vLLM runs in this process, so the weight push hands it the tensors (no copy): its multiprocessing
         switch is an environment variable only, read when an engine starts. An explicit setting by the
-        operator is kept (`VLLMEngine` then refuses to start, naming it)."""
+        operator is kept (`VLLMEngine` then pushes over gloo, docs/scaling.md)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return ["vllm_in_process"]
 
@@ -84,6 +86,10 @@ class Platform:
         if current_platform.is_sleep_mode_available():
             args["enable_sleep_mode"] = True  # frees the KV cache and weights during the update
         return args
+
+    def after_weight_update(self, model: Any) -> None:
+        """Run by our weight-transfer engines in each vLLM worker after a push is loaded into ``model``
+        (vLLM's model module): where this platform's vLLM needs a fix-up. None here."""
 
 
 @functools.cache

@@ -38,6 +38,13 @@ class CpuPlatform(Platform):
             applied.append("keep_freed_memory")
         return applied
 
+    def after_weight_update(self, model: Any) -> None:
+        """On the vLLM releases that skip it (`gspo_core.platform.cpu_moe`), repack MoE experts."""
+        from gspo_core.platform import cpu_moe
+
+        if cpu_moe.has_defect():
+            cpu_moe.repack_experts(model)
+
     def vllm_engine_args(
         self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None, max_new_tokens: int | None
     ) -> dict[str, Any]:

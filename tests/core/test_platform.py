@@ -61,21 +61,6 @@ def test_prepare_process_applies_the_heap_policy_only_when_asked():
 
 
 @pytest.mark.vllm
-def test_the_vllm_engine_refuses_multiprocess_mode(tiny_model_dir):
-    if not vllm_available():
-        pytest.skip("vllm not installed")
-    code = f"from gspo_core.rollout.vllm_engine import VLLMEngine\nVLLMEngine({str(tiny_model_dir)!r})"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
-    )
-    assert out.returncode != 0 and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in out.stderr
-
-
-@pytest.mark.vllm
 def test_cpu_vllm_arguments(tiny_model_dir):
     """Eager, no chunked prefill, 16-token blocks for short fp32 completions on x86, a cache sized to the job."""
     if not vllm_available():
