@@ -40,6 +40,15 @@ class GSPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    # --- method ---
+    method: Literal["gspo", "supervised"] = Field(
+        default="gspo",
+        description="gspo: reinforcement learning with the GSPO loop (sampling, rewards, updates). supervised: "
+        "next-token loss on the assistant turns of `messages` rows (a message's `weight` 0 leaves it out); "
+        "each step is one optimizer update over prompts_per_step rows; no sampling, no reward, and the "
+        "rollout, objective and LoRA-free sampling fields are not used (gspo_core/sft.py).",
+    )
+
     # --- rollout ---
     steps: int = Field(default=20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
     prompts_per_step: int = Field(default=8, ge=1, le=4096, description="Prompts sampled per step (P).")

@@ -3,6 +3,7 @@ reinforcement jobs, events, checkpoints, graders and errors in OpenAI's shapes o
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -96,6 +97,36 @@ def upload(client: openai.OpenAI, tmp) -> str:
     assert f.object == "file" and f.purpose == "fine-tune" and f.status == "processed"
     assert isinstance(f.created_at, int) and f.bytes == path.stat().st_size
     return f.id
+
+
+SFT_HP = "method.supervised.hyperparameters.eval_interval"  # a reinforcement key: unknown for supervised
+
+
+def upload_chat(client: openai.OpenAI, tmp, rows: list[dict]) -> str:
+    path = tmp / f"chat-{uuid.uuid4().hex[:6]}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with open(path, "rb") as fh:
+        return client.files.create(file=fh, purpose="fine-tune").id
+
+
+def chat_rows(letters: str) -> list[dict]:
+    """The toy task as chat rows; every other row has a second assistant turn left out of the loss (weight 0)."""
+    rows = []
+    for i, c in enumerate(letters):
+        messages = [{"role": "user", "content": f"say {c}:"}, {"role": "assistant", "content": c * 4}]
+        if i % 2:
+            messages += [{"role": "user", "content": "again"}, {"role": "assistant", "content": "zq", "weight": 0}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def wait_done(client: openai.OpenAI, job_id: str, tmp, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while (job := client.fine_tuning.jobs.retrieve(job_id)).status not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+        time.sleep(0.5)
+    assert job.status == "succeeded", (job, (tmp / "worker.log").read_text()[-3000:])
+    return job
 
 
 def rl_method(**hp) -> dict:
@@ -235,7 +266,8 @@ def test_graders_run_agrees_with_rewards_run(service):
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"method": {"type": "supervised", "supervised": {}}}, "method.type"),
+        ({"method": {"type": "supervised", "supervised": {}}}, "training_file.messages"),  # prompt rows
+        ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"eval_interval": 2}}}}, SFT_HP),
         ({"method": {"type": "dpo", "dpo": {}}}, "method.type"),
         ({"method": rl_method(batch_size=-1)}, "method.reinforcement.hyperparameters.batch_size"),
         (
@@ -285,3 +317,45 @@ def test_error_classes(service):
     with pytest.raises(openai.NotFoundError):
         other.fine_tuning.jobs.create(model="toy", training_file=file_id, method=rl_method(steps=1))
     client.fine_tuning.jobs.cancel(job.id)
+
+
+def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
+    """SFT-then-RL: a supervised job lowers its loss, and a reinforcement job starts from its fine_tuned_model."""
+    tmp = service[2]
+    client = sdk(service)
+    bad = chat_rows("ab")
+    bad[1]["messages"][3]["weight"] = 2
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.fine_tuning.jobs.create(
+            model="toy", training_file=upload_chat(client, tmp, bad), method={"type": "supervised"}
+        )
+    assert exc.value.param == "training_file.messages[3].weight" and "line 2" in exc.value.message
+    train, valid = upload_chat(client, tmp, chat_rows("abcdeabc")), upload_chat(client, tmp, chat_rows("abcde"))
+    hp = {"batch_size": 4, "n_epochs": 4, "learning_rate_multiplier": 500}
+    job = client.fine_tuning.jobs.create(
+        model="toy",
+        training_file=train,
+        validation_file=valid,
+        method={
+            "type": "supervised",
+            "supervised": {"hyperparameters": {**hp, "save_every": 1}},
+        },
+    )
+    assert job.method.type == "supervised" and job.method.supervised.hyperparameters.to_dict() == hp
+    # eval_interval "auto" with a validation file: a tenth of the steps, at least 1
+    assert job.gspo_hyperparameters["steps"] == 8 and job.gspo_hyperparameters["eval_every"] == 1
+    job = wait_done(client, job.id, tmp)
+    metrics = {
+        e.data["step"]: e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"
+    }
+    assert sorted(metrics) == list(range(1, 9))
+    assert metrics[8]["train_loss"] < 0.7 * metrics[1]["train_loss"], metrics
+    assert metrics[8]["full_valid_loss"] < metrics[1]["full_valid_loss"]
+    ckpts = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in ckpts] == list(range(8, 0, -1))
+    assert ckpts[0].metrics.to_dict()["train_loss"] == metrics[8]["train_loss"]
+    rl = client.fine_tuning.jobs.create(
+        model=job.fine_tuned_model, training_file=upload(client, tmp), method=rl_method(steps=1)
+    )
+    assert rl.model == job.fine_tuned_model == f"ckpt:{ckpts[0].id}"
+    assert wait_done(client, rl.id, tmp).fine_tuned_model is not None
