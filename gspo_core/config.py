@@ -163,6 +163,14 @@ class GSPOConfig(BaseModel):
     save_every: int = Field(
         default=0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end)."
     )
+    keep_best_checkpoints: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Checkpoint retention (the service's): besides the newest checkpoint, keep the k best by "
+        "validation (eval/reward/mean; eval/loss for supervised), newest first where there is none; the "
+        "others are deleted as newer ones arrive.",
+    )
     eval_every: int = Field(default=0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
     eval_prompts: int = Field(
         default=32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one completion each)."

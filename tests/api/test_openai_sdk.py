@@ -320,8 +320,9 @@ def test_error_classes(service):
 
 
 def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
-    """SFT-then-RL: a supervised job lowers its loss, and a reinforcement job starts from its fine_tuned_model."""
-    tmp = service[2]
+    """SFT-then-RL: a supervised job lowers its loss, keeps its newest checkpoint and its 2 best by validation
+    loss (8 saved), and a reinforcement job starts from its fine_tuned_model."""
+    url, keys, tmp = service
     client = sdk(service)
     bad = chat_rows("ab")
     bad[1]["messages"][3]["weight"] = 2
@@ -338,7 +339,7 @@ def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
         validation_file=valid,
         method={
             "type": "supervised",
-            "supervised": {"hyperparameters": {**hp, "save_every": 1}},
+            "supervised": {"hyperparameters": {**hp, "save_every": 1, "keep_best_checkpoints": 2}},
         },
     )
     assert job.method.type == "supervised" and job.method.supervised.hyperparameters.to_dict() == hp
@@ -351,9 +352,15 @@ def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
     assert sorted(metrics) == list(range(1, 9))
     assert metrics[8]["train_loss"] < 0.7 * metrics[1]["train_loss"], metrics
     assert metrics[8]["full_valid_loss"] < metrics[1]["full_valid_loss"]
+    best = sorted(range(1, 8), key=lambda step: (metrics[step]["full_valid_loss"], -step))[:2]
+    kept = sorted({8, *best}, reverse=True)
     ckpts = client.fine_tuning.jobs.checkpoints.list(job.id).data
-    assert [c.step_number for c in ckpts] == list(range(8, 0, -1))
+    assert [c.step_number for c in ckpts] == kept
     assert ckpts[0].metrics.to_dict()["train_loss"] == metrics[8]["train_loss"]
+    native = httpx.get(f"{url}/v1/jobs/{job.id}/checkpoints", headers={"Authorization": f"Bearer {keys[0]}"})
+    assert sorted(c["step"] for c in native.json()["data"]) == sorted(kept)
+    stored = {p.name.split("-a")[0] for p in (tmp / "objects" / "jobs" / job.id / "checkpoints").iterdir()}
+    assert stored == {f"step-{step:06d}" for step in kept}  # the others' objects are deleted
     rl = client.fine_tuning.jobs.create(
         model=job.fine_tuned_model, training_file=upload(client, tmp), method=rl_method(steps=1)
     )
