@@ -366,3 +366,52 @@ def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
     )
     assert rl.model == job.fine_tuned_model == f"ckpt:{ckpts[0].id}"
     assert wait_done(client, rl.id, tmp).fine_tuned_model is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_gspo_serve_answers_chat_completions(service):
+    """`gspo serve <fine_tuned_model>` downloads the checkpoint over the API and runs vLLM's OpenAI-compatible server
+    on it: the SDK's chat.completions answers under that name. Without a key it copies it from the local store."""
+    url, keys, tmp = service
+    client = sdk(service)
+    method = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 2}}}
+    job = client.fine_tuning.jobs.create(
+        model="toy", training_file=upload_chat(client, tmp, chat_rows("ab")), method=method
+    )
+    name = wait_done(client, job.id, tmp).fine_tuned_model
+    cli = [sys.executable, "-m", "gspo_cli.main", "serve", name]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GSPO_DATA_DIR": str(tmp)}
+    local = subprocess.run(
+        [*cli, "--cache-dir", str(tmp / "local"), "--fetch-only"], env=env, capture_output=True, text=True
+    )
+    assert local.returncode == 0, local.stderr
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env |= {"GSPO_API_KEY": keys[0], "GSPO_BASE_URL": url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = ["--cache-dir", str(tmp / "api"), "--port", str(port), "--vllm-args=--max-model-len 128"]
+    with (
+        open(tmp / "serve.log", "w") as log,
+        subprocess.Popen([*cli, *args], env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
+    ):
+        try:
+            wait_for(lambda: _healthy(f"http://127.0.0.1:{port}/health"), 180, "vLLM's server up")
+            served = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            answer = served.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "say a:"}], max_tokens=4, temperature=0
+            )
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    assert answer.model == name and answer.choices[0].message.content is not None, (tmp / "serve.log").read_text()
+    ckpt = name.removeprefix("ckpt:")
+    assert (tmp / "api" / ckpt / "config.json").read_bytes() == (tmp / "local" / ckpt / "config.json").read_bytes()
+    assert {p.name for p in (tmp / "api" / ckpt).iterdir()} == {p.name for p in (tmp / "local" / ckpt).iterdir()}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
