@@ -49,12 +49,22 @@ class ReinforcementIn(BaseModel):
     )
 
 
+class SupervisedIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="OpenAI's (batch_size, n_epochs, learning_rate_multiplier; each 'auto' or a value) and, as "
+        "extensions, GSPOConfig's fields",
+    )
+
+
 class MethodIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: str = Field(max_length=64, description="reinforcement (supervised and dpo are not built yet)")
+    type: str = Field(max_length=64, description="reinforcement or supervised (dpo is not built)")
     reinforcement: ReinforcementIn | None = None
-    supervised: dict[str, Any] | None = None
+    supervised: SupervisedIn | None = None
     dpo: dict[str, Any] | None = None
 
 

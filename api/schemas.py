@@ -138,7 +138,9 @@ class JobCreate(BaseModel):
     )
     training_file: str = Field(..., min_length=1, max_length=64)
     validation_file: str | None = Field(None, max_length=64)
-    reward: dict[str, Any] = Field(..., description="Grader spec (see README: reward spec).")
+    reward: dict[str, Any] | None = Field(
+        None, description="Grader spec (see README: reward spec); required unless hyperparameters.method is supervised."
+    )
     hyperparameters: Annotated[dict[str, Any], WithJsonSchema(hyperparameters_schema())] = Field(
         default_factory=dict,
         description="The algorithm's settings (GSPOConfig); how the machine runs the job "

@@ -45,7 +45,8 @@ def jobs_create(c: Client, args):
             json.loads(Path(args.reward).read_text()) if Path(args.reward).exists() else json.loads(args.reward)
         )
     body["hyperparameters"] = {**(body.get("hyperparameters") or {}), **parse_set(args.set)}
-    missing = [k for k in ("model", "training_file", "reward") if not body.get(k)]
+    supervised = body["hyperparameters"].get("method") == "supervised"  # trains on chat rows, no grader
+    missing = [k for k in ("model", "training_file", *(() if supervised else ("reward",))) if not body.get(k)]
     if missing:
         raise ApiError(0, "invalid_arguments", f"missing {', '.join(missing)} (flags or the job file)", missing[0])
     _print(c.create_job(**body, idempotency_key=args.idempotency_key))

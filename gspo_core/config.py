@@ -40,6 +40,15 @@ class GSPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    # --- method ---
+    method: Literal["gspo", "supervised"] = Field(
+        default="gspo",
+        description="gspo: reinforcement learning with the GSPO loop (sampling, rewards, updates). supervised: "
+        "next-token loss on the assistant turns of `messages` rows (a message's `weight` 0 leaves it out); "
+        "each step is one optimizer update over prompts_per_step rows; no sampling, no reward, and the "
+        "rollout, objective and LoRA-free sampling fields are not used (gspo_core/sft.py).",
+    )
+
     # --- rollout ---
     steps: int = Field(default=20, ge=1, le=1_000_000, description="Rollout+update rounds to run.")
     prompts_per_step: int = Field(default=8, ge=1, le=4096, description="Prompts sampled per step (P).")
@@ -153,6 +162,14 @@ class GSPOConfig(BaseModel):
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and mini-batch splits.")
     save_every: int = Field(
         default=0, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = only at the end)."
+    )
+    keep_best_checkpoints: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Checkpoint retention (the service's): besides the newest checkpoint, keep the k best by "
+        "validation (eval/reward/mean; eval/loss for supervised), newest first where there is none; the "
+        "others are deleted as newer ones arrive.",
     )
     eval_every: int = Field(default=0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
     eval_prompts: int = Field(

@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -22,6 +22,8 @@ MAX_DEPTH = 32
 MAX_INT_DIGITS = 1000
 #: Most top-level fields a dataset row may have.
 MAX_ROW_FIELDS = 256
+#: Roles a supervised (chat) row's messages may have.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 #: Longest dataset line (bytes) the service accepts by default; it bounds a row's width.
 MAX_ROW_BYTES = 1 << 20
 
@@ -182,6 +184,40 @@ def _check_row(row: Any, line: int) -> dict:
                 raise DataError(line, f"messages[{i}]", "each message needs string `role` and `content`")
         return row
     raise DataError(line, "prompt", "row has neither `prompt` (text) nor `messages` (chat)")
+
+
+def check_sft_row(row: Any, line: int) -> None:
+    """A supervised row: OpenAI's chat ``messages``, at least one assistant message trained on, ``weight``
+    (0 or 1) only on assistant messages. :class:`DataError` names the line and the field."""
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(line, "messages", "supervised rows need `messages`: a non-empty list of chat messages")
+    trained = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(line, where, "each message needs string `role` and `content`")
+        role = message.get("role")
+        if role not in ROLES:
+            raise DataError(line, f"{where}.role", f"role {role!r} is not one of {', '.join(ROLES)}")
+        weight = message.get("weight", 1)
+        if "weight" in message and role != "assistant":
+            raise DataError(line, f"{where}.weight", "only assistant messages take a `weight`")
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise DataError(line, f"{where}.weight", f"`weight` is 0 or 1, got {weight!r}")
+        trained += role == "assistant" and weight == 1
+    if not trained:
+        raise DataError(line, "messages", "no assistant message to train on (none, or all have weight 0)")
+
+
+def check_sft_file(f: IO[bytes]) -> int:
+    """Check every row of a JSONL stream (already parsed once at upload) as a supervised row; returns the rows."""
+    rows = 0
+    for line, raw in enumerate(f, 1):
+        if raw.strip():
+            check_sft_row(loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8")), line)
+            rows += 1
+    return rows
 
 
 def _parse_line(raw: bytes, lineno: int, offset: int) -> Any:

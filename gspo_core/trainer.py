@@ -183,8 +183,12 @@ class Trainer:
                 f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
                 "so the remaining batches differ from an uninterrupted run"
             )
-        phases.push_weights(self.model, self.engine)
+        self.sync_weights()
         self.callbacks.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
+
+    def sync_weights(self) -> None:
+        """The trained weights into the rollout engine."""
+        phases.push_weights(self.model, self.engine)
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
         """One GSPO step, its phases in order (each timed as ``time/<phase>``); returns its metrics and
@@ -316,10 +320,15 @@ def train(
     grader_policy: GraderPolicy = DEFAULT_POLICY,
     runtime: RuntimeOptions | None = None,
 ) -> TrainResult:
-    """Run (or resume) a GSPO job to its last step or until ``callbacks.should_stop()``; the job's
-    graders obey the operator's ``grader_policy``, and its engine the operator's ``runtime`` options
-    (the process owner calls `gspo_core.platform.prepare_process` with them first)."""
-    trainer = Trainer(spec, callbacks, engine, grader_policy, runtime)
+    """Run (or resume) a GSPO job (a supervised one: `gspo_core.sft`) to its last step or until
+    ``callbacks.should_stop()``; the job's graders obey the operator's ``grader_policy``, and its engine the
+    operator's ``runtime`` options (the process owner calls `gspo_core.platform.prepare_process` with them first)."""
+    if spec.hyperparameters.method == "supervised":
+        from gspo_core.sft import SFTTrainer  # it builds on this module
+
+        trainer: Trainer = SFTTrainer(spec, callbacks, runtime)
+    else:
+        trainer = Trainer(spec, callbacks, engine, grader_policy, runtime)
     try:
         if resume_from:
             trainer.resume(resume_from)

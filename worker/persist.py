@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from gspo_core.callbacks import Callbacks
-from store import jobs
+from store import jobs, retention
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, ObjectStore, put_dir
 from store.usage import Budget, RunMeter, budget, record_usage
@@ -167,8 +167,15 @@ class PersistCallbacks(Callbacks):
         def rec(s):
             job = s.get(Job, self.job_id)
             jobs.record_checkpoint(s, job, step, prefix, size, final)
+            return retention.prune(s, job)
 
-        self._tx(rec, f"recording checkpoint {step}")
+        dropped = self._tx(rec, f"recording checkpoint {step}")
+        if dropped:
+            try:
+                with self.db.session() as s:
+                    retention.remove_objects(s, self.objects, dropped)
+            except Exception as exc:  # recorded as pending deletions: the API's purge removes them later
+                log.warning("checkpoint retention: could not delete %s yet (%s)", dropped, exc)
 
     def on_log(self, message):
         self._tx(lambda s: jobs.add_event(s, self.job_id, "log", message), "logging")

@@ -32,9 +32,11 @@ After = Annotated[str | None, Query(max_length=64)]
 
 
 @router.post("/jobs", response_model=FineTuningJob, responses=ERRORS)
-def create_job(req: FineTuningJobCreate, s: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FineTuningJob:
-    """``method.type`` reinforcement, run with GSPO; supervised and dpo are a 400 naming ``method.type``."""
-    return svc.create(s, settings, tenant, req)
+def create_job(
+    req: FineTuningJobCreate, s: SessionDep, settings: SettingsDep, objects: ObjectsDep, tenant: TenantDep
+) -> FineTuningJob:
+    """``method.type`` reinforcement (run with GSPO) or supervised; dpo is a 400 naming ``method.type``."""
+    return svc.create(s, settings, objects, tenant, req)
 
 
 @router.get("/jobs", response_model=ListOut[FineTuningJob], responses=ERRORS)

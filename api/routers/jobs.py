@@ -31,9 +31,10 @@ def create_job(
     settings: SettingsDep,
     tenant: TenantDep,
     response: Response,
+    objects: ObjectsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
-    job, created = svc.create_job(s, settings, tenant, req, idempotency_key)
+    job, created = svc.create_job(s, settings, tenant, req, idempotency_key, objects)
     if not created:
         response.status_code = 200
     return job

@@ -4,6 +4,7 @@ cancelling, pausing and resuming."""
 from __future__ import annotations
 
 import base64
+import io
 import logging
 from datetime import datetime
 from typing import Any, cast
@@ -17,6 +18,7 @@ from api.errors import ApiError
 from api.schemas import JobCreate, JobOut, JobStatus, JobUsage, Page
 from api.services.rewards import build_checked
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig
+from gspo_core.data import DataError, check_sft_file
 from gspo_core.rewards import redact_secrets
 from store import jobs as job_state
 from store import results
@@ -84,6 +86,27 @@ def check_wall_limit(asked: int | None, settings: Settings) -> None:
         )
 
 
+def check_supervised(reward: dict[str, Any] | None, objects: ObjectStore, files: dict[str, File | None]) -> None:
+    """A supervised job takes no grader, and every row of its files is a chat row it can train on (a 422
+    naming the file, the line and the field of the first that is not)."""
+    if reward:
+        raise ApiError(422, "invalid_reward", "reward: a supervised job takes no grader", "reward")
+    for field, f in files.items():
+        if f is None:
+            continue
+        try:
+            check_sft_file(io.BytesIO(objects.get_bytes(f.object_key)))
+        except DataError as exc:
+            where = f"{field}: line {exc.line}: " if exc.line else f"{field}: "
+            raise ApiError(
+                422,
+                "invalid_file",
+                f"{where}{exc.message} (a supervised row)",
+                f"{field}.{exc.field or 'messages'}",
+                line=exc.line,
+            ) from None
+
+
 def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
     f = s.get(File, file_id)
     if f is None or f.tenant_id != tenant.id:
@@ -94,25 +117,31 @@ def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
 
 
 def create_job(
-    s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None
+    s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None, objects: ObjectStore
 ) -> tuple[JobOut, bool]:
     """Validate everything, insert the job, commit, enqueue it. Returns (the job, created): a request
     repeated with its Idempotency-Key answers with the job the first one created."""
-    job, created = create_row(s, settings, tenant, req, idem_key)
+    job, created = create_row(s, settings, tenant, req, idem_key, objects)
     return to_out(s, settings, job), created
 
 
 def create_row(
-    s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None
+    s: Session, settings: Settings, tenant: Tenant, req: JobCreate, idem_key: str | None, objects: ObjectStore
 ) -> tuple[Job, bool]:
     """``(job, created)``: the new job, committed and enqueued, or the one this Idempotency-Key made."""
     cfg = check_hyperparameters(req.hyperparameters)
     if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:
         return _replayed(prior, req, cfg), False
     train = _owned_file(s, tenant, req.training_file, "training_file")
-    if req.validation_file:
-        _owned_file(s, tenant, req.validation_file, "validation_file")
-    check_reward(req.reward, set(train.item_fields), settings)
+    val = _owned_file(s, tenant, req.validation_file, "validation_file") if req.validation_file else None
+    if cfg.method == "supervised":
+        check_supervised(req.reward, objects, {"training_file": train, "validation_file": val})
+    elif req.reward is None:
+        raise ApiError(
+            422, "invalid_reward", "reward: required (a grader spec) unless the method is supervised", "reward"
+        )
+    else:
+        check_reward(req.reward, set(train.item_fields), settings)
     check_model(s, settings, tenant, req.model)
     check_wall_limit(req.max_wall_seconds, settings)
     try:
@@ -123,7 +152,7 @@ def create_row(
             model=req.model,
             training_file_id=train.id,
             validation_file_id=req.validation_file,
-            reward=req.reward,
+            reward=req.reward or {},
             metadata=req.metadata,
             seed=req.seed,
             hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}),
@@ -173,7 +202,7 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         req.model,
         req.training_file,
         req.validation_file,
-        req.reward,
+        req.reward or {},
         req.name,
         req.metadata,
         req.seed,

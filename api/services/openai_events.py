@@ -49,6 +49,27 @@ def rft_metrics(step: int, total_steps: int, metrics: dict[str, Any]) -> dict[st
     return out
 
 
+def sft_metrics(step: int, total_steps: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Supervised fine-tuning's metric keys from a supervised step's metrics (gspo_core/sft.py's names)."""
+    out: dict[str, Any] = {
+        "step": step,
+        "total_steps": total_steps,
+        "train_loss": metrics.get("loss"),
+        "timing": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
+        "usage": {"tokens_trained": metrics.get("tokens/trained")},
+    }
+    if "eval/loss" in metrics:
+        out["full_valid_loss"] = metrics["eval/loss"]
+    return out
+
+
+def openai_metrics(step: int, total_steps: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics in OpenAI's keys: a reinforcement step has a mean reward, a supervised one only a loss."""
+    if "reward/mean" not in metrics and "loss" in metrics:
+        return sft_metrics(step, total_steps, metrics)
+    return rft_metrics(step, total_steps, metrics)
+
+
 def _message_event(e: JobEvent) -> FineTuningJobEvent:
     data = e.data or {}
     level: Any = "info"
@@ -70,9 +91,10 @@ def _message_event(e: JobEvent) -> FineTuningJobEvent:
 
 
 def _metrics_event(step: int, total: int, metrics: dict[str, Any], created_at: datetime) -> FineTuningJobEvent:
-    data = rft_metrics(step, total, metrics)
-    reward = data["train_mean_reward"]
-    shown = f", train_mean_reward={reward:.4f}" if isinstance(reward, (int, float)) else ""
+    data = openai_metrics(step, total, metrics)
+    key = "train_loss" if "train_loss" in data else "train_mean_reward"
+    value = data[key]
+    shown = f", {key}={value:.4f}" if isinstance(value, (int, float)) else ""
     return FineTuningJobEvent(
         id=f"ftevent-m{step}",
         created_at=int(as_utc(created_at).timestamp()),
@@ -121,7 +143,7 @@ def list_events(s: Session, job: Job, after: str | None, limit: int) -> ListOut[
 
 
 def checkpoint_object(c: Checkpoint, total_steps: int, download_url: str) -> FineTuningJobCheckpoint:
-    metrics = rft_metrics(c.step, total_steps, c.metrics or {})
+    metrics = openai_metrics(c.step, total_steps, c.metrics or {})
     return FineTuningJobCheckpoint(
         id=c.id,
         created_at=int(as_utc(c.created_at).timestamp()),

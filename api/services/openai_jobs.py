@@ -32,8 +32,7 @@ STATUS: dict[str, OpenAIStatus] = {
     "cancelled": "cancelled",
 }
 NOT_BUILT = {
-    "supervised": "supervised fine-tuning is not built yet here (see docs/openai.md); use method.type 'reinforcement'",
-    "dpo": "DPO is not built here (see docs/openai.md); use method.type 'reinforcement'",
+    "dpo": "DPO is not built here (see docs/openai.md); use method.type 'reinforcement' or 'supervised'",
 }
 
 
@@ -41,33 +40,35 @@ def unix(value: datetime | None) -> int | None:
     return int(as_utc(value).timestamp()) if value is not None else None
 
 
-def _check_method(req: FineTuningJobCreate) -> dict[str, Any]:
-    """The reinforcement method's grader and hyperparameters; 400 naming what this service does not do."""
+def _check_method(req: FineTuningJobCreate) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
+    """``(method type, grader or None, hyperparameters)``; 400 naming what this service does not do."""
     method = req.method
     kind = method.type if method else "supervised"  # OpenAI's default method
     if kind in NOT_BUILT:
         raise ApiError(400, "unsupported_method", NOT_BUILT[kind], "method.type")
-    if kind != "reinforcement":
+    if kind not in ("reinforcement", "supervised"):
         raise ApiError(400, "invalid_request", f"method.type: unknown method {kind!r}", "method.type")
+    if req.hyperparameters:
+        raise ApiError(
+            400, "invalid_request", f"hyperparameters: give them in method.{kind}.hyperparameters", "hyperparameters"
+        )
+    if req.integrations:
+        raise ApiError(400, "invalid_request", "integrations: none are built here", "integrations")
+    if kind == "supervised":
+        supervised = method.supervised if method else None
+        return kind, None, supervised.hyperparameters if supervised else {}
     if method is None or method.reinforcement is None:
         raise ApiError(
             400, "invalid_request", "method.reinforcement: required for reinforcement", "method.reinforcement"
         )
-    if req.hyperparameters:
-        raise ApiError(
-            400,
-            "invalid_request",
-            "hyperparameters: give them in method.reinforcement.hyperparameters",
-            "hyperparameters",
-        )
-    if req.integrations:
-        raise ApiError(400, "invalid_request", "integrations: none are built here", "integrations")
-    return {"grader": method.reinforcement.grader, "hyperparameters": method.reinforcement.hyperparameters}
+    return kind, method.reinforcement.grader, method.reinforcement.hyperparameters
 
 
-def create(s: Session, settings: Settings, tenant: Tenant, req: FineTuningJobCreate) -> FineTuningJob:
+def create(
+    s: Session, settings: Settings, objects: ObjectStore, tenant: Tenant, req: FineTuningJobCreate
+) -> FineTuningJob:
     """Translate, then create through the native service; its errors name OpenAI's fields."""
-    rl = _check_method(req)
+    kind, grader, hp = _check_method(req)
     train = s.get(File, req.training_file)
     if train is None or train.tenant_id != tenant.id:
         raise ApiError(404, "not_found", f"file {req.training_file} not found", "training_file")
@@ -76,16 +77,16 @@ def create(s: Session, settings: Settings, tenant: Tenant, req: FineTuningJobCre
             model=req.model,
             training_file=req.training_file,
             validation_file=req.validation_file,
-            reward=rl["grader"],
-            hyperparameters=to_native(rl["hyperparameters"], train.rows, req.validation_file is not None),
+            reward=grader,
+            hyperparameters=to_native(hp, train.rows, req.validation_file is not None, kind),
             name=req.suffix,
             metadata=req.metadata or {},
             seed=req.seed if req.seed is not None else random.randrange(2**31),
             max_wall_seconds=None,
         )
-        job, _ = native.create_row(s, settings, tenant, body, None)
+        job, _ = native.create_row(s, settings, tenant, body, None, objects)
     except ApiError as exc:
-        exc.field = field_param(exc.field, rl["hyperparameters"])
+        exc.field = field_param(exc.field, hp, kind)
         raise
     return job_object(s, job)
 
@@ -126,10 +127,7 @@ def job_object(s: Session, job: Job) -> FineTuningJob:
         seed=job.seed,
         suffix=job.name,
         metadata={str(k): str(v) for k, v in (job.job_metadata or {}).items()},
-        method={
-            "type": "reinforcement",
-            "reinforcement": {"grader": redact_secrets(job.reward), "hyperparameters": hp},
-        },
+        method=_method(job, hp),
         hyperparameters={k: hp[k] for k in ("batch_size", "learning_rate_multiplier", "n_epochs")},
         training_file=job.training_file_id,
         validation_file=job.validation_file_id,
@@ -138,6 +136,12 @@ def job_object(s: Session, job: Job) -> FineTuningJob:
         gspo_status=job.status,
         gspo_hyperparameters={**job.hyperparameters, "seed": job.seed},
     )
+
+
+def _method(job: Job, hp: dict[str, Any]) -> dict[str, Any]:
+    if job.hyperparameters.get("method") == "supervised":
+        return {"type": "supervised", "supervised": {"hyperparameters": hp}}
+    return {"type": "reinforcement", "reinforcement": {"grader": redact_secrets(job.reward), "hyperparameters": hp}}
 
 
 def _after(q: Any, last: Job) -> Any:

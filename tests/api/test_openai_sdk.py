@@ -3,6 +3,7 @@ reinforcement jobs, events, checkpoints, graders and errors in OpenAI's shapes o
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -96,6 +97,36 @@ def upload(client: openai.OpenAI, tmp) -> str:
     assert f.object == "file" and f.purpose == "fine-tune" and f.status == "processed"
     assert isinstance(f.created_at, int) and f.bytes == path.stat().st_size
     return f.id
+
+
+SFT_HP = "method.supervised.hyperparameters.eval_interval"  # a reinforcement key: unknown for supervised
+
+
+def upload_chat(client: openai.OpenAI, tmp, rows: list[dict]) -> str:
+    path = tmp / f"chat-{uuid.uuid4().hex[:6]}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with open(path, "rb") as fh:
+        return client.files.create(file=fh, purpose="fine-tune").id
+
+
+def chat_rows(letters: str) -> list[dict]:
+    """The toy task as chat rows; every other row has a second assistant turn left out of the loss (weight 0)."""
+    rows = []
+    for i, c in enumerate(letters):
+        messages = [{"role": "user", "content": f"say {c}:"}, {"role": "assistant", "content": c * 4}]
+        if i % 2:
+            messages += [{"role": "user", "content": "again"}, {"role": "assistant", "content": "zq", "weight": 0}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def wait_done(client: openai.OpenAI, job_id: str, tmp, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while (job := client.fine_tuning.jobs.retrieve(job_id)).status not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+        time.sleep(0.5)
+    assert job.status == "succeeded", (job, (tmp / "worker.log").read_text()[-3000:])
+    return job
 
 
 def rl_method(**hp) -> dict:
@@ -235,7 +266,8 @@ def test_graders_run_agrees_with_rewards_run(service):
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"method": {"type": "supervised", "supervised": {}}}, "method.type"),
+        ({"method": {"type": "supervised", "supervised": {}}}, "training_file.messages"),  # prompt rows
+        ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"eval_interval": 2}}}}, SFT_HP),
         ({"method": {"type": "dpo", "dpo": {}}}, "method.type"),
         ({"method": rl_method(batch_size=-1)}, "method.reinforcement.hyperparameters.batch_size"),
         (
@@ -308,3 +340,101 @@ def test_the_readmes_openai_script_runs_unchanged(service):
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("succeeded ckpt:"), done.stdout
     assert "metrics" in {line.split()[0] for line in lines[:-1]}, done.stdout
+
+
+def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
+    """SFT-then-RL: a supervised job lowers its loss, keeps its newest checkpoint and its 2 best by validation
+    loss (8 saved), and a reinforcement job starts from its fine_tuned_model."""
+    url, keys, tmp = service
+    client = sdk(service)
+    bad = chat_rows("ab")
+    bad[1]["messages"][3]["weight"] = 2
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.fine_tuning.jobs.create(
+            model="toy", training_file=upload_chat(client, tmp, bad), method={"type": "supervised"}
+        )
+    assert exc.value.param == "training_file.messages[3].weight" and "line 2" in exc.value.message
+    train, valid = upload_chat(client, tmp, chat_rows("abcdeabc")), upload_chat(client, tmp, chat_rows("abcde"))
+    hp = {"batch_size": 4, "n_epochs": 4, "learning_rate_multiplier": 500}
+    job = client.fine_tuning.jobs.create(
+        model="toy",
+        training_file=train,
+        validation_file=valid,
+        method={
+            "type": "supervised",
+            "supervised": {"hyperparameters": {**hp, "save_every": 1, "keep_best_checkpoints": 2}},
+        },
+    )
+    assert job.method.type == "supervised" and job.method.supervised.hyperparameters.to_dict() == hp
+    # eval_interval "auto" with a validation file: a tenth of the steps, at least 1
+    assert job.gspo_hyperparameters["steps"] == 8 and job.gspo_hyperparameters["eval_every"] == 1
+    job = wait_done(client, job.id, tmp)
+    metrics = {
+        e.data["step"]: e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"
+    }
+    assert sorted(metrics) == list(range(1, 9))
+    assert metrics[8]["train_loss"] < 0.7 * metrics[1]["train_loss"], metrics
+    assert metrics[8]["full_valid_loss"] < metrics[1]["full_valid_loss"]
+    best = sorted(range(1, 8), key=lambda step: (metrics[step]["full_valid_loss"], -step))[:2]
+    kept = sorted({8, *best}, reverse=True)
+    ckpts = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in ckpts] == kept
+    assert ckpts[0].metrics.to_dict()["train_loss"] == metrics[8]["train_loss"]
+    native = httpx.get(f"{url}/v1/jobs/{job.id}/checkpoints", headers={"Authorization": f"Bearer {keys[0]}"})
+    assert sorted(c["step"] for c in native.json()["data"]) == sorted(kept)
+    stored = {p.name.split("-a")[0] for p in (tmp / "objects" / "jobs" / job.id / "checkpoints").iterdir()}
+    assert stored == {f"step-{step:06d}" for step in kept}  # the others' objects are deleted
+    rl = client.fine_tuning.jobs.create(
+        model=job.fine_tuned_model, training_file=upload(client, tmp), method=rl_method(steps=1)
+    )
+    assert rl.model == job.fine_tuned_model == f"ckpt:{ckpts[0].id}"
+    assert wait_done(client, rl.id, tmp).fine_tuned_model is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_gspo_serve_answers_chat_completions(service):
+    """`gspo serve <fine_tuned_model>` downloads the checkpoint over the API and runs vLLM's OpenAI-compatible server
+    on it: the SDK's chat.completions answers under that name. Without a key it copies it from the local store."""
+    url, keys, tmp = service
+    client = sdk(service)
+    method = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 2}}}
+    job = client.fine_tuning.jobs.create(
+        model="toy", training_file=upload_chat(client, tmp, chat_rows("ab")), method=method
+    )
+    name = wait_done(client, job.id, tmp).fine_tuned_model
+    cli = [sys.executable, "-m", "gspo_cli.main", "serve", name]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GSPO_DATA_DIR": str(tmp)}
+    local = subprocess.run(
+        [*cli, "--cache-dir", str(tmp / "local"), "--fetch-only"], env=env, capture_output=True, text=True
+    )
+    assert local.returncode == 0, local.stderr
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env |= {"GSPO_API_KEY": keys[0], "GSPO_BASE_URL": url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = ["--cache-dir", str(tmp / "api"), "--port", str(port), "--vllm-args=--max-model-len 128"]
+    with (
+        open(tmp / "serve.log", "w") as log,
+        subprocess.Popen([*cli, *args], env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
+    ):
+        try:
+            wait_for(lambda: _healthy(f"http://127.0.0.1:{port}/health"), 180, "vLLM's server up")
+            served = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            answer = served.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "say a:"}], max_tokens=4, temperature=0
+            )
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    assert answer.model == name and answer.choices[0].message.content is not None, (tmp / "serve.log").read_text()
+    ckpt = name.removeprefix("ckpt:")
+    assert (tmp / "api" / ckpt / "config.json").read_bytes() == (tmp / "local" / ckpt / "config.json").read_bytes()
+    assert {p.name for p in (tmp / "api" / ckpt).iterdir()} == {p.name for p in (tmp / "local" / ckpt).iterdir()}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
