@@ -432,7 +432,9 @@ def push_weights(model: Policy, engine: RolloutEngine) -> None:
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:
-    lengths = [len(completion.completion_ids) for completion in rollout.completions]
+    """Lengths (the tokens the model sampled: an episode's environment tokens are not counted) and the
+    truncated share."""
+    lengths = [completion.sampled_tokens for completion in rollout.completions]
     truncated = sum(completion.finish_reason == "length" for completion in rollout.completions)
     return {
         "completion/len_mean": sum(lengths) / len(lengths),
