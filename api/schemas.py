@@ -139,6 +139,13 @@ class JobCreate(BaseModel):
     training_file: str = Field(..., min_length=1, max_length=64)
     validation_file: str | None = Field(None, max_length=64)
     reward: dict[str, Any] = Field(..., description="Grader spec (see README: reward spec).")
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Tools the model may call during its rollouts (docs/agents.md): "
+        '{"type": "python", "source"} or {"type": "http", "name", "description", "parameters", "server_url", '
+        '"headers"}; with hyperparameters.max_turns > 1.',
+    )
     hyperparameters: Annotated[dict[str, Any], WithJsonSchema(hyperparameters_schema())] = Field(
         default_factory=dict,
         description="The algorithm's settings (GSPOConfig); how the machine runs the job "
@@ -186,6 +193,7 @@ class JobOut(BaseModel):
     training_file: str | None  # null once the file was deleted (after the job finished)
     validation_file: str | None
     reward: dict[str, Any]
+    tools: list[dict[str, Any]] = Field(default_factory=list, description="The job's tools (credentials redacted)")
     hyperparameters: dict[str, Any]
     metadata: dict[str, Any]
     seed: int
