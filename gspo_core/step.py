@@ -471,7 +471,9 @@ def completion_metrics(rollout: Rollout) -> dict[str, float]:
 
 
 def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]:
-    """The first ``samples_per_step`` prompts with all their completions, rewards and grader errors."""
+    """The first ``samples_per_step`` prompts with all their completions, rewards and grader errors; an
+    episode with tool calls also gives its ``turns``, ``messages`` (each turn: assistant text, tool calls,
+    tool results), ``trained_tokens`` (its sampled ids) and ``dropped``."""
     rows = []
     group_size = cfg.group_size
     for prompt_index in range(min(cfg.samples_per_step, len(rollout.prompts))):
@@ -486,9 +488,21 @@ def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]
                     "errors": grade.errors,
                     "tokens": len(completion.completion_ids),
                     "finish_reason": completion.finish_reason,
+                    **_episode_fields(completion),
                 }
             )
         rows.append(
             {"prompt": rollout.prompts[prompt_index], "item": rollout.rows[prompt_index], "completions": completions}
         )
     return rows
+
+
+def _episode_fields(completion: Completion) -> dict:
+    if "turns" not in completion.extra:
+        return {}
+    return {
+        "turns": completion.extra["turns"],
+        "messages": completion.extra["messages"],
+        "trained_tokens": sum(completion.mask),
+        "dropped": completion.dropped,
+    }

@@ -20,7 +20,7 @@ from gspo_core.policy import completion_logprobs, load_policy
 from gspo_core.rewards import build_reward
 from gspo_core.rollout.hf_engine import TransformersEngine
 from tests.conftest import grader_policy
-from tests.core.agents_support import ANSWER, CALL, PROMPT, tool_calling_model
+from tests.core.agents_support import ANSWER, CALL, PROMPT
 from tests.core.trainer_support import one_torch_thread
 
 PY_TOOL = {"type": "python", "source": 'def f(key: str) -> str:\n    """Look a key up."""\n    return key * 3\n'}
@@ -30,11 +30,6 @@ PY_TOOL = {"type": "python", "source": 'def f(key: str) -> str:\n    """Look a k
 def _one_thread():
     with one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tiny_model_dir, tmp_path_factory):
-    return tool_calling_model(tiny_model_dir, tmp_path_factory.mktemp("caller"))
 
 
 def test_call_formats():
@@ -244,3 +239,5 @@ def test_a_job_whose_tool_fails_drops_and_counts_its_rollouts(caller_dir, tmp_pa
     assert metrics["rollouts_dropped"] == 4 and metrics["tool_errors/f/http_5xx"] == 4
     assert metrics["turns/mean"] == 1 and metrics["completion/len_mean"] == 0 and metrics["grad_norm"] == 0
     assert tool_server.hits["/down"] == 12
+    shown = rec.samples[0][1][0]["completions"][0]
+    assert shown["dropped"] and shown["trained_tokens"] == 0 and shown["messages"][-1]["role"] == "tool"
