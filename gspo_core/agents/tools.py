@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gspo_core.agents.formats import ToolCall
@@ -226,7 +226,11 @@ class Toolbox:
         return tool.run(args)
 
     def call_many(self, calls: list[ToolCall]) -> list[ToolResult]:
-        return list(self._pool.map(self.call, calls))
+        """Every call at once; each result cut to :data:`MAX_RESULT_CHARS`."""
+        return [
+            replace(r, text=r.text[:MAX_RESULT_CHARS]) if len(r.text) > MAX_RESULT_CHARS else r
+            for r in self._pool.map(self.call, calls)
+        ]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
