@@ -503,6 +503,6 @@ def _episode_fields(completion: Completion) -> dict:
     return {
         "turns": completion.extra["turns"],
         "messages": completion.extra["messages"],
-        "trained_tokens": sum(completion.mask),
+        "trained_tokens": sum(completion.trained_mask),
         "dropped": completion.dropped,
     }

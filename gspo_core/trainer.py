@@ -230,8 +230,8 @@ class Trainer:
             self.engine.wake()
             phases.push_weights(self.model, self.engine)
         timer["time/step"] = time.perf_counter() - start
-        sampled = sum(len(completion.completion_ids) for completion in rollout.completions)
-        prompt_tokens = sum(len(completion.prompt_ids) for completion in rollout.completions)
+        sampled = sum(completion.sampled_tokens for completion in rollout.completions)  # not tool results
+        row_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
         metrics = {
             **scores.metrics,
             **adv_metrics,
@@ -244,7 +244,7 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = sampled / max(timer["time/step"], 1e-9)
         # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
         metrics["tokens/sampled"] = float(sampled)
-        metrics["tokens/trained"] = float(sampled + prompt_tokens)
+        metrics["tokens/trained"] = float(row_tokens)
         return metrics, phases.sample_rows(rollout, scores, cfg)
 
     def _stop_trusting_sampler(self, err: float) -> None:

@@ -104,8 +104,7 @@ class _Episode:
             text=self.last.text,
             finish_reason="length" if self.truncated else self.last.finish_reason,
             extra={"turns": self.turns, "tool_calls": self.tool_calls, "messages": self.messages},
-            # A dropped rollout trains nothing: its tool failed, so no token of it is the policy's doing.
-            mask=[0] * len(self.ids) if self.dropped else self.mask,
+            mask=self.mask,
             dropped=self.dropped,
         )
 

@@ -46,7 +46,8 @@ class Completion:
     the environment added (tool results, template glue), one per ``completion_ids``; the loss, the ratio,
     the entropy and the lengths count only the 1s. Empty: every completion id was sampled (one turn).
     At environment positions ``logprobs`` holds 0. ``dropped``: a tool of the episode failed for good
-    (`gspo_core.agents.tools.ToolResult.drop`): the row trains nothing (its mask is all 0) and is not graded.
+    (`gspo_core.agents.tools.ToolResult.drop`): the row trains nothing (``trained_mask`` all 0) and is not
+    graded.
     ``extra`` of an episode with tool calls: ``turns``, ``tool_calls`` (OpenAI's shape), ``messages``.
     """
 
@@ -64,6 +65,11 @@ class Completion:
     def sampled_mask(self) -> list[int]:
         """1 on each completion id the model sampled, 0 on the environment's (see ``mask``)."""
         return self.mask or [1] * len(self.completion_ids)
+
+    @property
+    def trained_mask(self) -> list[int]:
+        """The mask the update uses: ``mask`` (empty: all sampled), or all 0 for a dropped episode."""
+        return [0] * len(self.completion_ids) if self.dropped else self.mask
 
     @property
     def sampled_tokens(self) -> int:

@@ -237,7 +237,8 @@ def test_a_job_whose_tool_fails_drops_and_counts_its_rollouts(caller_dir, tmp_pa
     train(JobSpec(**spec), rec, grader_policy=grader_policy(egress_allow=("127.0.0.1",)))
     ((_, metrics),) = rec.steps
     assert metrics["rollouts_dropped"] == 4 and metrics["tool_errors/f/http_5xx"] == 4
-    assert metrics["turns/mean"] == 1 and metrics["completion/len_mean"] == 0 and metrics["grad_norm"] == 0
+    assert metrics["turns/mean"] == 1 and metrics["grad_norm"] == 0  # dropped: nothing of theirs is trained
+    assert metrics["tokens/sampled"] == 4 * metrics["completion/len_mean"] > 0  # but they were sampled
     assert tool_server.hits["/down"] == 12
     shown = rec.samples[0][1][0]["completions"][0]
     assert shown["dropped"] and shown["trained_tokens"] == 0 and shown["messages"][-1]["role"] == "tool"
