@@ -9,7 +9,8 @@ if TYPE_CHECKING:
 
 #: Stands for a sampled assistant turn while the template renders the tool messages after it.
 MARK = "\u2063GSPO-TURN\u2063"
-#: For a tokenizer without a chat template: each result on its own, then the model's turn goes on.
+#: For a tokenizer without a chat template (or one whose template has no usable tool role): each result on
+#: its own, then the model's turn goes on.
 FIXED = "\n<tool_result>\n{content}\n</tool_result>\n"
 
 
@@ -20,14 +21,18 @@ def tool_turn_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict], sto
 
     Only this suffix is rendered: the sampled turns are never rendered again, so a template that rewrites
     the history (Qwen3 dropping earlier ``<think>`` blocks) cannot change a token the model sampled."""
+    fixed = "".join(FIXED.format(content=m["content"]) for m in messages)
     if not getattr(tokenizer, "chat_template", None):
-        return "".join(FIXED.format(content=m["content"]) for m in messages)
+        return fixed
     head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
-    base = cast(str, tokenizer.apply_chat_template(head, tokenize=False))
-    full = cast(str, tokenizer.apply_chat_template(head + messages, tokenize=False, add_generation_prompt=True))
+    try:
+        base = cast(str, tokenizer.apply_chat_template(head, tokenize=False))
+        full = cast(str, tokenizer.apply_chat_template(head + messages, tokenize=False, add_generation_prompt=True))
+    except Exception:  # a template that refuses tool messages (no tool role): the fixed format
+        return fixed
     cut = base.rfind(MARK) + len(MARK)
-    if cut < len(MARK) or full[:cut] != base[:cut]:
-        raise ValueError("the chat template renders an assistant turn differently when tool messages follow it")
+    if cut < len(MARK) or full[:cut] != base[:cut]:  # no tool role that follows a turn as it was: fixed format
+        return fixed
     tail = full[cut:]
     return tail[len(stop_text) :] if stop_text and tail.startswith(stop_text) else tail
 

@@ -242,3 +242,16 @@ def test_a_job_whose_tool_fails_drops_and_counts_its_rollouts(caller_dir, tmp_pa
     assert tool_server.hits["/down"] == 12
     shown = rec.samples[0][1][0]["completions"][0]
     assert shown["dropped"] and shown["trained_tokens"] == 0 and shown["messages"][-1]["role"] == "tool"
+
+
+def test_a_template_without_a_tool_role_falls_back_to_the_fixed_format(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+        "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    )
+    assert tool_turn_text(tok, [{"role": "tool", "content": "7"}], "</s>") == "\n<tool_result>\n7\n</tool_result>\n"
+    tok.chat_template = None
+    assert tool_turn_text(tok, [{"role": "tool", "content": "7"}], "") == "\n<tool_result>\n7\n</tool_result>\n"
