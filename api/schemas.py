@@ -141,6 +141,13 @@ class JobCreate(BaseModel):
     reward: dict[str, Any] | None = Field(
         None, description="Grader spec (see README: reward spec); required unless hyperparameters.method is supervised."
     )
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Tools the model may call during its rollouts (docs/agents.md): "
+        '{"type": "python", "source"} or {"type": "http", "name", "description", "parameters", "server_url", '
+        '"headers"}; with hyperparameters.max_turns > 1.',
+    )
     hyperparameters: Annotated[dict[str, Any], WithJsonSchema(hyperparameters_schema())] = Field(
         default_factory=dict,
         description="The algorithm's settings (GSPOConfig); how the machine runs the job "
@@ -188,6 +195,7 @@ class JobOut(BaseModel):
     training_file: str | None  # null once the file was deleted (after the job finished)
     validation_file: str | None
     reward: dict[str, Any]
+    tools: list[dict[str, Any]] = Field(default_factory=list, description="The job's tools (credentials redacted)")
     hyperparameters: dict[str, Any]
     metadata: dict[str, Any]
     seed: int

@@ -78,6 +78,7 @@ class Client:
         seed: int = 0,
         idempotency_key: str | None = None,
         max_wall_seconds: int | None = None,
+        tools: list[dict] | None = None,
     ) -> dict:
         body = {
             "model": model,
@@ -93,6 +94,8 @@ class Client:
             body["name"] = name
         if max_wall_seconds is not None:
             body["max_wall_seconds"] = max_wall_seconds
+        if tools:
+            body["tools"] = tools
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._check(self.http.post("/v1/jobs", json=body, headers=headers)).json()
 

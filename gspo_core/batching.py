@@ -63,4 +63,5 @@ def pack(
         [completions[i].completion_ids for i in idx],
         pad_id,
         share=cfg.share_prompts and not cfg.gradient_checkpointing,
+        masks=[completions[i].trained_mask for i in idx],
     )

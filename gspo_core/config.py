@@ -63,6 +63,22 @@ class GSPOConfig(BaseModel):
     )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = the full distribution).")
     ignore_eos: bool = Field(default=False, description="Always generate max_new_tokens (benchmarks).")
+    max_turns: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Model turns of an episode: with tools, a turn that ends with tool calls is followed by "
+        "their results and another turn, up to this many. max_new_tokens bounds all turns and tool results "
+        "together.",
+    )
+    max_turn_tokens: int = Field(
+        default=0, ge=0, le=32768, description="Most tokens one turn samples (0 = only the max_new_tokens total)."
+    )
+    tool_format: Literal["auto", "hermes", "toy"] = Field(
+        default="auto",
+        description="How tool calls are parsed from a turn: hermes = <tool_call>{json}</tool_call> (Qwen, "
+        "Hermes); toy = {name:value} (the toy model); auto = hermes where the chat template speaks of <tool_call>.",
+    )
 
     # --- objective ---
     loss: LossName = Field(
@@ -222,6 +238,9 @@ class JobSpec(BaseModel):
     training_file: str = Field(..., min_length=1)
     validation_file: str | None = None
     reward: dict[str, Any] = Field(..., description="Grader spec (see gspo_core.rewards).")
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=64, description="Tools the model may call (see gspo_core.agents.tools)."
+    )
     hyperparameters: GSPOConfig = Field(default_factory=GSPOConfig)
     output_dir: str = "runs/job"
     name: str | None = None

@@ -299,11 +299,14 @@ def _load_hf(spec: str) -> list[dict]:
     return [_check_row(dict(r), i + 1) for i, r in enumerate(ds)]
 
 
-def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The prompt text of a row: ``prompt`` as is, or ``messages`` through the chat template."""
+def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None) -> str:
+    """The prompt text of a row: ``prompt`` as is, or ``messages`` through the chat template, offered the
+    job's ``tools`` (their schemas) where it has any."""
     if "prompt" in row:
         return row["prompt"]
-    text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        row["messages"], tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
     return cast(str, text)  # tokenize=False: the rendered text
 
 

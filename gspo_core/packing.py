@@ -30,7 +30,7 @@ class PackedBatch:
 
     ``input_BL``/``attn_BL``: token ids and attention mask. ``pos_BT``: index of the hidden state
     that predicts completion token t of row b. ``target_BT``/``mask_BT``: completion tokens and 1
-    on real (not padded) ones.
+    on real (not padded) ones the model sampled (0 on padding and on an episode's environment tokens).
     """
 
     input_BL: torch.Tensor
@@ -56,7 +56,8 @@ class SharedPrefixBatch:
     the last column and a completion token's distance in the cache to its prompt's tokens is their
     real distance (sliding-window attention masks by that distance); ``prompt_len_P`` their lengths;
     ``row_prompt_B``: the prompt of each row; ``target_BT``/``mask_BT``: the completions (the tokens
-    are the targets), right-padded.
+    are the targets), right-padded, and 1 on the sampled ones; ``attn_BT``: 1 on every real completion
+    token (environment ones included: later tokens attend to them).
     """
 
     prompt_PL: torch.Tensor
@@ -65,6 +66,7 @@ class SharedPrefixBatch:
     row_prompt_B: torch.Tensor
     target_BT: torch.Tensor
     mask_BT: torch.Tensor
+    attn_BT: torch.Tensor
 
     def to(self, device) -> SharedPrefixBatch:
         return _to(self, device)
@@ -87,7 +89,7 @@ class SharedPrefixBatch:
         last_PH = out.last_hidden_state[:, -1]
         T = self.target_BT.size(1)
         pos_BT = self.prompt_len_P[self.row_prompt_B].unsqueeze(1) + torch.arange(T, device=self.prompt_len_P.device)
-        attn_BL = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.mask_BT.long()], dim=1)
+        attn_BL = torch.cat([self.prompt_attn_PL[self.row_prompt_B], self.attn_BT], dim=1)
         completion_BTH = trunk(
             input_ids=self.target_BT, attention_mask=attn_BL, position_ids=pos_BT, past_key_values=cache, use_cache=True
         ).last_hidden_state
@@ -105,42 +107,64 @@ def _pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[t
     return ids, mask
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
-    """Build a :class:`PackedBatch` (rows sorted by caller; padding only to the batch's longest)."""
+def _sampled_BT(completions: list[list[int]], masks: list[list[int]] | None, attn_BT: torch.Tensor) -> torch.Tensor:
+    """1 on the completion tokens the model sampled: ``attn_BT`` (real tokens) times each row's ``masks``
+    entry (an empty or absent one: every token sampled)."""
+    mask_BT = attn_BT.float()
+    for row, mask in enumerate(masks or []):
+        if mask:
+            if len(mask) != len(completions[row]):
+                raise ValueError(f"row {row}: mask of {len(mask)} for {len(completions[row])} completion ids")
+            mask_BT[row, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
+    return mask_BT
+
+
+def pack(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, masks: list[list[int]] | None = None
+) -> PackedBatch:
+    """Build a :class:`PackedBatch` (rows sorted by caller; padding only to the batch's longest);
+    ``masks``: each row's sampled-token mask (`gspo_core.rollout.base.Completion.mask`)."""
     input_BL, attn_BL = _pad_rows(
         [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)], pad_id
     )
-    target_BT, mask_BT = _pad_rows(completions, pad_id)
+    target_BT, attn_BT = _pad_rows(completions, pad_id)
     pos_BT = torch.zeros_like(target_BT)
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         pos_BT[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
-    return PackedBatch(input_BL, attn_BL, pos_BT, target_BT, mask_BT.float())
+    return PackedBatch(input_BL, attn_BL, pos_BT, target_BT, _sampled_BT(completions, masks, attn_BT))
 
 
-def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> SharedPrefixBatch:
+def pack_shared(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, masks: list[list[int]] | None = None
+) -> SharedPrefixBatch:
     """Build a :class:`SharedPrefixBatch`: rows with equal prompt tokens share one prompt pass."""
     index: dict[tuple[int, ...], int] = {}
     row_prompt = [index.setdefault(tuple(prompt), len(index)) for prompt in prompts]
     distinct = [list(tokens) for tokens in index]
     prompt_PL, prompt_attn_PL = _pad_rows(distinct, pad_id, left=True)
-    target_BT, mask_BT = _pad_rows(completions, pad_id)
+    target_BT, attn_BT = _pad_rows(completions, pad_id)
     return SharedPrefixBatch(
         prompt_PL,
         prompt_attn_PL,
         torch.tensor([len(prompt) for prompt in distinct]),
         torch.tensor(row_prompt),
         target_BT,
-        mask_BT.float(),
+        _sampled_BT(completions, masks, attn_BT),
+        attn_BT,
     )
 
 
 def pack_rows(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int, share: bool = True
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    share: bool = True,
+    masks: list[list[int]] | None = None,
 ) -> PackedBatch | SharedPrefixBatch:
     """:func:`pack_shared` where sharing saves at least :data:`SHARE_MIN_SAVED` of the tokens (and every
     row has a prompt and a completion), else :func:`pack`."""
     total = sum(len(prompt) + len(completion) for prompt, completion in zip(prompts, completions, strict=True))
     saved = sum(len(prompt) for prompt in prompts) - sum(len(prompt) for prompt in {tuple(p) for p in prompts})
     if share and saved >= SHARE_MIN_SAVED * total and all(prompts) and all(completions):
-        return pack_shared(prompts, completions, pad_id)
-    return pack(prompts, completions, pad_id)
+        return pack_shared(prompts, completions, pad_id, masks)
+    return pack(prompts, completions, pad_id, masks)

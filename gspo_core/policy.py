@@ -220,10 +220,12 @@ def completion_logprobs(
         with autocast:
             z_FV = head(h_BTH.reshape(B * T, H)).float()
         logp_F, entropy_F = token_logprobs(_postprocessed(z_FV, config), target_F, temperature, with_entropy)
-    logp_BT = logp_F.view(B, T) * batch.mask_BT
+    # Selected, not multiplied: padding and an episode's environment tokens give exactly 0, value and gradient.
+    sampled_BT = batch.mask_BT.bool()
+    logp_BT = torch.where(sampled_BT, logp_F.view(B, T), 0.0)
     if not with_entropy:
         return logp_BT
-    entropy = float((entropy_F.view(B, T) * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1))
+    entropy = float(torch.where(sampled_BT, entropy_F.view(B, T), 0.0).sum() / batch.mask_BT.sum().clamp(min=1))
     return logp_BT, entropy
 
 

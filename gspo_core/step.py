@@ -35,12 +35,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
+from gspo_core.agents.episodes import EpisodeSettings, run_episodes
 from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
 from gspo_core.config import GSPOConfig
 from gspo_core.losses import LossMetrics
@@ -56,11 +57,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rollout:
-    """A step's flattened rollout: ``N = prompts * group_size`` sequences, groups contiguous."""
+    """A step's flattened rollout: ``N = prompts * group_size`` sequences (episodes), groups contiguous, and
+    the episodes' metrics (`gspo_core.agents.run_episodes`; none for one-turn rollouts)."""
 
     rows: list[dict]
     prompts: list[str]
     completions: list[Completion]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -186,9 +189,11 @@ def sample(
     seed: int,
     n: int | None = None,
     logprobs: bool = True,
+    agent: EpisodeSettings | None = None,
 ) -> Rollout:
-    """``n`` (default ``group_size``) completions per prompt, prompts left-truncated to ``max_prompt_tokens``;
-    ``logprobs``: also the sampler's per-token logprobs."""
+    """``n`` (default ``group_size``) episodes per prompt, prompts left-truncated to ``max_prompt_tokens``;
+    ``logprobs``: also the sampler's per-token logprobs; ``agent``: the job's turns and tools (None: one
+    turn, no tools)."""
     prompt_ids = prompt_token_ids(tokenizer, prompts, cfg.max_prompt_tokens)
     spec = SamplingSpec(
         n=n or cfg.group_size,
@@ -199,31 +204,52 @@ def sample(
         seed=seed,
         logprobs=logprobs,
     )
-    groups = engine.generate(prompt_ids, spec)
-    return Rollout(rows=rows, prompts=prompts, completions=[completion for group in groups for completion in group])
+    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings())
+    return Rollout(rows, prompts, [completion for group in groups for completion in group], metrics)
 
 
 # --- 2. reward ----------------------------------------------------------------------------------------------
 
 
 def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
-    """Rewards of every completion, with reward and grader-error metrics."""
-    items = [rollout.rows[completion.prompt_index] for completion in rollout.completions]
+    """Rewards of every completion, with reward and grader-error metrics. A dropped episode is not graded: it
+    takes the mean reward of its group's other episodes (advantage about 0; it trains nothing anyway)."""
+    kept = [i for i, completion in enumerate(rollout.completions) if not completion.dropped]
+    items = [rollout.rows[rollout.completions[i].prompt_index] for i in kept]
     samples = [
-        {
-            "output_text": completion.text,
-            "output_tokens": len(completion.completion_ids),
-            "finish_reason": completion.finish_reason,
-        }
-        for completion in rollout.completions
+        grader_sample(rollout.completions[i], rollout.prompts[rollout.completions[i].prompt_index]) for i in kept
     ]
-    grades = reward_fn.score_batch(items, samples)
+    graded = dict(zip(kept, reward_fn.score_batch(items, samples) if kept else [], strict=True))
+    grades = [graded.get(i) or _dropped_grade(rollout, i, graded) for i in range(len(rollout.completions))]
     rewards_N = torch.tensor([grade.reward for grade in grades], dtype=torch.float32)
     metrics = {"reward/mean": float(rewards_N.mean()), "reward/std": float(rewards_N.std(unbiased=False))}
     for name in reward_fn.grader_names:
         metrics[f"reward/{name}/mean"] = sum(grade.scores.get(name, 0.0) for grade in grades) / len(grades)
         metrics[f"grader_errors/{name}"] = float(sum(name in grade.errors for grade in grades))
     return Scores(rewards_N=rewards_N, grades=grades, metrics=metrics)
+
+
+def grader_sample(completion: Completion, prompt: str) -> dict:
+    """What graders see as ``sample``: the final answer, the sampled tokens and the finish reason; for an
+    episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript)."""
+    sample = {
+        "output_text": completion.text,
+        "output_tokens": completion.sampled_tokens,
+        "finish_reason": completion.finish_reason,
+        "output_tools": completion.extra.get("tool_calls", []),
+    }
+    sample["messages"] = [{"role": "user", "content": prompt}, *completion.extra.get("messages", [])]
+    if "messages" not in completion.extra:
+        sample["messages"].append({"role": "assistant", "content": completion.text})
+    return sample
+
+
+def _dropped_grade(rollout: Rollout, row: int, graded: dict[int, GradeResult]) -> GradeResult:
+    from gspo_core.rewards import GradeResult
+
+    group = rollout.completions[row].prompt_index
+    peers = [g.reward for i, g in graded.items() if rollout.completions[i].prompt_index == group]
+    return GradeResult(reward=sum(peers) / len(peers) if peers else 0.0, errors={"episode": "dropped: a tool failed"})
 
 
 # --- 3. advantages and the mini-batch plan ------------------------------------------------------------------
@@ -432,17 +458,22 @@ def push_weights(model: Policy, engine: RolloutEngine) -> None:
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:
-    lengths = [len(completion.completion_ids) for completion in rollout.completions]
+    """Lengths (the tokens the model sampled: an episode's environment tokens are not counted) and the
+    truncated share."""
+    lengths = [completion.sampled_tokens for completion in rollout.completions]
     truncated = sum(completion.finish_reason == "length" for completion in rollout.completions)
     return {
         "completion/len_mean": sum(lengths) / len(lengths),
         "completion/len_max": float(max(lengths)),
         "completion/truncated_frac": truncated / len(lengths),
+        **rollout.metrics,
     }
 
 
 def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]:
-    """The first ``samples_per_step`` prompts with all their completions, rewards and grader errors."""
+    """The first ``samples_per_step`` prompts with all their completions, rewards and grader errors; an
+    episode with tool calls also gives its ``turns``, ``messages`` (each turn: assistant text, tool calls,
+    tool results), ``trained_tokens`` (its sampled ids) and ``dropped``."""
     rows = []
     group_size = cfg.group_size
     for prompt_index in range(min(cfg.samples_per_step, len(rollout.prompts))):
@@ -457,9 +488,21 @@ def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]
                     "errors": grade.errors,
                     "tokens": len(completion.completion_ids),
                     "finish_reason": completion.finish_reason,
+                    **_episode_fields(completion),
                 }
             )
         rows.append(
             {"prompt": rollout.prompts[prompt_index], "item": rollout.rows[prompt_index], "completions": completions}
         )
     return rows
+
+
+def _episode_fields(completion: Completion) -> dict:
+    if "turns" not in completion.extra:
+        return {}
+    return {
+        "turns": completion.extra["turns"],
+        "messages": completion.extra["messages"],
+        "trained_tokens": sum(completion.trained_mask),
+        "dropped": completion.dropped,
+    }

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from gspo_core import step as phases
+from gspo_core.agents import build_toolbox, pick_format
+from gspo_core.agents.episodes import EpisodeSettings
 from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
@@ -107,16 +109,21 @@ class Trainer:
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         self.reward_fn = build_reward(spec.reward, grader_policy)
+        self.toolbox = None
         try:
+            self.toolbox = build_toolbox(spec.tools, grader_policy)
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.tokenizer: PreTrainedTokenizerBase = tokenizer
             optimizer, scheduler = make_optimizer(model, self.cfg)
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, autocast_dtype(self.cfg, self.device), self.tokenizer.pad_token_id
             )
+            self.agent = EpisodeSettings(
+                self.cfg.max_turns, self.cfg.max_turn_tokens, pick_format(self.cfg.tool_format, tokenizer), self.toolbox
+            )
             self.engine: RolloutEngine = engine or self._make_engine()
         except BaseException:
-            self.reward_fn.close()  # its grader threads/processes must not outlive a failed start
+            self.close_graders()  # its grader threads/processes must not outlive a failed start
             raise
         self.step = 0
         self.sampler_trusted = True
@@ -159,7 +166,7 @@ class Trainer:
         for i in range(0, len(rows), 4096):
             if longest >= cfg.max_prompt_tokens:
                 break
-            prompts = [render_prompt(row, self.tokenizer) for row in rows[i : i + 4096]]
+            prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows[i : i + 4096]]
             longest = max(longest, *map(len, phases.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
         return longest + cfg.max_new_tokens, max(cfg.prompts_per_step * cfg.group_size, len(evals))
 
@@ -197,7 +204,7 @@ class Trainer:
         start = time.perf_counter()
         mode = phases.old_logprob_mode(cfg, self.sampler_trusted)
         rows = [self.rows[i] for i in batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)]
-        prompts = [render_prompt(row, self.tokenizer) for row in rows]
+        prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
         with timer.phase("rollout"):
             self.engine.wake()
             rollout = phases.sample(
@@ -208,6 +215,7 @@ class Trainer:
                 cfg,
                 seed=cfg.seed * 100_003 + step,
                 logprobs=phases.sampler_logprobs_needed(cfg, step, mode),
+                agent=self.agent,
             )
             self.engine.sleep()
         with timer.phase("reward"):
@@ -226,8 +234,8 @@ class Trainer:
             self.engine.wake()
             phases.push_weights(self.model, self.engine)
         timer["time/step"] = time.perf_counter() - start
-        sampled = sum(len(completion.completion_ids) for completion in rollout.completions)
-        prompt_tokens = sum(len(completion.prompt_ids) for completion in rollout.completions)
+        sampled = sum(completion.sampled_tokens for completion in rollout.completions)  # not tool results
+        row_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
         metrics = {
             **scores.metrics,
             **adv_metrics,
@@ -240,7 +248,7 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = sampled / max(timer["time/step"], 1e-9)
         # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
         metrics["tokens/sampled"] = float(sampled)
-        metrics["tokens/trained"] = float(sampled + prompt_tokens)
+        metrics["tokens/trained"] = float(row_tokens)
         return metrics, phases.sample_rows(rollout, scores, cfg)
 
     def _stop_trusting_sampler(self, err: float) -> None:
@@ -256,8 +264,10 @@ class Trainer:
         """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),
         with a fixed sampling seed so evaluations of different steps are comparable."""
         rows = self.val_rows[: self.cfg.eval_prompts]
-        prompts = [render_prompt(row, self.tokenizer) for row in rows]
-        rollout = phases.sample(self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1)
+        prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
+        rollout = phases.sample(
+            self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1, agent=self.agent
+        )
         metrics = phases.score(self.reward_fn, rollout).metrics
         out = {"eval/reward/mean": metrics["reward/mean"]}
         out.update(
@@ -287,8 +297,19 @@ class Trainer:
             self.callbacks.on_checkpoint(self.step, self.saved[1], final)
         return self.saved[1]
 
-    def close(self) -> None:
+    @property
+    def tool_schemas(self) -> list[dict] | None:
+        """The job's tools as the chat template's ``tools=`` (None: no tools)."""
+        return self.toolbox.schemas if self.toolbox else None
+
+    def close_graders(self) -> None:
+        """Stop the graders' and the tools' threads and processes."""
         self.reward_fn.close()
+        if self.toolbox is not None:
+            self.toolbox.close()
+
+    def close(self) -> None:
+        self.close_graders()
         self.engine.close()
 
 
@@ -337,4 +358,4 @@ def train(
         if engine is None:
             trainer.close()
         else:
-            trainer.reward_fn.close()
+            trainer.close_graders()

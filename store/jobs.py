@@ -95,6 +95,7 @@ def create_job(
     max_attempts: int = 3,
     max_wall_seconds: int | None = None,
     max_active: int | None = None,
+    tools: list | None = None,
 ) -> Job:
     """Insert a ``queued`` job and its first status event (the caller enqueues it after commit).
 
@@ -112,6 +113,7 @@ def create_job(
         training_file_id=training_file_id,
         validation_file_id=validation_file_id,
         reward=reward,
+        tools=tools or None,
         hyperparameters=hyperparameters,
         job_metadata=metadata or {},
         seed=seed,

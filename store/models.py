@@ -76,6 +76,8 @@ class Job(Base):
     training_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id", ondelete="SET NULL"), nullable=True)
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id", ondelete="SET NULL"), nullable=True)
     reward: Mapped[dict] = mapped_column(JSON)
+    # Tool specs the model may call (gspo_core.agents.tools); NULL: none.
+    tools: Mapped[list | None] = mapped_column(JSON, nullable=True)
     hyperparameters: Mapped[dict] = mapped_column(JSON)
     job_metadata: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     seed: Mapped[int] = mapped_column(Integer, default=0)

@@ -34,7 +34,13 @@ ALLOWED = {
 }
 # api may use only these parts of gspo_core (config, reward specs, data validation, the egress policy that
 # checks webhooks' URLs at registration).
-API_CORE_PREFIXES = ("gspo_core.config", "gspo_core.rewards", "gspo_core.data", "gspo_core.egress")
+API_CORE_PREFIXES = (
+    "gspo_core.config",
+    "gspo_core.rewards",
+    "gspo_core.data",
+    "gspo_core.egress",
+    "gspo_core.agents.tools",  # validates a job's tools (no torch: see gspo_core/agents/__init__.py)
+)
 
 
 def _imports(path: Path) -> list[str]:

@@ -180,6 +180,7 @@ def _train(
         with db.session() as s:
             job = s.get(Job, job_id)
             hp, seed, reward, status = dict(job.hyperparameters), job.seed, job.reward, job.status
+            tools = list(job.tools or [])
             model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
             resume = _resume_dir(s, objects, job_id, work / "output")
             if dropped := drop_orphan_uploads(s, objects, job_id):
@@ -195,6 +196,7 @@ def _train(
             training_file=train_path,
             validation_file=val_path,
             reward=reward,
+            tools=tools,
             hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}),
             output_dir=str(work / "output"),
         )

@@ -17,9 +17,10 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from api.schemas import JobCreate, JobOut, JobStatus, JobUsage, Page
 from api.services.rewards import build_checked
+from gspo_core.agents.tools import ToolSpecError, build_toolbox
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig
 from gspo_core.data import DataError, check_sft_file
-from gspo_core.rewards import redact_secrets
+from gspo_core.rewards import GraderPolicy, redact_secrets
 from store import jobs as job_state
 from store import results
 from store.model_refs import ModelRefError, check_local_or_hub
@@ -58,6 +59,16 @@ def check_reward(spec: dict[str, Any], fields: set[str] | None, settings: Settin
             f"reward uses item field(s) {', '.join(missing)} that the training file's rows do not all have",
             "reward",
         )
+
+
+def check_tools(tools: list[dict[str, Any]], settings: Settings) -> None:
+    """The tools build under the operator's grader policy (sandbox, egress); 422 naming the field."""
+    try:
+        box = build_toolbox(tools, GraderPolicy.from_mapping(settings.grader_policy()))
+    except ToolSpecError as exc:
+        raise ApiError(422, "invalid_tools", str(exc), exc.field) from None
+    if box is not None:
+        box.close()
 
 
 def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> None:
@@ -142,6 +153,7 @@ def create_row(
         )
     else:
         check_reward(req.reward, set(train.item_fields), settings)
+    check_tools(req.tools, settings)
     check_model(s, settings, tenant, req.model)
     check_wall_limit(req.max_wall_seconds, settings)
     try:
@@ -153,6 +165,7 @@ def create_row(
             training_file_id=train.id,
             validation_file_id=req.validation_file,
             reward=req.reward or {},
+            tools=req.tools,
             metadata=req.metadata,
             seed=req.seed,
             hyperparameters=cfg.model_dump(mode="json", exclude={"seed"}),
@@ -203,6 +216,7 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         req.training_file,
         req.validation_file,
         req.reward or {},
+        req.tools,
         req.name,
         req.metadata,
         req.seed,
@@ -215,6 +229,7 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         prior.training_file_id,
         prior.validation_file_id,
         prior.reward,
+        prior.tools or [],
         prior.name,
         prior.job_metadata or {},
         prior.seed,
@@ -312,6 +327,7 @@ def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None =
         training_file=job.training_file_id,
         validation_file=job.validation_file_id,
         reward=redact_secrets(job.reward),
+        tools=redact_secrets(job.tools or []),
         hyperparameters={**job.hyperparameters, "seed": job.seed},
         metadata=job.job_metadata or {},
         seed=job.seed,

@@ -37,7 +37,16 @@ def build_checked(spec: dict[str, Any], settings: Settings) -> RewardFunction:
 def _grade(req: RewardRunIn, settings: Settings) -> RewardRunOut:
     fn = build_checked(req.reward, settings)
     try:
-        samples = [{"output_text": t, "output_tokens": len(t), "finish_reason": "stop"} for t in req.samples]
+        samples = [
+            {
+                "output_text": t,
+                "output_tokens": len(t),
+                "finish_reason": "stop",
+                "output_tools": [],  # the trainer's sample fields (gspo_core.step.grader_sample) for one turn
+                "messages": [{"role": "assistant", "content": t}],
+            }
+            for t in req.samples
+        ]
         results = fn.score_batch([req.item] * len(samples), samples)
     finally:
         fn.close()

@@ -12,8 +12,9 @@ from typing import Any, Literal, overload
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
 TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
-#: What a sample carries (OpenAI's grader sample, plus the token count and finish reason).
-SAMPLE_FIELDS = frozenset({"output_text", "output_tokens", "finish_reason"})
+#: What a sample carries (OpenAI's grader sample, plus the token count and finish reason): ``output_text`` is
+#: the final answer, ``output_tools`` the tool calls made (OpenAI's shape), ``messages`` the transcript.
+SAMPLE_FIELDS = frozenset({"output_text", "output_tokens", "finish_reason", "output_tools", "messages"})
 #: Wall-clock budget of one in-process grader call before the batch stops waiting for it.
 LOCAL_BUDGET_S = 30.0
 #: Bounds on a reward spec's JSON (nesting depth, values in all), checked before anything recurses into it.

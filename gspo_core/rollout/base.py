@@ -15,6 +15,8 @@ class SamplingSpec:
 
     ``logprobs``: return the sampler's per-token logprobs. Asking slows vLLM's sampling (docs/bench.md),
     so the trainer asks only when it uses them.
+    ``max_tokens_each``: a cap per prompt (each at most ``max_tokens``), where the prompts' budgets differ
+    (the later turns of multi-turn episodes); None: ``max_tokens`` for all.
     """
 
     n: int
@@ -24,6 +26,11 @@ class SamplingSpec:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = True
+    max_tokens_each: tuple[int, ...] | None = None
+
+    def cap(self, prompt_index: int) -> int:
+        """The most tokens prompt ``prompt_index`` may sample."""
+        return self.max_tokens if self.max_tokens_each is None else self.max_tokens_each[prompt_index]
 
 
 @dataclass
@@ -34,7 +41,14 @@ class Completion:
     ``[]`` when the spec did not ask for them.
     ``finish_reason`` is ``"stop"`` (EOS or stop string) or ``"length"`` (hit max_tokens).
     ``text`` is ``completion_ids`` decoded on their own, special tokens skipped (as TRL and verl decode
-    completions), whichever engine sampled them.
+    completions), whichever engine sampled them; for a multi-turn episode, the last turn's (the final answer).
+    ``mask``: for a multi-turn episode (`gspo_core.agents`), 1 on the ids the model sampled and 0 on those
+    the environment added (tool results, template glue), one per ``completion_ids``; the loss, the ratio,
+    the entropy and the lengths count only the 1s. Empty: every completion id was sampled (one turn).
+    At environment positions ``logprobs`` holds 0. ``dropped``: a tool of the episode failed for good
+    (`gspo_core.agents.tools.ToolResult.drop`): the row trains nothing (``trained_mask`` all 0) and is not
+    graded.
+    ``extra`` of an episode with tool calls: ``turns``, ``tool_calls`` (OpenAI's shape), ``messages``.
     """
 
     prompt_index: int
@@ -44,6 +58,23 @@ class Completion:
     text: str
     finish_reason: str
     extra: dict = field(default_factory=dict)
+    mask: list[int] = field(default_factory=list)
+    dropped: bool = False
+
+    @property
+    def sampled_mask(self) -> list[int]:
+        """1 on each completion id the model sampled, 0 on the environment's (see ``mask``)."""
+        return self.mask or [1] * len(self.completion_ids)
+
+    @property
+    def trained_mask(self) -> list[int]:
+        """The mask the update uses: ``mask`` (empty: all sampled), or all 0 for a dropped episode."""
+        return [0] * len(self.completion_ids) if self.dropped else self.mask
+
+    @property
+    def sampled_tokens(self) -> int:
+        """How many of ``completion_ids`` the model sampled."""
+        return sum(self.mask) if self.mask else len(self.completion_ids)
 
 
 class RolloutEngine(Protocol):

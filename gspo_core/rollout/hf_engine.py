@@ -216,7 +216,7 @@ class TransformersEngine:
         logp_T: torch.Tensor | None,
         sampling: SamplingSpec,
     ) -> Completion:
-        tokens = new_T.tolist()
+        tokens = new_T.tolist()[: sampling.cap(prompt_index)]  # a batch samples up to its longest cap
         length, finish = len(tokens), "length"
         if not sampling.ignore_eos:
             stop_at = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)

@@ -189,9 +189,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         for i, ids in enumerate(prompt_ids):
-            if not ids or len(ids) + sampling.max_tokens > self.max_model_len:
+            if not ids or len(ids) + sampling.cap(i) > self.max_model_len:
                 raise ValueError(
-                    f"prompt_ids[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} "
+                    f"prompt_ids[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.cap(i)} "
                     f"must be between 1 and max_model_len {self.max_model_len}"
                 )
         if self.plain_sampling and (sampling.temperature != 1.0 or sampling.top_p != 1.0):
@@ -204,7 +204,6 @@ class VLLMEngine:
         # text is decoded once per completion below, as the transformers engine does.
         base: dict[str, Any] = {
             "n": sampling.n,
-            "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "ignore_eos": sampling.ignore_eos,
@@ -216,7 +215,9 @@ class VLLMEngine:
         # samples of one call share a seed.
         params = [
             SamplingParams(
-                **base, seed=None if sampling.seed is None else (sampling.seed * 1_000_003 + p * sampling.n) % 2**31
+                **base,
+                max_tokens=sampling.cap(p),
+                seed=None if sampling.seed is None else (sampling.seed * 1_000_003 + p * sampling.n) % 2**31,
             )
             for p in range(len(prompt_ids))
         ]

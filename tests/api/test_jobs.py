@@ -112,6 +112,13 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
     assert got["judge"]["base_url"] == judge["base_url"] and got["hook"]["url"] == hook["url"]
     with app.state.db.session() as s:  # the worker still gets the credentials it needs
         assert s.get(Job, r.json()["id"]).reward["graders"]["judge"]["api_key"] == "sk-live-1234"
+    tool = {**hook, "url": None, "server_url": "http://tool.invalid/f", "parameters": {"type": "object"}}
+    del tool["url"]
+    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "tools": [tool]}, headers=auth)
+    assert r.status_code == 201, r.text
+    assert "tok-5678" not in r.text and r.json()["tools"][0]["headers"]["Authorization"] == "[redacted]"
+    with app.state.db.session() as s:
+        assert s.get(Job, r.json()["id"]).tools[0]["headers"]["Authorization"] == "Bearer tok-5678"
 
 
 @pytest.mark.parametrize(
@@ -130,6 +137,9 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
         ({"training_file": "file_nope"}, "training_file"),
         ({"validation_file": "file_nope"}, "validation_file"),
         ({"surprise": 1}, "surprise"),
+        ({"tools": [{"type": "mcp"}]}, "tools[0].type"),
+        ({"tools": [{"type": "http", "name": "f", "server_url": "http://127.0.0.1:1/x"}]}, "tools[0].server_url"),
+        ({"tools": [{"type": "python", "source": "def f(x):\n    return x\n"}]}, "tools[0].source"),
     ],
 )
 def test_bad_jobs_are_refused_naming_the_field(client, app, auth, uploaded, model_name, patch, field):

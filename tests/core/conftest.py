@@ -26,3 +26,12 @@ def sampled(tiny_model_dir):
     comps = [c for g in groups for c in g]
     rewards_N = torch.rand(len(comps), generator=torch.Generator().manual_seed(0))
     return model, tok.pad_token_id, comps, rewards_N
+
+
+@pytest.fixture(scope="session")
+def caller_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model taught to call a tool, then answer (tests/core/agents_support.py)."""
+    from tests.core.agents_support import tool_calling_model
+
+    with one_torch_thread():
+        return tool_calling_model(tiny_model_dir, tmp_path_factory.mktemp("caller"))

@@ -288,3 +288,22 @@ def test_metrics_added_over_micro_batches_are_the_whole_batchs(name):
     assert want["clip/low_frac"] + want["clip/high_frac"] > 0  # the fractions are exercised
     for key, value in whole.result().items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo"])
+def test_environment_tokens_are_isolated_from_the_loss(name):
+    """An episode's environment tokens (mask 0 inside a row, between sampled ones): whatever the log-probs
+    there (the logits at those positions), the loss, its gradient and the metrics are exactly the same,
+    and the gradient there is exactly 0."""
+    torch.manual_seed(3)
+    new = torch.randn(3, 8)
+    old = new + torch.randn(3, 8) * 0.01
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]).double()
+    adv = torch.tensor([0.9, -1.1, 0.2])
+    for el, eh in ((EL, EH), (WL, WH)):
+        l1, g1, m1 = grads(name, new, old, adv, mask, el, eh)
+        noise = torch.randn(3, 8) * 1e3 * (1 - mask)
+        l2, g2, m2 = grads(name, new + noise, old - noise, adv, mask, el, eh)
+        assert l1.item() == l2.item() and m1 == m2
+        assert torch.equal(g1, g2) and torch.all(g2[mask == 0] == 0)
+        assert el == EL or torch.all(g2[mask == 1] != 0)  # the paper's range clips some sequences: no gradient

@@ -140,3 +140,28 @@ def test_a_training_step_is_the_same_with_and_without_sharing(tiny_model_dir, tm
     assert used == {True: {"SharedPrefixBatch"}, False: {"PackedBatch"}}
     for name in ("loss", "grad_norm", "ratio/mean", "ratio/min", "entropy"):
         assert metrics[True][name] == pytest.approx(metrics[False][name], rel=1e-4, abs=1e-6), name
+
+
+def test_environment_tokens_are_attended_but_never_trained(tiny_model_dir):
+    """A multi-turn row (sampled ids, environment ids, sampled ids): the environment ids are inputs of the
+    later tokens, their log-probs are exactly 0 and whatever weighs them moves no gradient; plain and
+    shared-prompt batches agree."""
+    model, tok = load_policy(str(tiny_model_dir), GSPOConfig(), torch.device("cpu"))
+    prompts, comps = _rows(len(tok), seed=2)
+    masks = [[int(t % 3 != 0) for t in range(len(c))] for c in comps]
+    plain = pack(prompts, comps, tok.pad_token_id, masks)
+    shared = pack_shared(prompts, comps, tok.pad_token_id, masks)
+    env_BT = (plain.mask_BT == 0) & (pack(prompts, comps, tok.pad_token_id).mask_BT == 1)
+    assert env_BT.any() and torch.equal(plain.mask_BT, shared.mask_BT)
+    weights_BT = torch.randn(plain.mask_BT.shape, generator=torch.Generator().manual_seed(1))
+    lp_a, ent_a, g_a = _logprobs_and_grads(model, plain, 1.0, weights_BT)
+    lp_b, _, g_b = _logprobs_and_grads(model, shared, 1.0, weights_BT)
+    _, ent_c, g_c = _logprobs_and_grads(model, plain, 1.0, weights_BT + 1e3 * env_BT)
+    assert (lp_a[env_BT] == 0).all() and (lp_a[plain.mask_BT == 1] < 0).all()
+    torch.testing.assert_close(lp_b, lp_a, atol=2e-5, rtol=1e-5)
+    assert ent_c == ent_a
+    for name in g_a:
+        assert torch.equal(g_c[name], g_a[name]), name
+        torch.testing.assert_close(g_b[name], g_a[name], atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="mask of 1"):
+        pack(prompts[:1], [[7, 8]], tok.pad_token_id, [[1]])

@@ -243,3 +243,44 @@ def test_sampled_tokens_follow_the_processed_distribution(engine, policy, prompt
     p_V = top_p_mask(logits_V[None] / temperature, top_p)[0].double().softmax(-1)
     assert_frequencies_match(tokens, p_V)  # p_V is 0 outside the top-p nucleus
     assert (p_V > 0).sum() > 3, "the check needs a nucleus of several tokens"
+
+
+def test_multi_turn_episodes_on_vllm(engine, policy, caller_dir):
+    """Episodes on vLLM (a tool-calling model pushed in): per-prompt token caps hold, each trajectory is
+    [call | tool result | answer] with the mask on the sampled ids, and the trainer's log-probs of the
+    trajectory equal vLLM's at every sampled id (so the trained ids are the sampled ones, in context)."""
+    from gspo_core import step as phases
+    from gspo_core.agents import build_toolbox, pick_format
+    from gspo_core.agents.episodes import EpisodeSettings
+    from gspo_core.packing import pack
+    from gspo_core.policy import completion_logprobs
+    from tests.conftest import grader_policy
+    from tests.core.agents_support import ANSWER, PROMPT
+
+    model, tok = policy
+    capped = engine.generate([[5, 6], [7]], SamplingSpec(n=2, max_tokens=6, ignore_eos=True, max_tokens_each=(2, 5)))
+    assert [len(c.completion_ids) for g in capped for c in g] == [2, 2, 5, 5]
+    caller, _ = load_policy(str(caller_dir), GSPOConfig(), DEVICE)
+    engine.load_weights(export_weights(caller))
+    box = build_toolbox(
+        [{"type": "python", "source": "def f(key: str) -> str:\n    return key * 3\n"}], grader_policy()
+    )
+    cfg = GSPOConfig(prompts_per_step=2, group_size=2, max_new_tokens=48, max_turns=3, mini_batches=1)
+    try:
+        agent = EpisodeSettings(3, 0, pick_format("toy", tok), box)
+        rollout = phases.sample(engine, tok, [{}, {}], [PROMPT] * 2, cfg, seed=1, agent=agent)
+    finally:
+        box.close()
+        engine.load_weights(export_weights(model))
+    assert rollout.metrics["turns/mean"] == 2 and all(c.text == ANSWER for c in rollout.completions)
+    batch = pack(
+        [c.prompt_ids for c in rollout.completions],
+        [c.completion_ids for c in rollout.completions],
+        tok.pad_token_id,
+        [c.mask for c in rollout.completions],
+    )
+    with torch.inference_mode():
+        logp_BT = completion_logprobs(caller, batch, 1.0)
+    for row, c in enumerate(rollout.completions):
+        assert 0 < sum(c.mask) < len(c.mask) and c.extra["messages"][1]["content"] == "aaa"
+        torch.testing.assert_close(logp_BT[row, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4, rtol=0)

@@ -21,7 +21,9 @@ def test_a_job_stored_with_retired_keys_runs_with_the_operators_settings(rig):
     job_id = rig.submit(steps=2, slow=False)
     with rig.app.state.db.session() as s:  # as an earlier version wrote it (the worker is not started yet)
         job = s.get(Job, job_id)
-        job.hyperparameters = {**job.hyperparameters, **RETIRED}
+        job.hyperparameters = {**job.hyperparameters, **RETIRED, "max_turns": 2}
+        # A job's tools (column tools) reach the trainer: its steps then report the episode metrics.
+        job.tools = [{"type": "python", "source": "def f(key: str) -> str:\n    return key\n"}]
         s.commit()
     assert RETIRED.items() <= rig.db_job(job_id).hyperparameters.items()
     rig.start_worker()
@@ -35,3 +37,5 @@ def test_a_job_stored_with_retired_keys_runs_with_the_operators_settings(rig):
     with rig.app.state.db.session() as s:
         pushes = [m.metrics["time/weight_sync"] for m in s.query(StepMetric).filter_by(job_id=job_id)]
     assert len(pushes) == 2 and all(t < 0.01 for t in pushes), pushes
+    with rig.app.state.db.session() as s:
+        assert all("turns/mean" in m.metrics for m in s.query(StepMetric).filter_by(job_id=job_id))

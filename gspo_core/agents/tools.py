@@ -1,0 +1,280 @@
+"""Tools a job offers the model: `python` (typed functions run in the grader sandbox) and `http` (an
+endpoint with OpenAI Agent RFT semantics), validated into one `Toolbox` that runs a batch's calls at once."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gspo_core.agents.formats import ToolCall
+from gspo_core.rewards.base import GraderError, RewardSpecError
+from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
+from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+
+#: Characters of a tool's answer shown to the model; the rest is cut (a huge answer would eat the budget).
+MAX_RESULT_CHARS = 8_000
+MAX_TOOLS = 64
+#: Attempts of an http tool call on a 5xx or timeout (Agent RFT: then the rollout is dropped).
+HTTP_TRIES = 3
+RETRY_STATUS = range(500, 600)
+PY_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array", "dict": "object"}
+DISPATCH = """
+
+def __gspo_call__(__name, __kwargs):
+    __out = globals()[__name](**__kwargs)
+    if isinstance(__out, str):
+        return __out
+    try:
+        import json as __json
+        return __json.dumps(__out)
+    except Exception:
+        return str(__out)
+"""
+
+
+class ToolSpecError(RewardSpecError):
+    """An invalid ``tools`` entry; ``field`` is its dotted path (``tools[0].source``)."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call gave the model: ``text``; ``error``: the kind of failure (None: it worked), counted as
+    ``tool_errors/<tool>/<kind>``; ``drop``: the rollout cannot go on (Agent RFT: an http tool's 5xx or
+    timeout after its retries) and is dropped from the update."""
+
+    text: str
+    error: str | None = None
+    drop: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One callable tool: its OpenAI function schema and how to call it (``run(arguments) -> ToolResult``)."""
+
+    name: str
+    schema: dict
+    params: tuple[str, ...]
+    kinds: dict[str, str]
+    run: Callable[[dict], ToolResult]
+    close: Callable[[], None] | None = None
+
+
+def _python_tools(spec: dict, path: str, policy: GraderPolicy) -> list[Tool]:
+    source = spec.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise ToolSpecError(f"{path}.source", "must be Python source defining typed functions")
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise ToolSpecError(f"{path}.source", f"syntax error line {exc.lineno}: {exc.msg}") from None
+    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    if not funcs:
+        raise ToolSpecError(f"{path}.source", "defines no public top-level function")
+    if isinstance(spec.get("timeout_s", 5.0), bool) or not isinstance(spec.get("timeout_s", 5.0), (int, float)):
+        raise ToolSpecError(f"{path}.timeout_s", "must be a number")
+    timeout = float(spec.get("timeout_s", 5.0))
+    if not 0.01 <= timeout <= policy.max_timeout_s:
+        raise ToolSpecError(f"{path}.timeout_s", f"must be between 0.01 and {policy.max_timeout_s:g}")
+    if isolation_for(policy).mode == REFUSED:
+        raise ToolSpecError(
+            f"{path}.type", "python tools are not available on this server: it cannot isolate user code"
+        )
+    limits = SandboxLimits(timeout_s=timeout, memory_mb=min(512, policy.max_memory_mb), niceness=policy.niceness)
+    code = source + DISPATCH
+    return [_python_tool(fn, f"{path}.source", code, limits, policy) for fn in funcs]
+
+
+def _python_tool(fn: ast.FunctionDef, where: str, code: str, limits: SandboxLimits, policy: GraderPolicy) -> Tool:
+    from gspo_core.rewards.sandbox import run_sandboxed
+
+    args = fn.args.args
+    required = len(args) - len(fn.args.defaults)
+    props: dict[str, dict] = {}
+    kinds: dict[str, str] = {}
+    for arg in args:
+        kind = arg.annotation.id if isinstance(arg.annotation, ast.Name) else None
+        if kind not in PY_TYPES:
+            raise ToolSpecError(where, f"{fn.name}({arg.arg}): annotate it with one of {', '.join(PY_TYPES)}")
+        props[arg.arg], kinds[arg.arg] = {"type": PY_TYPES[kind]}, kind
+    doc = (ast.get_docstring(fn) or fn.name).strip().split("\n\n")[0]
+    schema = {
+        "type": "function",
+        "function": {
+            "name": fn.name,
+            "description": doc,
+            "parameters": {"type": "object", "properties": props, "required": [a.arg for a in args[:required]]},
+        },
+    }
+
+    def run(arguments: dict) -> ToolResult:
+        (out,) = run_sandboxed(code, [[fn.name, arguments]], limits, policy, entry="__gspo_call__")
+        if isinstance(out, GraderError):
+            return ToolResult(f"error: {out}", error=out.kind)
+        return ToolResult(str(out))
+
+    return Tool(fn.name, schema, tuple(a.arg for a in args), kinds, run)
+
+
+def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
+    import re
+
+    from gspo_core.egress import EgressPolicy, header_refusal
+
+    name, url = spec.get("name"), spec.get("server_url")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", name):
+        raise ToolSpecError(f"{path}.name", "must be a name of letters, digits, _ or - (at most 64)")
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL")
+    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
+        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
+    params = spec.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise ToolSpecError(f"{path}.parameters", 'must be a JSON schema of {"type": "object"}')
+    headers = spec.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
+    for key, value in headers.items():
+        if why := header_refusal(key, value):
+            raise ToolSpecError(f"{path}.headers.{key}", why)
+    description = spec.get("description", "")
+    if not isinstance(description, str):
+        raise ToolSpecError(f"{path}.description", "must be a string")
+    timeout = spec.get("timeout_s", 10.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.01 <= timeout <= 600:
+        raise ToolSpecError(f"{path}.timeout_s", "must be a number of seconds between 0.01 and 600")
+    caller = HttpToolCaller(url, float(timeout), headers, policy)
+    schema = {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
+    props = params.get("properties") or {}
+    return Tool(name, schema, tuple(props), {}, caller.call, caller.close)
+
+
+class HttpToolCaller:
+    """POSTs a call's arguments to ``url`` (egress policy enforced) with OpenAI Agent RFT's rules: the body of
+    a 2xx or a 4xx is the tool result (a 4xx counted as an ``http_4xx`` error); a 5xx or a timeout is tried
+    :data:`HTTP_TRIES` times with backoff, then the rollout is dropped (``http_5xx`` / ``timeout``)."""
+
+    def __init__(self, url: str, timeout: float, headers: dict, policy: GraderPolicy, backoff_s: float = 0.2) -> None:
+        from gspo_core.egress import EgressClient, EgressPolicy
+
+        self.url, self.backoff_s = url, backoff_s
+        self.client = EgressClient(EgressPolicy(policy.egress_allow), timeout, headers=headers)
+
+    def call(self, arguments: dict) -> ToolResult:
+        from gspo_core.egress import EgressError, EgressRefused
+
+        last = ToolResult("", error="http_error", drop=True)
+        for attempt in range(HTTP_TRIES):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                status, body = self.client.request("POST", self.url, json=arguments)
+            except EgressRefused as exc:
+                return ToolResult(f"error: {exc}", error="egress_refused", drop=True)
+            except EgressError as exc:
+                last = ToolResult(
+                    f"error: {exc}", error="timeout" if exc.kind == "timeout" else "http_error", drop=True
+                )
+                continue
+            text = body.decode("utf-8", "replace")
+            if status in RETRY_STATUS:
+                last = ToolResult(f"error: HTTP {status}", error="http_5xx", drop=True)
+                continue
+            return ToolResult(text, error="http_4xx" if status >= 400 else None)
+        return last
+
+    def close(self) -> None:
+        self.client.close()
+
+
+KINDS: dict[str, Callable[[dict, str, GraderPolicy], list[Tool]]] = {
+    "python": _python_tools,
+    "http": lambda spec, path, policy: [_http_tool(spec, path, policy)],
+}
+
+
+class Toolbox:
+    """A job's tools by name, their schemas (the chat template's ``tools=``), and the batch runner:
+    :meth:`call_many` runs every call of a turn of the whole batch concurrently."""
+
+    def __init__(self, tools: list[Tool], concurrency: int = 16) -> None:
+        self.tools = {tool.name: tool for tool in tools}
+        self.schemas = [tool.schema for tool in tools]
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tools")
+
+    def call(self, call: ToolCall) -> ToolResult:
+        """One call: an unknown tool or bad arguments are told to the model as the result."""
+        if call.error:
+            return ToolResult(f"error: {call.error}", error="bad_call")
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolResult(f"error: no tool named {call.name!r}", error="unknown_tool")
+        args = dict(call.arguments)
+        if "_" in args and tool.params:  # the toy format's one positional value
+            args = {tool.params[0]: _coerce(args.pop("_"), tool.kinds.get(tool.params[0]))}
+        unknown = set(args) - set(tool.params) if tool.kinds else set()
+        required = tool.schema["function"]["parameters"].get("required", [])
+        missing = [name for name in required if name not in args]
+        if unknown or missing:
+            why = f"unknown arguments {sorted(unknown)}" if unknown else f"missing arguments {missing}"
+            return ToolResult(f"error: {call.name}: {why}", error="bad_arguments")
+        return tool.run(args)
+
+    def call_many(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """Every call at once; each result cut to :data:`MAX_RESULT_CHARS`."""
+        return [
+            replace(r, text=r.text[:MAX_RESULT_CHARS]) if len(r.text) > MAX_RESULT_CHARS else r
+            for r in self._pool.map(self.call, calls)
+        ]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for tool in self.tools.values():
+            if tool.close is not None:
+                tool.close()
+
+
+def _coerce(value: Any, kind: str | None) -> Any:
+    """A toy-format value (text) as its parameter's type, where it reads as one."""
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            out = float(value)
+            return out if math.isfinite(out) else value
+    except ValueError:
+        pass
+    return value
+
+
+def build_toolbox(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> Toolbox | None:
+    """Validate a job's ``tools`` (None or [] = no tools) and build its toolbox; raises :class:`ToolSpecError`
+    naming the bad field."""
+    if specs is None or specs == []:
+        return None
+    if not isinstance(specs, list) or len(specs) > MAX_TOOLS:
+        raise ToolSpecError("tools", f"must be a list of at most {MAX_TOOLS} tool objects")
+    tools: list[Tool] = []
+    for i, spec in enumerate(specs):
+        path = f"tools[{i}]"
+        if not isinstance(spec, dict):
+            raise ToolSpecError(path, "must be an object")
+        kind = spec.get("type")
+        if kind not in KINDS:
+            raise ToolSpecError(f"{path}.type", f"must be one of {', '.join(KINDS)}")
+        known = {"python": {"type", "source", "timeout_s"}}.get(
+            kind, {"type", "name", "description", "parameters", "server_url", "headers", "timeout_s"}
+        )
+        if extra := sorted(set(spec) - known):
+            raise ToolSpecError(f"{path}.{extra[0]}", "unknown field")
+        for tool in KINDS[kind](spec, path, policy):
+            if tool.name in {t.name for t in tools}:
+                raise ToolSpecError(path, f"a second tool named {tool.name!r}")
+            tools.append(tool)
+    json.dumps([tool.schema for tool in tools])  # schemas go into prompts: they must be plain JSON
+    return Toolbox(tools)
