@@ -96,7 +96,7 @@ def parse_set(pairs: list[str]) -> dict:
     return out
 
 
-TOP_LEVEL = {"model", "training_file", "validation_file", "reward", "output_dir", "name"}
+TOP_LEVEL = {"model", "training_file", "validation_file", "reward", "output_dir", "name", "resources"}
 
 
 def apply_overrides(raw: dict, overrides: dict) -> dict:
@@ -183,6 +183,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a hyperparameter")
     parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
     parser.add_argument(
+        "--devices", type=int, help="devices (trainer ranks) to run on; overrides resources.devices (default 1)"
+    )
+    parser.add_argument(
         "--rollout-engine",
         choices=ENGINE_KINDS,
         help="auto (default) = vLLM when installed, else transformers generate",
@@ -204,13 +207,21 @@ def runtime_flags(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in RUNTIME_FLAGS if getattr(args, name, None) is not None}
 
 
+def job_overrides(args: argparse.Namespace) -> dict:
+    """``--set`` pairs, with ``--devices`` as ``resources.devices``."""
+    overrides = parse_set(args.set)
+    if getattr(args, "devices", None) is not None:
+        overrides["resources"] = {"devices": args.devices}
+    return overrides
+
+
 def run_train(args: argparse.Namespace) -> int:
     from gspo_core.checkpoint import latest_checkpoint
     from gspo_core.platform import prepare_process
     from gspo_core.trainer import train
 
     try:
-        spec, runtime = load_job(args.job, args.output_dir, parse_set(args.set), runtime_flags(args))
+        spec, runtime = load_job(args.job, args.output_dir, job_overrides(args), runtime_flags(args))
     except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2

@@ -192,6 +192,15 @@ class GSPOConfig(BaseModel):
         return self
 
 
+class Resources(BaseModel):
+    """What a job needs of the machine that runs it: ``devices`` ranks of its SPMD trainer (one per GPU;
+    on CPU, one process each). A worker takes only jobs that fit its devices."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    devices: int = Field(default=1, ge=1, le=1024, strict=True, description="Devices (trainer ranks) the job runs on.")
+
+
 class JobSpec(BaseModel):
     """What one training job is: the same fields for `gspo train job.yaml` and `POST /v1/jobs`.
 
@@ -206,5 +215,6 @@ class JobSpec(BaseModel):
     validation_file: str | None = None
     reward: dict[str, Any] = Field(..., description="Grader spec (see gspo_core.rewards).")
     hyperparameters: GSPOConfig = Field(default_factory=GSPOConfig)
+    resources: Resources = Field(default_factory=Resources)
     output_dir: str = "runs/job"
     name: str | None = None
