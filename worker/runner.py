@@ -26,6 +26,7 @@ from store.settings import Settings, get_settings
 from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
+from worker.ranks import other_ranks
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +207,14 @@ def _train(
         if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
             cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
-            train(
-                spec,
-                cb,
-                resume_from=resume,
-                grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
-                runtime=runtime,
-            )
+            with other_ranks(spec, resume is not None, work):
+                train(
+                    spec,
+                    cb,
+                    resume_from=resume,
+                    grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
+                    runtime=runtime,
+                )
         return _settle(db, objects, job_id, worker_id, cb, settings)
 
 

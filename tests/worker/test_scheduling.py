@@ -60,6 +60,9 @@ def test_a_tenant_that_queued_later_runs_before_the_first_tenants_backlog(make_r
         1,
         "waiting for a worker with 2 devices (resources.devices); this service's workers have 1",
     )
+    rig.start_worker(GSPO_WORKER_DEVICES="2")  # it fits there: two ranks (this worker's job process is rank 0)
+    done = rig.wait_status(big, {"succeeded", "failed"}, timeout=180)
+    assert done["status"] == "succeeded" and rig.steps(big) == [1, 2], (done, rig.logs())
 
 
 def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_boundary(make_rig):
