@@ -105,6 +105,18 @@ def _saved_weights(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def by_name(optimizer_state: dict[str, Any], trainable: list[str]) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, as the trainer saves it; one saved by an earlier version
+    (``optimizer.state_dict()``: parameters by position among the ``trainable`` ones) is converted."""
+    groups = optimizer_state["param_groups"]
+    if all(isinstance(param, str) for group in groups for param in group["params"]):
+        return optimizer_state
+    return {
+        "state": {trainable[index]: value for index, value in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [trainable[i] for i in group["params"]]} for group in groups],
+    }
+
+
 def restore(
     model: Policy,
     optimizer: torch.optim.Optimizer,
@@ -123,7 +135,7 @@ def restore(
             f"resume_from: checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]!r} "
             "(was it saved from another model or LoRA setting?)"
         )
-    load_full_state(model, optimizer, {name: weights[name] for name in wanted}, state["optimizer"])
+    load_full_state(model, optimizer, {name: weights[name] for name in wanted}, by_name(state["optimizer"], wanted))
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return int(state["step"])
