@@ -94,10 +94,18 @@ class ShardedPolicy(torch.nn.Module):
         return completion_logprobs(self.policy, batch, temperature, amp_dtype)
 
 
-def shard(policy: Policy, device: torch.device, amp_dtype: torch.dtype | None) -> ShardedPolicy:
+def shard(policy: Policy, device: torch.device, amp_dtype: torch.dtype | None, ranks: Ranks) -> ShardedPolicy:
     """FSDP2 over the process group: each transformer block (the model's ``_no_split_modules``) is a unit,
     the rest (embeddings, norm, head) the root's; parameters, gradients and optimizer state are sharded.
-    bf16 mixed precision on GPU only (gloo reduces no bf16 faster, and CPU jobs train in fp32)."""
+    bf16 mixed precision on GPU only (gloo reduces no bf16 faster, and CPU jobs train in fp32).
+
+    One rank has nothing to share its shards with: the root is left a plain module there (FSDP2 would only
+    copy every parameter into its buffers and back around each forward and backward, and run AdamW on
+    DTensors: +35-80 % of the train phase on the small shape on CPU, docs/scaling.md). Everything else about
+    the program is the same."""
+    root = ShardedPolicy(policy)
+    if ranks.world == 1:
+        return root
     mixed = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if device.type == "cuda" and amp_dtype == torch.bfloat16
@@ -107,7 +115,6 @@ def shard(policy: Policy, device: torch.device, amp_dtype: torch.dtype | None) -
     for module in list(policy.modules()):
         if type(module).__name__ in blocks:
             fully_shard(module, mp_policy=mixed)
-    root = ShardedPolicy(policy)
     fully_shard(root, mp_policy=mixed)
     for unit in units(root):
         # Each rank's loss is its rows' share of the whole mini-batch's mean: the gradients add up (the
@@ -131,6 +138,9 @@ def full_weights(root: ShardedPolicy) -> Iterator[None]:
     """Every rank holds the whole policy while inside (a collective to enter and to leave), so one rank can
     run it alone, e.g. sample with it: no unit reshards after a forward until the exit."""
     fsdp_units = units(root)
+    if not fsdp_units:  # not sharded: the policy is whole already
+        yield
+        return
     blocks = [unit for unit in fsdp_units if unit is not root]
     for unit in blocks:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -148,7 +158,9 @@ def full_weights(root: ShardedPolicy) -> Iterator[None]:
 
 def gather_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
     """The policy's full state dict (its own names) on rank 0's CPU, a tensor at a time; empty on the other
-    ranks. A collective: every rank calls it."""
+    ranks. A collective: every rank calls it. Unsharded (one rank): the live tensors, as they are."""
+    if not units(policy):
+        return policy.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return cast(dict[str, torch.Tensor], get_model_state_dict(policy, options=options))
 

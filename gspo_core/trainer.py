@@ -129,7 +129,7 @@ class Trainer:
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.tokenizer: PreTrainedTokenizerBase = tokenizer
             amp = autocast_dtype(self.cfg, self.device)
-            self.sharded = shard(model, self.device, amp)
+            self.sharded = shard(model, self.device, amp, self.ranks)
             optimizer, scheduler = make_optimizer(model, self.cfg)
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
