@@ -101,8 +101,7 @@ def shard(policy: Policy, device: torch.device, amp_dtype: torch.dtype | None, r
 
     One rank has nothing to share its shards with: the root is left a plain module there (FSDP2 would only
     copy every parameter into its buffers and back around each forward and backward, and run AdamW on
-    DTensors: +35-80 % of the train phase on the small shape on CPU, docs/scaling.md). Everything else about
-    the program is the same."""
+    DTensors; docs/scaling.md). Everything else about the program is the same."""
     root = ShardedPolicy(policy)
     if ranks.world == 1:
         return root
