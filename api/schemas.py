@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.json_schema import JsonDict
 
-from gspo_core.config import GSPOConfig
+from gspo_core.config import GSPOConfig, Resources
 
 if TYPE_CHECKING:
     from fastapi.responses import Response
@@ -156,6 +156,10 @@ class JobCreate(BaseModel):
     name: str | None = Field(None, max_length=200)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
     seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)  # strict: `true` is not a seed
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="What the job runs on: devices (trainer ranks), 1 up to the operator's GSPO_MAX_JOB_DEVICES.",
+    )
     max_wall_seconds: int | None = Field(
         None,
         gt=0,
@@ -201,6 +205,7 @@ class JobOut(BaseModel):
     seed: int
     attempts: int
     max_wall_seconds: int | None = None
+    resources: Resources = Field(default_factory=Resources)
     usage: JobUsage
     latest_metrics: dict[str, float] | None
 

@@ -54,14 +54,14 @@ def micro_batches(completions: list[Completion], idx: torch.Tensor, budget: int)
 
 
 def pack(
-    completions: list[Completion], idx: torch.Tensor, pad_id: int, cfg: GSPOConfig
+    completions: list[Completion], idx: torch.Tensor, pad_id: int, cfg: GSPOConfig, share: bool = True
 ) -> PackedBatch | SharedPrefixBatch:
     """Rows ``idx`` as one forward batch; rows of one prompt share its pass where that pays
-    (``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
+    (``share`` and ``cfg.share_prompts``; not with gradient checkpointing, which drops the prompt's KV cache)."""
     return pack_rows(
         [completions[i].prompt_ids for i in idx],
         [completions[i].completion_ids for i in idx],
         pad_id,
-        share=cfg.share_prompts and not cfg.gradient_checkpointing,
+        share=share and cfg.share_prompts and not cfg.gradient_checkpointing,
         masks=[completions[i].trained_mask for i in idx],
     )

@@ -2,7 +2,9 @@
 
 Layout: ``<output_dir>/checkpoints/step-000010/{model/, adapter/ (LoRA), trainer_state.pt}``.
 A checkpoint directory is written under a temporary name and renamed when complete, so a crash
-mid-save never leaves a half checkpoint that resume would pick.
+mid-save never leaves a half checkpoint that resume would pick. The trainer gathers the model's and the
+optimizer's full state dicts from its ranks (by parameter name); rank 0 writes them, and every rank of a
+resumed run loads them into its shards, whatever the number of ranks that saved them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from gspo_core.distributed import load_full_state
 from gspo_core.policy import Policy, save_hf
 
 if TYPE_CHECKING:
@@ -52,11 +55,13 @@ def save_checkpoint(
     step: int,
     model: Policy,
     tokenizer: PreTrainedTokenizerBase,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write model + trainer state for ``step`` atomically; returns the step directory.
+    """Write model + trainer state for ``step`` atomically; returns the step directory. ``model_state`` and
+    ``optimizer_state``: the full state dicts (`gspo_core.distributed.gather_state_dict`, ``gather_optimizer_state``).
 
     Full fine-tuning resumes its weights from ``model/`` itself (fp32 safetensors, no second copy);
     with LoRA ``model/`` is merged, so the (small) adapter tensors go into the trainer state.
@@ -64,16 +69,16 @@ def save_checkpoint(
     final = step_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp / "model")
+    save_hf(model, tokenizer, tmp / "model", model_state)
     state = {
         "step": step,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         **(extra or {}),
     }
     if _is_lora(model):
-        state["trainable"] = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        state["trainable"] = {n: model_state[n] for n, p in model.named_parameters() if p.requires_grad}
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -100,6 +105,18 @@ def _saved_weights(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def by_name(optimizer_state: dict[str, Any], trainable: list[str]) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, as the trainer saves it; one saved by an earlier version
+    (``optimizer.state_dict()``: parameters by position among the ``trainable`` ones) is converted."""
+    groups = optimizer_state["param_groups"]
+    if all(isinstance(param, str) for group in groups for param in group["params"]):
+        return optimizer_state
+    return {
+        "state": {trainable[index]: value for index, value in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [trainable[i] for i in group["params"]]} for group in groups],
+    }
+
+
 def restore(
     model: Policy,
     optimizer: torch.optim.Optimizer,
@@ -107,7 +124,8 @@ def restore(
     state: dict[str, Any],
     ckpt_dir: str | Path,
 ) -> int:
-    """Load trainable weights, optimizer, scheduler and RNG from a checkpoint; returns its step."""
+    """Load trainable weights, optimizer, scheduler and RNG from a checkpoint into this rank's shards;
+    returns its step."""
     weights = state.get("trainable") or _saved_weights(ckpt_dir)
     params = dict(model.named_parameters())  # tied weights appear once, as save_pretrained keeps them
     wanted = [n for n, p in params.items() if p.requires_grad]
@@ -117,10 +135,7 @@ def restore(
             f"resume_from: checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]!r} "
             "(was it saved from another model or LoRA setting?)"
         )
-    with torch.no_grad():
-        for name in wanted:
-            params[name].copy_(weights[name].to(params[name].device, params[name].dtype))
-    optimizer.load_state_dict(state["optimizer"])
+    load_full_state(model, optimizer, {name: weights[name] for name in wanted}, by_name(state["optimizer"], wanted))
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return int(state["step"])

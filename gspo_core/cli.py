@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -96,7 +98,7 @@ def parse_set(pairs: list[str]) -> dict:
     return out
 
 
-TOP_LEVEL = {"model", "training_file", "validation_file", "reward", "output_dir", "name"}
+TOP_LEVEL = {"model", "training_file", "validation_file", "reward", "output_dir", "name", "resources"}
 
 
 def apply_overrides(raw: dict, overrides: dict) -> dict:
@@ -183,6 +185,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a hyperparameter")
     parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
     parser.add_argument(
+        "--devices", type=int, help="devices (trainer ranks) to run on; overrides resources.devices (default 1)"
+    )
+    parser.add_argument(
         "--rollout-engine",
         choices=ENGINE_KINDS,
         help="auto (default) = vLLM when installed, else transformers generate",
@@ -204,19 +209,50 @@ def runtime_flags(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in RUNTIME_FLAGS if getattr(args, name, None) is not None}
 
 
+def job_overrides(args: argparse.Namespace) -> dict:
+    """``--set`` pairs, with ``--devices`` as ``resources.devices``."""
+    overrides = parse_set(args.set)
+    if getattr(args, "devices", None) is not None:
+        overrides["resources"] = {"devices": args.devices}
+    return overrides
+
+
+def launch_ranks(args: argparse.Namespace, spec: JobSpec) -> int:
+    """Run the job as ``resources.devices`` ranks of one SPMD program: torchrun on this machine, each rank
+    this same command (with the toy model and data this process made, so ranks do not race to make them)."""
+    argv = [args.job, "--output-dir", spec.output_dir, "--devices", str(spec.resources.devices)]
+    for pair in [*args.set, f"model={spec.model}", f"training_file={spec.training_file}"]:
+        argv += ["--set", pair]
+    argv += ["--resume"] if args.resume else []
+    for name, flag in RUNTIME_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None and name != "keep_freed_memory":
+            argv += [flag, str(value)]
+    argv += ["--return-freed-memory"] if getattr(args, "keep_freed_memory", None) is False else []
+    nproc = f"--nproc-per-node={spec.resources.devices}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
+    return subprocess.call([*torchrun, "-m", "gspo_core", "train", *argv])
+
+
 def run_train(args: argparse.Namespace) -> int:
     from gspo_core.checkpoint import latest_checkpoint
     from gspo_core.platform import prepare_process
     from gspo_core.trainer import train
 
     try:
-        spec, runtime = load_job(args.job, args.output_dir, parse_set(args.set), runtime_flags(args))
+        spec, runtime = load_job(args.job, args.output_dir, job_overrides(args), runtime_flags(args))
     except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2
+    if spec.resources.devices > 1 and "RANK" not in os.environ:
+        return launch_ranks(args, spec)
     prepare_process(runtime)  # this command owns its process
     out = Path(spec.output_dir)
     resume = latest_checkpoint(out) if args.resume else None
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # rank 0 reports; the others only train
+    if not main_rank:
+        train(spec, Callbacks(), resume_from=resume, runtime=runtime)
+        return 0
     bar, metrics_file = ProgressBar(spec.hyperparameters.steps), MetricsFile(out / "metrics.jsonl")
     try:
         result = train(spec, CallbackList(metrics_file, bar), resume_from=resume, runtime=runtime)

@@ -225,6 +225,15 @@ class GSPOConfig(BaseModel):
         return self
 
 
+class Resources(BaseModel):
+    """What a job needs of the machine that runs it: ``devices`` ranks of its SPMD trainer (one per GPU;
+    on CPU, one process each). A worker takes only jobs that fit its devices."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    devices: int = Field(default=1, ge=1, le=1024, strict=True, description="Devices (trainer ranks) the job runs on.")
+
+
 class JobSpec(BaseModel):
     """What one training job is: the same fields for `gspo train job.yaml` and `POST /v1/jobs`.
 
@@ -242,5 +251,6 @@ class JobSpec(BaseModel):
         default_factory=list, max_length=64, description="Tools the model may call (see gspo_core.agents.tools)."
     )
     hyperparameters: GSPOConfig = Field(default_factory=GSPOConfig)
+    resources: Resources = Field(default_factory=Resources)
     output_dir: str = "runs/job"
     name: str | None = None

@@ -229,37 +229,61 @@ def completion_logprobs(
     return logp_BT, entropy
 
 
-def export_weights(model: Policy) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full weights for the rollout engine; a LoRA layer's weight is made as ``W + delta``,
-    one new tensor at a time. (Merging into ``W`` and unmerging again would leave ``W`` off by rounding,
-    differently after each push, and break exact resume from a checkpoint's clean base weights.)"""
+#: Where a PEFT wrapper's state dict names its transformers model.
+PEFT_PREFIX = "base_model.model."
+
+
+def export_weights(model: Policy, state: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full weights for the rollout engine and the HF export, from ``state`` (the model's full state
+    dict, e.g. gathered from its shards: `gspo_core.distributed.gather_state_dict`; default the model's own).
+    A LoRA layer's weight is made as ``W + scaling * B @ A``, one new tensor at a time. (Merging into ``W`` and
+    unmerging again would leave ``W`` off by rounding, differently after each push, and break exact resume
+    from a checkpoint's clean base weights.)"""
+    state = model.state_dict() if state is None else state
     if not is_peft(model):
-        yield from model.state_dict().items()
+        yield from state.items()
         return
     base = model.get_base_model()
-    for name, tensor in base.state_dict().items():
+    for name, tensor in state.items():
+        name = name.removeprefix(PEFT_PREFIX)
         if "lora_" in name:
             continue
         if name.endswith(".base_layer.weight"):
-            # A peft LoRA layer of whichever kind (Linear, Embedding...): each has its own get_delta_weight.
-            layer: Any = base.get_submodule(name[: -len(".base_layer.weight")])
+            path = name[: -len(".base_layer.weight")]
+            layer: Any = base.get_submodule(path)
             with torch.no_grad():
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
-                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+                        tensor = tensor + _lora_delta(layer, adapter, state, PEFT_PREFIX + path).to(tensor.dtype)
         yield name.replace(".base_layer", ""), tensor.detach()
 
 
-def save_hf(model: Policy, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
-    """Hugging Face directory that transformers and vLLM load as is (merged model for LoRA)."""
+def _lora_delta(layer: Any, adapter: str, state: dict[str, torch.Tensor], path: str) -> torch.Tensor:
+    """``scaling * B @ A`` of a LoRA ``Linear`` layer, from the state dict's tensors (the layer's own may be
+    shards)."""
+    if not hasattr(layer, "fan_in_fan_out"):
+        raise ValueError(f"{path}: LoRA on a {type(layer).__name__} layer is not supported (Linear layers only)")
+    a_weight = state[f"{path}.lora_A.{adapter}.weight"].float()
+    b_weight = state[f"{path}.lora_B.{adapter}.weight"].float()
+    delta = (b_weight @ a_weight) * layer.scaling[adapter]
+    return delta.T if layer.fan_in_fan_out else delta
+
+
+def save_hf(
+    model: Policy, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Hugging Face directory that transformers and vLLM load as is (merged model for LoRA), from ``state``
+    (the model's full state dict, as :func:`export_weights` takes it; default the model's own)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict() if state is None else state
     if is_peft(model):
-        model.save_pretrained(str(out_dir.parent / "adapter"))
-        # export_weights yields the live tensors of layers without an adapter: clone them
-        state = {name: tensor.clone() for name, tensor in export_weights(model)}
-        base_model(model).save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        # peft saves the adapter's tensors out of the state dict it is given (the live ones may be shards)
+        model.save_pretrained(str(out_dir.parent / "adapter"), state_dict=state)
+        # export_weights yields the given tensors of layers without an adapter: clone them
+        merged = {name: tensor.clone() for name, tensor in export_weights(model, state)}
+        base_model(model).save_pretrained(str(out_dir), state_dict=merged, safe_serialization=True)
     else:
-        model.save_pretrained(str(out_dir), safe_serialization=True)
+        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:

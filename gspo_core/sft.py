@@ -13,9 +13,10 @@ from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import JobSpec
 from gspo_core.data import DataError, check_sft_row, load_rows
+from gspo_core.distributed import join_group, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
-from gspo_core.policy import autocast_dtype, completion_logprobs, load_policy, pick_device
+from gspo_core.policy import autocast_dtype, completion_logprobs, load_policy
 from gspo_core.trainer import Trainer, batch_indices, make_optimizer, seed_everything
 
 if TYPE_CHECKING:
@@ -98,7 +99,10 @@ class SFTTrainer(Trainer):
         self.runtime = runtime or RuntimeOptions()
         self.callbacks = callbacks or Callbacks()
         seed_everything(self.cfg.seed)
-        self.device = pick_device()
+        self.device = local_device()
+        self.ranks = join_group(self.device)
+        if self.ranks.world > 1:
+            raise ValueError("supervised jobs run on one device (resources.devices 1)")
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         for line, row in enumerate([*self.rows, *self.val_rows], 1):
@@ -107,15 +111,18 @@ class SFTTrainer(Trainer):
         # One update per step: the LR schedule counts steps, not GSPO's mini-batches.
         optimizer, scheduler = make_optimizer(model, self.cfg.model_copy(update={"mini_batches": 1}))
         amp = autocast_dtype(self.cfg, self.device)
-        self.policy = phases.PolicyState(model, optimizer, scheduler, amp, self.tokenizer.pad_token_id)
+        self.policy = phases.PolicyState(
+            model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, None, self.ranks
+        )
+        self.reward_fn, self.toolbox, self.engine, self.engine_shares_weights = None, None, None, True
         self.step = 0
         self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None
 
-    def sync_weights(self) -> None:
+    def push_weights(self) -> None:
         """No sampler holds a copy of the weights."""
 
-    def close(self) -> None:
+    def close(self, engine: bool = True) -> None:
         """Nothing outlives the run."""
 
     def example(self, row: dict) -> Example:

@@ -44,7 +44,9 @@ from gspo_core import advantages as _advantages  # noqa: F401  (registers the es
 from gspo_core.agents.episodes import EpisodeSettings, run_episodes
 from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
 from gspo_core.config import GSPOConfig
+from gspo_core.distributed import Ranks, clip_grad_norm, everywhere, gather, merge_loss_metrics, most
 from gspo_core.losses import LossMetrics
+from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
@@ -117,17 +119,44 @@ class OldLogprobs:
 @dataclass
 class PolicyState:
     """The policy's training state: the model, its optimizer and LR schedule, the autocast dtype of its
-    forwards (None: fp32), and the pad token id of its batches."""
+    forwards (None: fp32), and the pad token id of its batches. In the trainer the model is sharded over
+    ``ranks`` and ``sharded`` is its FSDP root (`gspo_core.distributed.ShardedPolicy`), whose forward is
+    :func:`completion_logprobs`; each rank runs its share of every batch's rows."""
 
     model: Policy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     amp: torch.dtype | None
     pad_id: int
+    sharded: torch.nn.Module | None = None
+    ranks: Ranks = field(default_factory=lambda: Ranks(0, 1))
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def logprobs(self, batch, temperature: float, with_entropy: bool = False):
+        """:func:`completion_logprobs` of ``batch`` by the current weights (through the FSDP root when sharded)."""
+        if self.sharded is not None:
+            return self.sharded(batch, temperature, self.amp, with_entropy)
+        if with_entropy:
+            return completion_logprobs(self.model, batch, temperature, self.amp, with_entropy=True)
+        return completion_logprobs(self.model, batch, temperature, self.amp)
+
+    def pack(
+        self, completions: list[Completion], idx: torch.Tensor, cfg: GSPOConfig
+    ) -> PackedBatch | SharedPrefixBatch:
+        """Rows ``idx`` as one forward batch (`gspo_core.batching.pack`), on the policy's device. The ranks' forwards
+        must call the same modules in the same order (FSDP gathers each as it runs): the rows share prompt
+        passes only where every rank's do."""
+        batch = pack(completions, idx, self.pad_id, cfg)
+        if not everywhere(isinstance(batch, SharedPrefixBatch), self.ranks):
+            batch = pack(completions, idx, self.pad_id, cfg, share=False)
+        return batch.to(self.device)
+
+    def share(self, rows_B: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of ``rows_B`` (all of them on one rank)."""
+        return torch.tensor_split(rows_B, self.ranks.world)[self.ranks.rank]
 
 
 @dataclass(frozen=True)
@@ -312,12 +341,17 @@ def recompute_old_logprobs(policy: PolicyState, rollout: Rollout, plan: Minibatc
     completions, rows = rollout.completions, plan.later_live_rows()
     logp_NT = torch.zeros(len(completions), _width(completions))
     if len(rows):
-        tokens = int(lengths_N(completions)[rows].sum())
+        mine = policy.share(rows)  # each rank its share; every rank runs as many forwards (they are collective)
+        tokens = int(lengths_N(completions)[mine].sum())
+        forwards = most(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD)), policy.ranks)
         with torch.inference_mode():
-            for idx in rows.chunk(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD))):
-                batch = pack(completions, idx, policy.pad_id, cfg)
-                logp_BT = completion_logprobs(policy.model, batch.to(policy.device), cfg.temperature, policy.amp)
-                logp_NT[idx, : logp_BT.size(1)] = logp_BT.float().cpu() * batch.mask_BT
+            for idx in torch.tensor_split(mine, forwards):
+                batch = policy.pack(completions, idx if len(idx) else rows[:1], cfg)
+                logp_BT = policy.logprobs(batch, cfg.temperature)
+                if len(idx):
+                    logp_NT[idx, : logp_BT.size(1)] = (logp_BT.float() * batch.mask_BT).cpu()
+        for theirs, their_NT in gather((mine, logp_NT[mine]), policy.ranks):
+            logp_NT[theirs] = their_NT
     return OldLogprobs(logp_NT, first_on_policy=True)
 
 
@@ -350,7 +384,8 @@ def update(
     still the ones that sampled (:func:`recompute_old_logprobs`), and the result says so
     (``sampler_rejected``): the step is then exactly a ``recompute`` step.
     """
-    params = [param for param in policy.model.parameters() if param.requires_grad]
+    # The optimizer's own: a sharded module's registered parameters are the gathered ones after a no-grad forward.
+    params = [param for group in policy.optimizer.param_groups for param in group["params"]]
     per_update: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
     rejected = False
@@ -373,7 +408,7 @@ def update(
             metrics = {"loss": 0.0}
             for param in params:
                 param.grad = torch.zeros_like(param)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)
         extra["lr"] = policy.optimizer.param_groups[0]["lr"]  # the rate this update used
         policy.optimizer.step()
         policy.scheduler.step()
@@ -395,35 +430,45 @@ def _minibatch_grads(
     cfg: GSPOConfig,
     first: bool,
 ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
-    """Forward and backward of the live ``rows`` of a mini-batch of ``n_rows`` rows, a micro-batch of
-    ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all ``n_rows`` rows
-    (left-out rows add 0), so the gradients add up to the one-batch ones. The metrics come from these same
-    loss evaluations (`gspo_core.losses.LossMetrics`). Returns ``(metrics, logp_BT, mask_BT)``; for mini-batch 0
-    (``first``) also its detached log-probs and mask ``[len(rows), T]`` on the CPU (else None, None)."""
+    """Forward and backward of this rank's share of the live ``rows`` of a mini-batch of ``n_rows`` rows, a
+    micro-batch of ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all
+    ``n_rows`` rows (left-out rows and other ranks' rows add 0 here), so the gradients of all micro-batches of
+    all ranks add up to the one-batch ones. The metrics come from these same loss evaluations
+    (`gspo_core.losses.LossMetrics`), added up over the ranks. Returns ``(metrics, logp_BT, mask_BT)``; for
+    mini-batch 0 (``first``) also the detached log-probs and mask ``[len(rows), T]`` of all ``rows`` (every
+    rank's), on the CPU (else None, None)."""
     loss_fn = LOSSES.get(cfg.loss)
     on_policy = first and old.first_on_policy
     width = old.logp_NT.size(1)
-    logp_BT = torch.zeros(len(rows), width) if first else None
-    mask_BT = torch.zeros(len(rows), width) if first else None
+    mine = policy.share(rows)
+    logp_BT = torch.zeros(len(mine), width) if first else None
+    mask_BT = torch.zeros(len(mine), width) if first else None
     metrics, filled = LossMetrics(loss_fn, n_rows), 0
-    for micro_rows in micro_batches(rollout.completions, rows, cfg.micro_batch_tokens):
-        batch = pack(rollout.completions, micro_rows, policy.pad_id, cfg).to(policy.device)
-        micro_logp_BT, entropy = completion_logprobs(
-            policy.model, batch, cfg.temperature, policy.amp, with_entropy=True
-        )
-        device = micro_logp_BT.device
-        old_BT = micro_logp_BT.detach() if on_policy else old.logp_NT[micro_rows][:, : micro_logp_BT.size(1)].to(device)
+    micros = [part for part in micro_batches(rollout.completions, mine, cfg.micro_batch_tokens) if len(part)]
+    # Forwards and backwards are collective: a rank with fewer micro-batches runs the rest on a stand-in row
+    # with a zero loss scale (a zero gradient).
+    micros += [rows[:0]] * (most(len(micros), policy.ranks) - len(micros))
+    for micro_rows in micros:
+        scale = len(micro_rows) / n_rows
+        batch = policy.pack(rollout.completions, micro_rows if len(micro_rows) else rows[:1], cfg)
+        micro_logp_BT, entropy = policy.logprobs(batch, cfg.temperature, with_entropy=True)
+        device, stand_in = micro_logp_BT.device, micro_rows if len(micro_rows) else rows[:1]
+        old_BT = micro_logp_BT.detach() if on_policy else old.logp_NT[stand_in][:, : micro_logp_BT.size(1)].to(device)
         loss, loss_metrics = loss_fn(
-            micro_logp_BT, old_BT, adv_N[micro_rows].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
+            micro_logp_BT, old_BT, adv_N[stand_in].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
         )
-        (loss * (len(micro_rows) / n_rows)).backward()
+        (loss * scale).backward()
+        if not len(micro_rows):
+            continue
         metrics.add(loss, loss_metrics, entropy, batch.mask_BT, len(micro_rows))
         if logp_BT is not None and mask_BT is not None:  # first
             span, micro_width = slice(filled, filled + len(micro_rows)), micro_logp_BT.size(1)
             logp_BT[span, :micro_width] = micro_logp_BT.detach().cpu()
             mask_BT[span, :micro_width] = batch.mask_BT.cpu()
         filled += len(micro_rows)
-    return metrics.result(), logp_BT, mask_BT
+    if logp_BT is not None and mask_BT is not None:  # the ranks' shares are contiguous, in rank order
+        logp_BT, mask_BT = (torch.cat(part) for part in zip(*gather((logp_BT, mask_BT), policy.ranks), strict=True))
+    return merge_loss_metrics(metrics, policy.ranks).result(), logp_BT, mask_BT
 
 
 def _sampler_error(sampler_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
@@ -451,10 +496,11 @@ def _sampler_gap(logp_BT: torch.Tensor, completions: list[Completion], mask_BT: 
 # --- 6. weight sync, and what a step reports ----------------------------------------------------------------
 
 
-def push_weights(model: Policy, engine: RolloutEngine) -> None:
-    """Hand the new weights to an engine that keeps its own copy (vLLM); no-op otherwise."""
+def push_weights(model: Policy, engine: RolloutEngine, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Hand the new weights (``state``: the model's full state dict, default its own) to an engine that keeps
+    its own copy (vLLM); no-op otherwise."""
     if not engine.shares_weights:
-        engine.load_weights(export_weights(model))
+        engine.load_weights(export_weights(model, state))
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:

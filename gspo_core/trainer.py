@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -19,8 +20,18 @@ from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import load_rows, render_prompt
+from gspo_core.distributed import (
+    Ranks,
+    broadcast,
+    full_weights,
+    gather_optimizer_state,
+    gather_state_dict,
+    join_group,
+    local_device,
+    shard,
+)
 from gspo_core.platform import RuntimeOptions
-from gspo_core.policy import Policy, autocast_dtype, load_policy, pick_device, sampler_dtype
+from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
@@ -85,6 +96,11 @@ def batch_indices(n_rows: int, step: int, per_step: int, seed: int, shuffle: boo
 class Trainer:
     """Owns the run's objects; :meth:`run_step` calls the phases of :mod:`gspo_core.step` in order.
 
+    An SPMD program: every rank of the job (torchrun's, or this process alone as a 1-rank group) runs it.
+    The policy is sharded over the ranks (FSDP2); rank 0 samples with its engine, scores, and hands the
+    rollout and rewards to every rank; each rank trains on its share of every mini-batch; rank 0 pushes the
+    gathered weights to its engine, reports through the callbacks and writes checkpoints.
+
     ``runtime``: the operator's options (rollout engine, vLLM memory share); the process owner has already
     applied the process-wide ones (`gspo_core.platform.prepare_process`).
     ``sampler_trusted``: False once a check of the sampler's log-probs failed (``old_logprobs=auto``): the
@@ -105,23 +121,31 @@ class Trainer:
         # A config made without validation (model_copy) may still name an unknown one: fail before any loading.
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)
         seed_everything(self.cfg.seed)
-        self.device = pick_device()
+        self.device = local_device()
+        self.ranks: Ranks = join_group(self.device)
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
-        self.reward_fn = build_reward(spec.reward, grader_policy)
+        # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
+        self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
         try:
-            self.toolbox = build_toolbox(spec.tools, grader_policy)
+            self.toolbox = build_toolbox(spec.tools, grader_policy) if self.ranks.main else None
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.tokenizer: PreTrainedTokenizerBase = tokenizer
+            amp = autocast_dtype(self.cfg, self.device)
+            self.sharded = shard(model, self.device, amp, self.ranks)
             optimizer, scheduler = make_optimizer(model, self.cfg)
             self.policy = phases.PolicyState(
-                model, optimizer, scheduler, autocast_dtype(self.cfg, self.device), self.tokenizer.pad_token_id
+                model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
+            )
+            self.engine: RolloutEngine | None = (engine or self._make_engine()) if self.ranks.main else None
+            #: The engine samples with the trainer's own (gathered) weights: nothing to push.
+            self.engine_shares_weights: bool = broadcast(
+                self.engine.shares_weights if self.engine is not None else None, self.ranks
             )
             self.agent = EpisodeSettings(
                 self.cfg.max_turns, self.cfg.max_turn_tokens, pick_format(self.cfg.tool_format, tokenizer), self.toolbox
             )
-            self.engine: RolloutEngine = engine or self._make_engine()
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
             raise
@@ -135,6 +159,11 @@ class Trainer:
 
     def _make_engine(self) -> RolloutEngine:
         kind, cfg = engine_kind(self.runtime.rollout_engine), self.cfg
+        if kind == "vllm" and self.ranks.world > 1:
+            # vLLM's engine runs in this process today and would take the job's process group for its own.
+            if self.runtime.rollout_engine != "auto":
+                raise ValueError("rollout_engine vllm runs only at resources.devices 1 for now (docs/scaling.md)")
+            kind = "transformers"
         # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
         max_model_len, max_num_seqs = (
             self.sampling_bounds() if kind == "vllm" else (cfg.max_prompt_tokens + cfg.max_new_tokens, None)
@@ -185,17 +214,44 @@ class Trainer:
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
-            self.callbacks.on_log(
+            self.log(
                 f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
                 f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
                 "so the remaining batches differ from an uninterrupted run"
             )
-        self.sync_weights()
-        self.callbacks.on_log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
+        self.push_weights()
+        self.log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
 
-    def sync_weights(self) -> None:
-        """The trained weights into the rollout engine."""
-        phases.push_weights(self.model, self.engine)
+    def log(self, message: str) -> None:
+        if self.ranks.main:
+            self.callbacks.on_log(message)
+
+    def push_weights(self) -> None:
+        """The new weights into rank 0's engine, gathered from every rank's shards (a collective); nothing
+        to do for an engine that samples with the trainer's own weights."""
+        state = None if self.engine_shares_weights else gather_state_dict(self.model)
+        if self.engine is not None:
+            self.engine.wake()
+            phases.push_weights(self.model, self.engine, state)
+
+    def sample(self, rows: list[dict], seed: int, n: int | None = None, logprobs: bool = True) -> phases.Rollout:
+        """Rank 0 samples ``rows``' prompts with its engine (the whole policy gathered on every rank while it
+        does, when the engine samples with the trainer's weights); every rank gets the rollout."""
+        rollout = None
+        prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
+        gathered = full_weights(self.sharded) if self.engine_shares_weights else contextlib.nullcontext()
+        with gathered:
+            if self.engine is not None:
+                self.engine.wake()
+                rollout = phases.sample(
+                    self.engine, self.tokenizer, rows, prompts, self.cfg, seed, n, logprobs, agent=self.agent
+                )
+                self.engine.sleep()
+        return broadcast(rollout, self.ranks)
+
+    def score(self, rollout: phases.Rollout) -> phases.Scores:
+        """Rank 0 scores the rollout; every rank gets the scores."""
+        return broadcast(phases.score(self.reward_fn, rollout) if self.reward_fn is not None else None, self.ranks)
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
         """One GSPO step, its phases in order (each timed as ``time/<phase>``); returns its metrics and
@@ -204,22 +260,12 @@ class Trainer:
         start = time.perf_counter()
         mode = phases.old_logprob_mode(cfg, self.sampler_trusted)
         rows = [self.rows[i] for i in batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)]
-        prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
         with timer.phase("rollout"):
-            self.engine.wake()
-            rollout = phases.sample(
-                self.engine,
-                self.tokenizer,
-                rows,
-                prompts,
-                cfg,
-                seed=cfg.seed * 100_003 + step,
-                logprobs=phases.sampler_logprobs_needed(cfg, step, mode),
-                agent=self.agent,
+            rollout = self.sample(
+                rows, seed=cfg.seed * 100_003 + step, logprobs=phases.sampler_logprobs_needed(cfg, step, mode)
             )
-            self.engine.sleep()
         with timer.phase("reward"):
-            scores = phases.score(self.reward_fn, rollout)
+            scores = self.score(rollout)
         with timer.phase("advantages"):
             adv_N, adv_metrics = phases.advantages(scores.rewards_N, cfg)
             generator = torch.Generator().manual_seed(cfg.seed * 7919 + step)
@@ -231,8 +277,7 @@ class Trainer:
         if result.sampler_rejected:
             self._stop_trusting_sampler(result.metrics["old_logprobs/sampler_err_max"])
         with timer.phase("weight_sync"):
-            self.engine.wake()
-            phases.push_weights(self.model, self.engine)
+            self.push_weights()
         timer["time/step"] = time.perf_counter() - start
         sampled = sum(completion.sampled_tokens for completion in rollout.completions)  # not tool results
         row_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
@@ -255,7 +300,7 @@ class Trainer:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
         precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
         self.sampler_trusted = False
-        self.callbacks.on_log(
+        self.log(
             f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
             f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on"
         )
@@ -263,12 +308,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),
         with a fixed sampling seed so evaluations of different steps are comparable."""
-        rows = self.val_rows[: self.cfg.eval_prompts]
-        prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
-        rollout = phases.sample(
-            self.engine, self.tokenizer, rows, prompts, self.cfg, seed=self.cfg.seed + 17, n=1, agent=self.agent
-        )
-        metrics = phases.score(self.reward_fn, rollout).metrics
+        rollout = self.sample(self.val_rows[: self.cfg.eval_prompts], seed=self.cfg.seed + 17, n=1)
+        metrics = self.score(rollout).metrics
         out = {"eval/reward/mean": metrics["reward/mean"]}
         out.update(
             {
@@ -280,20 +321,26 @@ class Trainer:
         return out
 
     def checkpoint(self, final: bool) -> str:
-        """Save the current step (once: a step already saved is not written again)."""
+        """Save the current step (once: a step already saved is not written again): every rank gathers the
+        full state dicts, rank 0 writes them and reports the checkpoint."""
         if self.saved is None or self.saved[0] != self.step:
-            path = save_checkpoint(
-                self.spec.output_dir,
-                self.step,
-                self.model,
-                self.tokenizer,
-                self.policy.optimizer,
-                self.policy.scheduler,
-                extra={"data": self.data_state()},
-            )
-            self.saved = (self.step, str(path))
-            self.callbacks.on_checkpoint(self.step, str(path), final)
-        elif final:
+            model_state = gather_state_dict(self.model)
+            optimizer_state = gather_optimizer_state(self.model, self.policy.optimizer)
+            path = None
+            if self.ranks.main:
+                path = save_checkpoint(
+                    self.spec.output_dir,
+                    self.step,
+                    self.model,
+                    self.tokenizer,
+                    model_state,
+                    optimizer_state,
+                    self.policy.scheduler,
+                    extra={"data": self.data_state()},
+                )
+                self.callbacks.on_checkpoint(self.step, str(path), final)
+            self.saved = (self.step, str(broadcast(path, self.ranks)))
+        elif final and self.ranks.main:
             self.callbacks.on_checkpoint(self.step, self.saved[1], final)
         return self.saved[1]
 
@@ -302,15 +349,21 @@ class Trainer:
         """The job's tools as the chat template's ``tools=`` (None: no tools)."""
         return self.toolbox.schemas if self.toolbox else None
 
+    def should_stop(self) -> bool:
+        """Rank 0's callbacks decide for every rank."""
+        return broadcast(self.callbacks.should_stop() if self.ranks.main else None, self.ranks)
+
     def close_graders(self) -> None:
         """Stop the graders' and the tools' threads and processes."""
-        self.reward_fn.close()
+        if self.reward_fn is not None:
+            self.reward_fn.close()
         if self.toolbox is not None:
             self.toolbox.close()
 
-    def close(self) -> None:
+    def close(self, engine: bool = True) -> None:
         self.close_graders()
-        self.engine.close()
+        if engine and self.engine is not None:
+            self.engine.close()
 
 
 def _loop(trainer: Trainer) -> TrainResult:
@@ -318,15 +371,16 @@ def _loop(trainer: Trainer) -> TrainResult:
     metrics: dict[str, float] = {}
     last_ckpt = trainer.saved[1] if trainer.saved else None
     while trainer.step < cfg.steps:
-        if trainer.callbacks.should_stop():
+        if trainer.should_stop():
             return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
         step = trainer.step + 1
         metrics, rows = trainer.run_step(step)
         trainer.step = step
         if cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
             metrics.update(trainer.evaluate())
-        trainer.callbacks.on_samples(step, rows)
-        trainer.callbacks.on_step(step, metrics)
+        if trainer.ranks.main:
+            trainer.callbacks.on_samples(step, rows)
+            trainer.callbacks.on_step(step, metrics)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             last_ckpt = trainer.checkpoint(final=step == cfg.steps)
     return TrainResult(trainer.step, last_ckpt, stopped=False, metrics=metrics)
@@ -355,7 +409,4 @@ def train(
             trainer.resume(resume_from)
         return _loop(trainer)
     finally:
-        if engine is None:
-            trainer.close()
-        else:
-            trainer.close_graders()
+        trainer.close(engine=engine is None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import cast
 
@@ -96,6 +97,7 @@ def create_job(
     max_wall_seconds: int | None = None,
     max_active: int | None = None,
     tools: list | None = None,
+    devices: int = 1,
 ) -> Job:
     """Insert a ``queued`` job and its first status event (the caller enqueues it after commit).
 
@@ -121,6 +123,7 @@ def create_job(
         total_steps=total_steps,
         idempotency_key=idempotency_key,
         max_attempts=max_attempts,
+        devices=devices,
         max_wall_seconds=max_wall_seconds,
     )
     s.add(job)
@@ -200,10 +203,11 @@ def claim_queued(s: Session, job_id: str, worker_id: str, lease_seconds: float) 
     return _take(s, job_id, worker_id, lease_seconds, lambda now: Job.status == "queued")
 
 
-def claim_stale(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
+def claim_stale(s: Session, job_id: str, worker_id: str, lease_seconds: float, job_filter: Sequence = ()) -> Job | None:
     """Take over a running job whose holder's lease expired (a redelivered message of a job whose
-    worker died); None when its lease is alive or the job is not running."""
-    return _take(s, job_id, worker_id, lease_seconds, _stale)
+    worker died); None when its lease is alive, the job is not running, or it fails ``job_filter``
+    (`store.scheduling.fits`)."""
+    return _take(s, job_id, worker_id, lease_seconds, lambda now: and_(_stale(now), *job_filter))
 
 
 def heartbeat(s: Session, job_id: str, worker_id: str, lease_seconds: float) -> bool:

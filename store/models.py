@@ -99,6 +99,8 @@ class Job(Base):
     # Device time the job asked to be limited to (None: the operator's limit), and its usage so far,
     # summed over attempts (store.usage; the worker writes absolute values, so a retried write is harmless).
     max_wall_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Devices (trainer ranks) the job runs on: only a worker with at least as many takes it.
+    devices: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     device_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -8,7 +8,8 @@ nothing runnable is dropped, and the reaper sends one again for runnable jobs le
 
 Order: among tenants with queued jobs and budget left in the current period, the tenant with the
 fewest running jobs first, then the one that used the least device time this period, then the one
-whose oldest queued job is oldest; within a tenant, its oldest job.
+whose oldest queued job is oldest; within a tenant, its oldest job. A worker considers only the jobs
+that fit its devices (`fits`): a job asking for more waits for a worker that has them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from store.usage import Budget, QueuePolicy, as_utc, budget, now_utc, period_dev
 RUNNING = jobs.HELD  # jobs a worker holds
 # Picks tried per claim before giving up (each loses only to another worker's claim of the same job).
 CLAIM_TRIES = 8
+
+
+def fits(worker_devices: int) -> list:
+    """The WHERE clauses of the jobs a worker with ``worker_devices`` devices may run."""
+    return [Job.devices <= worker_devices]
 
 
 @dataclass(frozen=True)
@@ -113,10 +119,13 @@ class Waiting:
 
 
 class TenantQueue:
-    """A tenant's view of its queued jobs, loaded once per request (a job list reads it once)."""
+    """A tenant's view of its queued jobs, loaded once per request (a job list reads it once).
 
-    def __init__(self, s: Session, policy: QueuePolicy, tenant_id: str) -> None:
+    ``worker_devices``: the devices of this service's workers (the operator's ``GSPO_WORKER_DEVICES``)."""
+
+    def __init__(self, s: Session, policy: QueuePolicy, tenant_id: str, worker_devices: int = 1) -> None:
         self.s, self.policy, self.tenant_id = s, policy, tenant_id
+        self.worker_devices = worker_devices
         self._order: dict[str, int] | None = None
         self._budget: Budget | None = None
 
@@ -140,6 +149,11 @@ class TenantQueue:
             reason = (
                 f"tenant device-hour budget used ({b.used_s / 3600:.3g} of {b.budget_s / 3600:.3g} h this "
                 f"period) until {b.period_end.isoformat()}"
+            )
+        elif job.devices > self.worker_devices:
+            reason = (
+                f"waiting for a worker with {job.devices} devices (resources.devices); "
+                f"this service's workers have {self.worker_devices}"
             )
         elif ahead:
             reason = f"queued: {ahead} of your jobs ahead"

@@ -196,6 +196,16 @@ class Settings(BaseSettings):
     # A queued job older than this while the broker queue is empty lost its message: send it again.
     resend_lost_after_seconds: float = Field(60.0, validation_alias=_env("RESEND_LOST_AFTER_SECONDS"))
     worker_queue: str = Field("gpu", validation_alias=_env("WORKER_QUEUE"))
+    # Devices: what this worker has (it takes only jobs asking for at most as many), and the most a job may ask.
+    worker_devices: int = Field(
+        1, ge=1, validation_alias=_env("WORKER_DEVICES"), description="Devices (GPUs) this worker runs one job on"
+    )
+    max_job_devices: int = Field(
+        8,
+        ge=1,
+        validation_alias=_env("MAX_JOB_DEVICES"),
+        description="The most devices a job may ask for (resources.devices); the largest worker's count",
+    )
 
     # Scheduling and budgets (store.scheduling, store.usage). A job's device time is the wall time its
     # attempts held a worker, summed over attempts; 0 turns a limit off.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from gspo_core.config import GSPOConfig, JobSpec
+from gspo_core.config import GSPOConfig, JobSpec, Resources
 from gspo_core.data import DataError
 from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
@@ -21,11 +21,12 @@ from store.models import Checkpoint, File, Job
 from store.objects import ObjectStore, get_dir
 from store.private import private_dir
 from store.queue import enqueue_run_job
-from store.scheduling import claim_next
+from store.scheduling import claim_next, fits
 from store.settings import Settings, get_settings
 from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
+from worker.ranks import other_ranks
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,11 @@ def wall_limit(job_limit: int | None, settings: Settings) -> tuple[float | None,
 
 def _claim(s, job_id: str, worker_id: str, settings: Settings) -> Job | None:
     """The job this message runs: its own job when that job's worker died (takeover of the stale lease),
-    else the fairest queued job (`store.scheduling`): a message is a token for one job slot."""
-    return jobs.claim_stale(s, job_id, worker_id, settings.lease_seconds) or claim_next(
-        s, worker_id, settings.lease_seconds, QueuePolicy.of(settings)
+    else the fairest queued job (`store.scheduling`): a message is a token for one job slot. Either must
+    fit this worker's devices."""
+    fit = fits(settings.worker_devices)
+    return jobs.claim_stale(s, job_id, worker_id, settings.lease_seconds, fit) or claim_next(
+        s, worker_id, settings.lease_seconds, QueuePolicy.of(settings), fit
     )
 
 
@@ -181,6 +184,7 @@ def _train(
             job = s.get(Job, job_id)
             hp, seed, reward, status = dict(job.hyperparameters), job.seed, job.reward, job.status
             tools = list(job.tools or [])
+            devices = job.devices
             model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
             resume = _resume_dir(s, objects, job_id, work / "output")
             if dropped := drop_orphan_uploads(s, objects, job_id):
@@ -198,19 +202,21 @@ def _train(
             reward=reward,
             tools=tools,
             hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}),
+            resources=Resources(devices=devices),
             output_dir=str(work / "output"),
         )
         cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
         if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
             cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
-            train(
-                spec,
-                cb,
-                resume_from=resume,
-                grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
-                runtime=runtime,
-            )
+            with other_ranks(spec, resume is not None, work):
+                train(
+                    spec,
+                    cb,
+                    resume_from=resume,
+                    grader_policy=GraderPolicy.from_mapping(settings.grader_policy()),
+                    runtime=runtime,
+                )
         return _settle(db, objects, job_id, worker_id, cb, settings)
 
 

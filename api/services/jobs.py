@@ -18,7 +18,7 @@ from api.errors import ApiError
 from api.schemas import JobCreate, JobOut, JobStatus, JobUsage, Page
 from api.services.rewards import build_checked
 from gspo_core.agents.tools import ToolSpecError, build_toolbox
-from gspo_core.config import RETIRED_FIELDS, GSPOConfig
+from gspo_core.config import RETIRED_FIELDS, GSPOConfig, Resources
 from gspo_core.data import DataError, check_sft_file
 from gspo_core.rewards import GraderPolicy, redact_secrets
 from store import jobs as job_state
@@ -118,6 +118,17 @@ def check_supervised(reward: dict[str, Any] | None, objects: ObjectStore, files:
             ) from None
 
 
+def check_resources(asked: Resources, settings: Settings) -> None:
+    """A job may ask for at most the devices of the operator's largest worker."""
+    if asked.devices > settings.max_job_devices:
+        raise ApiError(
+            422,
+            "invalid_resources",
+            f"resources.devices: at most {settings.max_job_devices} (the operator's GSPO_MAX_JOB_DEVICES)",
+            "resources.devices",
+        )
+
+
 def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
     f = s.get(File, file_id)
     if f is None or f.tenant_id != tenant.id:
@@ -156,6 +167,7 @@ def create_row(
     check_tools(req.tools, settings)
     check_model(s, settings, tenant, req.model)
     check_wall_limit(req.max_wall_seconds, settings)
+    check_resources(req.resources, settings)
     try:
         job = job_state.create_job(
             s,
@@ -174,6 +186,7 @@ def create_row(
             max_attempts=settings.max_attempts,
             max_wall_seconds=req.max_wall_seconds,
             max_active=settings.max_active_jobs_per_tenant,
+            devices=req.resources.devices,
         )
     except job_state.TooManyActiveJobs as exc:
         s.rollback()  # releases the tenant's lock at once
@@ -222,6 +235,7 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         req.seed,
         cfg.model_dump(mode="json", exclude={"seed"}),
         req.max_wall_seconds,
+        req.resources.devices,
     )
     stored = {k: v for k, v in prior.hyperparameters.items() if k not in RETIRED_FIELDS}  # an earlier version's keys
     made = (
@@ -235,6 +249,7 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         prior.seed,
         stored,
         prior.max_wall_seconds,
+        prior.devices,
     )
     if asked != made:
         raise ApiError(
@@ -256,7 +271,7 @@ def _discard(s: Session, job: Job) -> None:
 
 def queue_view(s: Session, settings: Settings, tenant_id: str) -> TenantQueue:
     """The tenant's queue, read once per request however many of its jobs are shown."""
-    return TenantQueue(s, QueuePolicy.of(settings), tenant_id)
+    return TenantQueue(s, QueuePolicy.of(settings), tenant_id, settings.worker_devices)
 
 
 def cancel_job(s: Session, settings: Settings, objects: ObjectStore, job: Job) -> JobOut:
@@ -333,6 +348,7 @@ def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None =
         seed=job.seed,
         attempts=job.attempts,
         max_wall_seconds=job.max_wall_seconds,
+        resources=Resources(devices=job.devices),
         usage=JobUsage(
             device_seconds=job.device_seconds or 0.0,
             tokens_sampled=job.tokens_sampled or 0,

@@ -198,6 +198,9 @@ class TransformersEngine:
             max_new_tokens=sampling.max_tokens,
             use_cache=True,
             logits_processor=LogitsProcessorList([recorder]),
+            # One rank samples alone with the gathered weights of a sharded policy (`gspo_core.distributed`):
+            # generate would otherwise wait for the other ranks at every token.
+            synced_gpus=False,
         )
         new_BT = seq_BL[:, width:]
         logp_BT = recorder.finish(new_BT).float().cpu() if sampling.logprobs else None

@@ -25,14 +25,32 @@ def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("hp", [{}, {"lora_rank": 4, "learning_rate": 1e-2}], ids=["full", "lora"])
-def test_stop_and_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_model_dir, tmp_path, hp):
+def positional(optimizer_state: dict) -> dict:
+    """The optimizer state as earlier versions saved it (``optimizer.state_dict()``: parameters by position)."""
+    order = [name for group in optimizer_state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {index[name]: value for name, value in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]],
+    }
+
+
+@pytest.mark.parametrize(
+    ("hp", "earlier"),
+    [({}, False), ({"lora_rank": 4, "learning_rate": 1e-2}, False), ({}, True)],
+    ids=["full", "lora", "full-earlier-version-checkpoint"],
+)
+def test_stop_and_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_model_dir, tmp_path, hp, earlier):
     hp = {"steps": 4, "mini_batches": 2, "lr_schedule": "cosine", "warmup_steps": 1, **hp}
     full_rec = Recorder()
     full = train(toy_spec(tiny_model_dir, tmp_path / "a", **hp), full_rec)
     part = toy_spec(tiny_model_dir, tmp_path / "b", **hp)
     stopped = train(part, Recorder(stop_after=2))
     assert stopped.stopped and stopped.final_step == 2
+    if earlier:
+        saved = Path(stopped.final_checkpoint) / "trainer_state.pt"
+        state = torch.load(saved, weights_only=False)
+        torch.save({**state, "optimizer": positional(state["optimizer"])}, saved)
     rec = Recorder()
     resumed = train(part, rec, resume_from=stopped.final_checkpoint)
     assert [s for s, _ in rec.steps] == [3, 4] and not resumed.stopped and resumed.final_step == 4

@@ -65,15 +65,16 @@ class Rig:
         h = {"Authorization": f"Bearer {key}"}
         return h, self.upload(h)
 
-    def start_worker(self) -> subprocess.Popen:
-        """`gspo worker`'s exact Celery command, in its own process group (the pool child included)."""
+    def start_worker(self, **env: str) -> subprocess.Popen:
+        """`gspo worker`'s exact Celery command, in its own process group (the pool child included); ``env``:
+        settings of this worker alone."""
         from gspo_cli.service_cmd import worker_command
 
         log = self.tmp / f"worker-{len(self.workers)}.log"
         cmd = worker_command(
             "INFO", name=f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}@%h", queue=self.settings.worker_queue
         )
-        proc = spawn_logged(cmd, log, env=self.env, cwd=ROOT, start_new_session=True)
+        proc = spawn_logged(cmd, log, env={**self.env, **env}, cwd=ROOT, start_new_session=True)
         self.workers.append(proc)
         return proc
 

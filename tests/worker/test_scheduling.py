@@ -9,6 +9,7 @@ from datetime import datetime
 import pytest
 from sqlalchemy import select
 
+from gspo_core.toy import TOY_REWARD
 from store import jobs
 from store.models import Checkpoint, JobEvent, StepMetric, UsageRecord
 from store.tenants import authenticate
@@ -28,7 +29,11 @@ def step_tokens(rig, job_ids: list[str]) -> tuple[int, int]:
 
 
 def test_a_tenant_that_queued_later_runs_before_the_first_tenants_backlog(make_rig):
-    rig = make_rig()
+    rig = make_rig(GSPO_MAX_JOB_DEVICES="2")  # the workers have 1 device (GSPO_WORKER_DEVICES's default)
+    body = {"model": "toy", "training_file": rig.file_id, "reward": TOY_REWARD, "resources": {"devices": 3}}
+    too_many = rig.client.post("/v1/jobs", json=body, headers=rig.h)
+    assert too_many.status_code == 422 and too_many.json()["error"]["field"] == "resources.devices", too_many.text
+    big = rig.submit(steps=2, slow=False, job={"resources": {"devices": 2}})  # A's oldest: no worker can hold it
     a_jobs = [rig.submit(steps=2, slow=False) for _ in range(3)]
     b = rig.add_tenant()
     b_job = rig.submit(steps=2, slow=False, tenant=b)
@@ -49,6 +54,15 @@ def test_a_tenant_that_queued_later_runs_before_the_first_tenants_backlog(make_r
     assert usage["tokens_sampled"] > 0 and usage["tokens_trained"] > usage["tokens_sampled"]
     total = rig.client.get("/v1/usage", headers=b[0]).json()["total"]
     assert total == {**usage, "jobs": 1}
+    waiting = rig.job(big)
+    assert waiting["status"] == "queued" and waiting["resources"] == {"devices": 2}, waiting
+    assert (waiting["queue_position"], waiting["waiting_reason"]) == (
+        1,
+        "waiting for a worker with 2 devices (resources.devices); this service's workers have 1",
+    )
+    rig.start_worker(GSPO_WORKER_DEVICES="2")  # it fits there: two ranks (this worker's job process is rank 0)
+    done = rig.wait_status(big, {"succeeded", "failed"}, timeout=180)
+    assert done["status"] == "succeeded" and rig.steps(big) == [1, 2], (done, rig.logs())
 
 
 def test_the_wall_clock_limit_counts_every_run_and_fails_the_job_at_a_step_boundary(make_rig):

@@ -1,0 +1,236 @@
+"""The trainer as an SPMD program: its process group, FSDP2 sharding of the policy, and the collectives a step needs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from gspo_core.policy import Policy, base_model, completion_logprobs
+
+if TYPE_CHECKING:
+    from gspo_core.losses import LossMetrics
+    from gspo_core.packing import PackedBatch, SharedPrefixBatch
+
+T = TypeVar("T")
+
+#: What torchrun sets in each rank's environment (``env://`` rendezvous).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job: ``rank`` of ``world`` ranks, one per device."""
+
+    rank: int
+    world: int
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: it samples, scores, reports and writes checkpoints."""
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def local_device() -> torch.device:
+    """This rank's device: its GPU (torchrun's LOCAL_RANK) or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def join_group(device: torch.device) -> Ranks:
+    """Join torchrun's process group (NCCL on GPU, gloo on CPU); a process run alone makes a 1-rank group
+    (an in-process store, no port), so one program serves every N. A group already made in this process
+    (an earlier job, or an in-process vLLM engine's) is reused: a process has one default group."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if launched_by_torchrun():
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+class ShardedPolicy(torch.nn.Module):
+    """The FSDP2 root around the policy. Its forward is :func:`gspo_core.policy.completion_logprobs`: the
+    trainer runs the policy's trunk and LM head itself (not the model's forward), so the root's forward is
+    where the shards of the embeddings, final norm and head are gathered and their gradients reduced."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(
+        self,
+        batch: PackedBatch | SharedPrefixBatch | None,
+        temperature: float,
+        amp_dtype: torch.dtype | None = None,
+        with_entropy: bool = False,
+    ) -> Any:
+        if batch is None:  # a call with no batch only sets FSDP up (see `shard`)
+            return None
+        if with_entropy:
+            return completion_logprobs(self.policy, batch, temperature, amp_dtype, with_entropy=True)
+        return completion_logprobs(self.policy, batch, temperature, amp_dtype)
+
+
+def shard(policy: Policy, device: torch.device, amp_dtype: torch.dtype | None, ranks: Ranks) -> ShardedPolicy:
+    """FSDP2 over the process group: each transformer block (the model's ``_no_split_modules``) is a unit,
+    the rest (embeddings, norm, head) the root's; parameters, gradients and optimizer state are sharded.
+    bf16 mixed precision on GPU only (gloo reduces no bf16 faster, and CPU jobs train in fp32).
+
+    One rank has nothing to share its shards with: the root is left a plain module there (FSDP2 would only
+    copy every parameter into its buffers and back around each forward and backward, and run AdamW on
+    DTensors; docs/scaling.md). Everything else about the program is the same."""
+    root = ShardedPolicy(policy)
+    if ranks.world == 1:
+        return root
+    mixed = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda" and amp_dtype == torch.bfloat16
+        else MixedPrecisionPolicy()
+    )
+    blocks = set(getattr(base_model(policy), "_no_split_modules", None) or ())
+    for module in list(policy.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mp_policy=mixed)
+    fully_shard(root, mp_policy=mixed)
+    for unit in units(root):
+        # Each rank's loss is its rows' share of the whole mini-batch's mean: the gradients add up (the
+        # default would average them over ranks).
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-scaled sum; a factor of 1 needs none
+    # FSDP2 makes the first unit to run forward its root, and sampling runs the blocks alone (`full_weights`):
+    # a call of the root first, on every rank. It keeps its parameters gathered after it: the optimizer must
+    # take the shards.
+    root(None, 1.0)
+    cast(FSDPModule, root).reshard()
+    return root
+
+
+def units(root: torch.nn.Module) -> list[FSDPModule]:
+    return [module for module in root.modules() if isinstance(module, FSDPModule)]
+
+
+@contextlib.contextmanager
+def full_weights(root: ShardedPolicy) -> Iterator[None]:
+    """Every rank holds the whole policy while inside (a collective to enter and to leave), so one rank can
+    run it alone, e.g. sample with it: no unit reshards after a forward until the exit."""
+    fsdp_units = units(root)
+    if not fsdp_units:  # not sharded: the policy is whole already
+        yield
+        return
+    blocks = [unit for unit in fsdp_units if unit is not root]
+    for unit in blocks:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in fsdp_units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        # Reshards every unit, and forgets the forwards run inside: FSDP orders its backward prefetches by
+        # the forwards it saw, and one rank's sampling must not make its order differ from the others'.
+        cast(FSDPModule, root).reset_iter_state()
+        for unit in blocks:
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+def gather_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
+    """The policy's full state dict (its own names) on rank 0's CPU, a tensor at a time; empty on the other
+    ranks. A collective: every rank calls it. Unsharded (one rank): the live tensors, as they are."""
+    if not units(policy):
+        return policy.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(policy, options=options))
+
+
+def gather_optimizer_state(policy: Policy, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's full state dict, keyed by parameter name, on rank 0's CPU (a collective)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(policy, optimizer, options=options)
+
+
+def load_full_state(
+    policy: Policy, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+) -> None:
+    """Load full (unsharded, by-name) ``weights`` (some of the policy's) and optimizer state into this rank's
+    shards; every rank reads the checkpoint itself."""
+    set_model_state_dict(
+        policy, cast(dict[str, Any], weights), options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+    set_optimizer_state_dict(policy, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients to ``max_norm`` over the whole model (every rank's shards) and return the norm."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def broadcast(value: T | None, ranks: Ranks) -> T:
+    """Rank 0's ``value`` on every rank (pickled; for rollouts, scores and decisions, not weights); the
+    other ranks pass None."""
+    box = [value]
+    if ranks.world > 1:
+        dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None, "rank 0 has the value"
+    return box[0]
+
+
+def gather(value: T, ranks: Ranks) -> list[T]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if ranks.world == 1:
+        return [value]
+    out: list[Any] = [None] * ranks.world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def most(value: int, ranks: Ranks) -> int:
+    """The largest ``value`` of any rank."""
+    if ranks.world == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())
+
+
+def everywhere(flag: bool, ranks: Ranks) -> bool:
+    """Whether ``flag`` holds on every rank."""
+    return -most(-int(flag), ranks) == 1
+
+
+def merge_loss_metrics(metrics: LossMetrics, ranks: Ranks) -> LossMetrics:
+    """The mini-batch's metrics over all ranks' rows (each rank added up only its own)."""
+    if ranks.world == 1:
+        return metrics
+    total, *others = gather(metrics, ranks)
+    for other in others:
+        total.loss += other.loss
+        total.entropy += other.entropy
+        total.tokens += other.tokens
+        total.weight += other.weight
+        for name, value in other.weighted.items():
+            total.weighted[name] = total.weighted.get(name, 0.0) + value
+        total.low, total.high = min(total.low, other.low), max(total.high, other.high)
+    return total
