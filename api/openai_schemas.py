@@ -47,6 +47,11 @@ class ReinforcementIn(BaseModel):
         description="OpenAI's (batch_size, n_epochs, learning_rate_multiplier, eval_interval, eval_samples, "
         "compute_multiplier, reasoning_effort; each 'auto' or a value) and, as extensions, GSPOConfig's fields",
     )
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="{'type': 'json_schema', 'json_schema': {'name', 'schema', 'strict'}}: graders read the "
+        "answer as sample.output_json; decoding is not constrained (docs/openai.md)",
+    )
 
 
 class SupervisedIn(BaseModel):

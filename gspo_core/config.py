@@ -80,6 +80,14 @@ class GSPOConfig(BaseModel):
         "Hermes); toy = {name:value} (the toy model); auto = hermes where the chat template speaks of <tool_call>.",
     )
 
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description="OpenAI's response_format, {'type': 'json_schema', 'json_schema': {'name', 'schema', "
+        "'strict'}}: the schema the answer is expected to follow. Graders read the answer parsed as "
+        "sample.output_json (for every job); decoding is not constrained, because the sampler's log-probs must "
+        "be the policy's own: a json_schema grader with this schema is how the policy learns it.",
+    )
+
     # --- objective ---
     loss: LossName = Field(
         default="gspo",
@@ -203,6 +211,20 @@ class GSPOConfig(BaseModel):
             raise ValueError(f"expected a number, got {str(value).lower()}")
         if kind is bool and not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _json_schema_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None or value.get("type") == "text":
+            return None
+        spec = value.get("json_schema")
+        if value.get("type") != "json_schema" or not isinstance(spec, dict):
+            raise ValueError("expected {'type': 'json_schema', 'json_schema': {'name', 'schema'}} or {'type': 'text'}")
+        if not isinstance(spec.get("name"), str) or not 0 < len(spec["name"]) <= 64:
+            raise ValueError("json_schema.name: a name of 1 to 64 characters")
+        if not isinstance(spec.get("schema"), dict):
+            raise ValueError("json_schema.schema: a JSON schema object")
         return value
 
     @classmethod

@@ -49,6 +49,7 @@ from gspo_core.losses import LossMetrics
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
+from gspo_core.rewards import output_json
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 if TYPE_CHECKING:
@@ -263,6 +264,7 @@ def grader_sample(completion: Completion, prompt: str) -> dict:
     episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript)."""
     sample = {
         "output_text": completion.text,
+        "output_json": output_json(completion.text),
         "output_tokens": completion.sampled_tokens,
         "finish_reason": completion.finish_reason,
         "output_tools": completion.extra.get("tool_calls", []),

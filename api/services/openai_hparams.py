@@ -107,6 +107,8 @@ def field_param(field: str | None, hp: dict[str, Any], method: str = "reinforcem
     if field is None:
         return None
     head, _, rest = field.partition(".")
+    if head == "hyperparameters" and rest.startswith("response_format"):
+        return f"method.reinforcement.{rest}"  # given beside the hyperparameters, as OpenAI has it
     if head == "hyperparameters":
         given = [key for key, native in NATIVE.items() if native == rest and hp.get(key) not in (None, "auto")]
         param = param_of(method)

@@ -61,7 +61,10 @@ def _check_method(req: FineTuningJobCreate) -> tuple[str, dict[str, Any] | None,
         raise ApiError(
             400, "invalid_request", "method.reinforcement: required for reinforcement", "method.reinforcement"
         )
-    return kind, method.reinforcement.grader, method.reinforcement.hyperparameters
+    hp = method.reinforcement.hyperparameters
+    if method.reinforcement.response_format is not None:
+        hp = {**hp, "response_format": method.reinforcement.response_format}
+    return kind, method.reinforcement.grader, hp
 
 
 def create(
@@ -141,7 +144,10 @@ def job_object(s: Session, job: Job) -> FineTuningJob:
 def _method(job: Job, hp: dict[str, Any]) -> dict[str, Any]:
     if job.hyperparameters.get("method") == "supervised":
         return {"type": "supervised", "supervised": {"hyperparameters": hp}}
-    return {"type": "reinforcement", "reinforcement": {"grader": redact_secrets(job.reward), "hyperparameters": hp}}
+    reinforcement = {"grader": redact_secrets(job.reward), "hyperparameters": hp}
+    if job.hyperparameters.get("response_format"):
+        reinforcement["response_format"] = job.hyperparameters["response_format"]
+    return {"type": "reinforcement", "reinforcement": reinforcement}
 
 
 def _after(q: Any, last: Job) -> Any:

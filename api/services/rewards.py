@@ -11,7 +11,14 @@ from typing import Any
 from api.errors import ApiError
 from api.limits import Limits
 from api.schemas import RewardRunIn, RewardRunOut, RewardRunResult
-from gspo_core.rewards import GraderPolicy, RewardFunction, RewardSpecError, build_reward, map_reward_models
+from gspo_core.rewards import (
+    GraderPolicy,
+    RewardFunction,
+    RewardSpecError,
+    build_reward,
+    map_reward_models,
+    output_json,
+)
 from store.model_refs import ModelRefError, check_local_or_hub, resolve_model
 from store.settings import Settings
 
@@ -40,6 +47,7 @@ def _grade(req: RewardRunIn, settings: Settings) -> RewardRunOut:
         samples = [
             {
                 "output_text": t,
+                "output_json": output_json(t),
                 "output_tokens": len(t),
                 "finish_reason": "stop",
                 "output_tools": [],  # the trainer's sample fields (gspo_core.step.grader_sample) for one turn

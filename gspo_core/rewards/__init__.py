@@ -20,6 +20,7 @@ from gspo_core.rewards.base import (
     as_score,
     build_grader,
     check_spec_values,
+    output_json,
     redact_secrets,
 )
 from gspo_core.rewards.multi import MAX_MULTI_DEPTH, MultiGrader
@@ -35,6 +36,7 @@ __all__ = [
     "RewardSpecError",
     "build_reward",
     "map_reward_models",
+    "output_json",
     "redact_secrets",
 ]
 

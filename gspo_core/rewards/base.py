@@ -13,8 +13,11 @@ from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
 TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
 #: What a sample carries (OpenAI's grader sample, plus the token count and finish reason): ``output_text`` is
-#: the final answer, ``output_tools`` the tool calls made (OpenAI's shape), ``messages`` the transcript.
-SAMPLE_FIELDS = frozenset({"output_text", "output_tokens", "finish_reason", "output_tools", "messages"})
+#: the final answer, ``output_json`` that answer parsed as JSON (None when it is not JSON), ``output_tools``
+#: the tool calls made (OpenAI's shape), ``messages`` the transcript.
+SAMPLE_FIELDS = frozenset({"output_text", "output_json", "output_tokens", "finish_reason", "output_tools", "messages"})
+#: Nesting a sample's ``output_json`` may have (deeper answers are not JSON to the graders).
+MAX_OUTPUT_JSON_DEPTH = 64
 #: Wall-clock budget of one in-process grader call before the batch stops waiting for it.
 LOCAL_BUDGET_S = 30.0
 #: Bounds on a reward spec's JSON (nesting depth, values in all), checked before anything recurses into it.
@@ -46,6 +49,31 @@ class GradeResult:
     reward: float
     scores: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+
+
+def output_json(text: str) -> Any:
+    """``text`` parsed as JSON (OpenAI's ``sample.output_json``), or None when it is not a JSON object or array
+    (or is nested deeper than `MAX_OUTPUT_JSON_DEPTH`, checked before the parser recurses)."""
+    stripped = text.strip()
+    if not stripped.startswith(("{", "[")):
+        return None
+    depth = deepest = 0
+    for char in stripped:  # brackets inside strings over-count: a bound, not a parse
+        if char in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "}]":
+            depth -= 1
+    if deepest > MAX_OUTPUT_JSON_DEPTH:
+        return None
+    try:
+        return json.loads(stripped, parse_constant=_no_constant)
+    except ValueError:
+        return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _split_path(path: str) -> list[str]:

@@ -129,6 +129,12 @@ def wait_done(client: openai.OpenAI, job_id: str, tmp, timeout: float = 300):
     return job
 
 
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True},
+}
+
+
 def rl_method(**hp) -> dict:
     return {
         "type": "reinforcement",
@@ -161,15 +167,18 @@ def test_reinforcement_job_runs_to_succeeded(service):
     url, keys, tmp = service
     client = sdk(service)
     file_id = upload(client, tmp)
+    method = rl_method(n_epochs="auto", steps=2, save_every=1)
+    method["reinforcement"]["response_format"] = RESPONSE_FORMAT
     job = client.fine_tuning.jobs.create(
         model="toy",
         training_file=file_id,
-        method=rl_method(n_epochs="auto", steps=2, save_every=1),
+        method=method,
         suffix="sdk",
         seed=7,
         metadata={"suite": "openai"},
     )
     assert job.object == "fine_tuning.job" and job.status == "queued" and job.seed == 7 and job.suffix == "sdk"
+    assert job.to_dict()["method"]["reinforcement"]["response_format"] == RESPONSE_FORMAT
     hp = job.method.reinforcement.hyperparameters
     assert (hp.batch_size, hp.compute_multiplier, hp.learning_rate_multiplier) == (2, 0.5, 1.0)
     assert hp.n_epochs == 0.25  # "auto" shown as the value used: 2 steps x 2 prompts over 16 rows
@@ -277,6 +286,10 @@ def test_graders_run_agrees_with_rewards_run(service):
         ({"method": rl_method(reasoning_effort="high")}, "method.reinforcement.hyperparameters.reasoning_effort"),
         ({"method": rl_method(n_epochs=2, steps=3)}, "method.reinforcement.hyperparameters.n_epochs"),
         ({"model": "no-such-model"}, "model"),
+        (
+            {"method": {**rl_method(), "reinforcement": {**rl_method()["reinforcement"], "response_format": {"x": 1}}}},
+            "method.reinforcement.response_format",
+        ),
     ],
 )
 def test_bad_requests_name_the_param(service, change, param):

@@ -43,3 +43,15 @@ def tool_calling_model(src: Path, out: Path, steps: int = 100) -> Path:
         opt.step()
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def episode_logprobs(model, completions, pad_id: int, temperature: float):
+    """The trainer's log-probs of episodes, their environment tokens masked out, and the masked batch."""
+    batch = pack(
+        [c.prompt_ids for c in completions],
+        [c.completion_ids for c in completions],
+        pad_id,
+        [c.mask for c in completions],
+    )
+    with torch.inference_mode():
+        return completion_logprobs(model, batch, temperature), batch

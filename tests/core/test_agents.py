@@ -16,11 +16,11 @@ from gspo_core.agents.formats import parse_hermes, parse_toy
 from gspo_core.agents.render import tool_turn_ids, tool_turn_text
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import pack
-from gspo_core.policy import completion_logprobs, load_policy
+from gspo_core.policy import load_policy
 from gspo_core.rewards import build_reward
 from gspo_core.rollout.hf_engine import TransformersEngine
 from tests.conftest import grader_policy
-from tests.core.agents_support import ANSWER, CALL, PROMPT
+from tests.core.agents_support import ANSWER, CALL, PROMPT, episode_logprobs
 from tests.core.trainer_support import one_torch_thread
 
 PY_TOOL = {"type": "python", "source": 'def f(key: str) -> str:\n    """Look a key up."""\n    return key * 3\n'}
@@ -113,14 +113,7 @@ def test_episodes_train_exactly_the_sampled_ids(caller_dir):
         assert c.mask == [1] * len(call_ids) + [0] * len(env) + [1] * (len(c.completion_ids) - len(call_ids) - len(env))
         assert c.text == ANSWER and c.extra["messages"][1]["content"] == "aaa"
     batch = pack([c.prompt_ids for c in rollout.completions], [c.completion_ids for c in rollout.completions], 0)
-    masked = pack(
-        [c.prompt_ids for c in rollout.completions],
-        [c.completion_ids for c in rollout.completions],
-        tok.pad_token_id,
-        [c.mask for c in rollout.completions],
-    )
-    with torch.inference_mode():
-        logp_BT = completion_logprobs(model, masked, cfg.temperature)
+    logp_BT, masked = episode_logprobs(model, rollout.completions, tok.pad_token_id, cfg.temperature)
     for row, c in enumerate(rollout.completions):
         sampler = torch.tensor(c.logprobs) * masked.mask_BT[row, : len(c.logprobs)]
         torch.testing.assert_close(logp_BT[row, : len(c.logprobs)], sampler, atol=1e-5, rtol=0)

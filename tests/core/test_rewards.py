@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -144,6 +145,33 @@ def test_templates_nested_fields_lists_and_json():
     assert fn.item_fields() == {"meta", "obj"}
     assert fn.score_batch([{"meta": {"tags": ["a", "b"]}, "obj": {"k": 1}}], [sample("")])[0].reward == 1.0
     fn.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ('{"answer": "b", "n": [1, 2]}', {"answer": "b", "n": [1, 2]}),
+        (" [1, 2]\n", [1, 2]),
+        ("b", None),  # not an object or array
+        ('{"answer": ', None),  # cut off
+        ('{"x": NaN}', None),  # not JSON
+        ("[" * 65 + "]" * 65, None),  # deeper than MAX_OUTPUT_JSON_DEPTH: refused before the parser recurses
+        ("[" * 64 + "]" * 64, json.loads("[" * 64 + "]" * 64)),  # as deep as allowed
+    ],
+)
+def test_output_json_is_the_answer_parsed_and_graders_read_it(text, parsed):
+    """OpenAI's ``sample.output_json``: what the step and the dry runs give graders beside ``output_text``."""
+    from gspo_core.rewards import output_json
+
+    assert output_json(text) == parsed
+    spec = {"type": "string_check", "input": "{{sample.output_json.answer}}", "reference": "b", "operation": "eq"}
+    fn = build_reward(spec)
+    try:
+        got = fn.score_batch([{}], [{**sample(text), "output_json": output_json(text)}])[0]
+    finally:
+        fn.close()
+    answered = isinstance(parsed, dict) and "answer" in parsed
+    assert got.reward == float(answered) and bool(got.errors) != answered, got
 
 
 def test_item_fields_include_defaults_and_every_sub_grader():

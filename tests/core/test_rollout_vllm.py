@@ -252,10 +252,8 @@ def test_multi_turn_episodes_on_vllm(engine, policy, caller_dir):
     from gspo_core import step as phases
     from gspo_core.agents import build_toolbox, pick_format
     from gspo_core.agents.episodes import EpisodeSettings
-    from gspo_core.packing import pack
-    from gspo_core.policy import completion_logprobs
     from tests.conftest import grader_policy
-    from tests.core.agents_support import ANSWER, PROMPT
+    from tests.core.agents_support import ANSWER, PROMPT, episode_logprobs
 
     model, tok = policy
     capped = engine.generate([[5, 6], [7]], SamplingSpec(n=2, max_tokens=6, ignore_eos=True, max_tokens_each=(2, 5)))
@@ -273,14 +271,7 @@ def test_multi_turn_episodes_on_vllm(engine, policy, caller_dir):
         box.close()
         engine.load_weights(export_weights(model))
     assert rollout.metrics["turns/mean"] == 2 and all(c.text == ANSWER for c in rollout.completions)
-    batch = pack(
-        [c.prompt_ids for c in rollout.completions],
-        [c.completion_ids for c in rollout.completions],
-        tok.pad_token_id,
-        [c.mask for c in rollout.completions],
-    )
-    with torch.inference_mode():
-        logp_BT = completion_logprobs(caller, batch, 1.0)
+    logp_BT, _ = episode_logprobs(caller, rollout.completions, tok.pad_token_id, 1.0)
     for row, c in enumerate(rollout.completions):
         assert 0 < sum(c.mask) < len(c.mask) and c.extra["messages"][1]["content"] == "aaa"
         torch.testing.assert_close(logp_BT[row, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4, rtol=0)
