@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -83,12 +84,25 @@ def _purge_leftovers(app: FastAPI) -> None:
         log.warning("could not purge pending deletions: %s", exc)
 
 
+_frozen = threading.Lock()
+
+
+def _freeze_loaded_objects() -> None:
+    """Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose full passes
+    over it stalled every request (the load test's p99 spikes; docs/bench.md). Once per process: a later
+    app in the same process (tests, `gspo up` restarting its API) finds it done. Frozen objects are never
+    collected, not even at exit, where an extension loaded in the process then reports them as leaks
+    (triton's, which transformers loads in `gspo demo`'s process: "nanobind: leaked ..."): they are
+    unfrozen at the process's exit."""
+    if _frozen.acquire(blocking=False):
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    # Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose
-    # full passes over it stalled every request (the load test's p99 spikes; docs/bench.md).
-    gc.collect()
-    gc.freeze()
+    _freeze_loaded_objects()
     # Under a tenant's load (uploads' copy threads, dry runs' pipe readers, stream polls) the event loop
     # queues behind those threads for the GIL, one switch interval each time: a shorter one bounds that
     # wait for every other request (docs/bench.md, "Fairness").
@@ -98,9 +112,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Objects of rows deleted just before a crash or during an object-store outage.
     threading.Thread(target=_purge_leftovers, args=(app,), name="purge", daemon=True).start()
     yield
-    # Frozen objects are never collected, not even at exit: an extension loaded in this process then dumps
-    # them as leaks (triton's, which transformers loads in `gspo demo`'s process: "nanobind: leaked ...").
-    gc.unfreeze()
     sys.setswitchinterval(switch_interval)
     await app.state.limits.close()
     app.state.stream_pool.shutdown(wait=False, cancel_futures=True)

@@ -52,6 +52,13 @@ class ReinforcementIn(BaseModel):
         description="{'type': 'json_schema', 'json_schema': {'name', 'schema', 'strict'}}: graders read the "
         "answer as sample.output_json; decoding is not constrained (docs/openai.md)",
     )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=64,
+        description="Agent RFT's tools, {name, server_url, headers} (and optionally description, parameters): "
+        "endpoints the model calls during its episodes, run as native http tools (docs/agents.md); the turns "
+        "are hyperparameters.max_episode_steps",
+    )
 
 
 class SupervisedIn(BaseModel):

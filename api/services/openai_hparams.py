@@ -27,6 +27,7 @@ NATIVE = {
     "eval_interval": "eval_every",
     "eval_samples": "eval_prompts",
     "compute_multiplier": "group_size",
+    "max_episode_steps": "max_turns",  # Agent RFT: model turns of an episode with tools
 }
 OPENAI_KEYS = {*NATIVE, "reasoning_effort"}
 
@@ -98,6 +99,8 @@ def to_native(hp: dict[str, Any], rows: int, has_validation: bool, method: str =
         native["eval_every"] = max(1, steps // 10)
     if method == "reinforcement" and (samples := _number(hp, "eval_samples", int, param)) is not None:
         _set(native, "eval_samples", int(samples), param)
+    if method == "reinforcement" and (turns := _number(hp, "max_episode_steps", int, param)) is not None:
+        _set(native, "max_episode_steps", int(turns), param)
     return native
 
 
@@ -115,6 +118,8 @@ def field_param(field: str | None, hp: dict[str, Any], method: str = "reinforcem
         return f"{param}.{given[0] if given else rest}" if rest else param
     if head == "reward":
         return "method.reinforcement.grader" + (f".{rest}" if rest else "")
+    if field.startswith("tools"):
+        return f"method.reinforcement.{field}"
     return field
 
 
@@ -132,4 +137,6 @@ def from_native(cfg: dict[str, Any], rows: int | None) -> dict[str, Any]:
         "compute_multiplier": round(int(cfg.get("group_size", BASE_GROUP)) / BASE_GROUP, 6),
         "reasoning_effort": "default",
     }
+    if int(cfg.get("max_turns", 1)) > 1:
+        out["max_episode_steps"] = int(cfg["max_turns"])
     return {k: out[k] for k in SUPERVISED_KEYS} if cfg.get("method") == "supervised" else out

@@ -40,6 +40,11 @@ def unix(value: datetime | None) -> int | None:
     return int(as_utc(value).timestamp()) if value is not None else None
 
 
+def _http_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Agent RFT's ``{name, server_url, headers, ...}`` tools as native http tools (checked by the native service)."""
+    return [{**tool, "type": "http"} if isinstance(tool, dict) else tool for tool in tools or []]
+
+
 def _check_method(req: FineTuningJobCreate) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
     """``(method type, grader or None, hyperparameters)``; 400 naming what this service does not do."""
     method = req.method
@@ -81,6 +86,7 @@ def create(
             training_file=req.training_file,
             validation_file=req.validation_file,
             reward=grader,
+            tools=_http_tools(req.method.reinforcement.tools if req.method and req.method.reinforcement else None),
             hyperparameters=to_native(hp, train.rows, req.validation_file is not None, kind),
             name=req.suffix,
             metadata=req.metadata or {},
@@ -147,6 +153,8 @@ def _method(job: Job, hp: dict[str, Any]) -> dict[str, Any]:
     reinforcement = {"grader": redact_secrets(job.reward), "hyperparameters": hp}
     if job.hyperparameters.get("response_format"):
         reinforcement["response_format"] = job.hyperparameters["response_format"]
+    if job.tools:
+        reinforcement["tools"] = [{k: v for k, v in tool.items() if k != "type"} for tool in redact_secrets(job.tools)]
     return {"type": "reinforcement", "reinforcement": reinforcement}
 
 

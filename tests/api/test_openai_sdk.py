@@ -129,6 +129,7 @@ def wait_done(client: openai.OpenAI, job_id: str, tmp, timeout: float = 300):
     return job
 
 
+AGENT_TOOL = {"name": "lookup", "server_url": "http://tools.invalid/lookup", "headers": {"Authorization": "Bearer t"}}
 RESPONSE_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True},
@@ -235,6 +236,16 @@ def test_list_pagination_metadata_and_cancel(service):
     assert "cannot be paused" in exc.value.message
     with pytest.raises(openai.BadRequestError):
         client.fine_tuning.jobs.resume(made[0])
+    # Agent RFT's tools become native http tools; the job shows them back, credentials redacted.
+    agent = rl_method(steps=500, max_episode_steps=3)
+    agent["reinforcement"]["tools"] = [AGENT_TOOL]
+    agent_job = client.fine_tuning.jobs.create(model="toy", training_file=file_id, method=agent).id
+    shown = client.fine_tuning.jobs.retrieve(agent_job).to_dict()["method"]["reinforcement"]
+    assert shown["tools"] == [{**AGENT_TOOL, "headers": {"Authorization": "[redacted]"}}]
+    assert shown["hyperparameters"]["max_episode_steps"] == 3
+    native_view = httpx.get(f"{url}/v1/jobs/{agent_job}", headers={"Authorization": f"Bearer {keys[2]}"}).json()
+    assert native_view["tools"][0]["type"] == "http" and native_view["hyperparameters"]["max_turns"] == 3
+    client.fine_tuning.jobs.cancel(agent_job)
 
 
 def test_graders_run_agrees_with_rewards_run(service):
@@ -286,6 +297,10 @@ def test_graders_run_agrees_with_rewards_run(service):
         ({"method": rl_method(reasoning_effort="high")}, "method.reinforcement.hyperparameters.reasoning_effort"),
         ({"method": rl_method(n_epochs=2, steps=3)}, "method.reinforcement.hyperparameters.n_epochs"),
         ({"model": "no-such-model"}, "model"),
+        (
+            {"method": {**rl_method(), "reinforcement": {**rl_method()["reinforcement"], "tools": [{"name": "f"}]}}},
+            "method.reinforcement.tools[0].server_url",
+        ),
         (
             {"method": {**rl_method(), "reinforcement": {**rl_method()["reinforcement"], "response_format": {"x": 1}}}},
             "method.reinforcement.response_format",

@@ -59,46 +59,63 @@ def kv_bytes(worker) -> int:
     return sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
 
 
-@pytest.mark.parametrize("max_new_tokens", [None, 59])
-def test_the_cache_holds_max_num_seqs_sequences_of_max_model_len(tiny_model_dir, max_new_tokens):
-    with built(tiny_model_dir, max_num_seqs=8, max_new_tokens=max_new_tokens) as eng:
-        sched, block = scheduler(eng), eng.kv_block
-        assert block == cpu.cpu_kv_block(max_new_tokens, "float32")
-        # 8 sequences x 64 tokens in blocks, and the null block vLLM holds back
-        assert sched.kv_cache_manager.block_pool.num_gpu_blocks == 8 * (64 // block) + 1
-        assert sched.max_num_running_reqs == 8
-        per_token = cpu.kv_bytes_per_token(str(tiny_model_dir), "float32")
-        assert eng.llm.collective_rpc(kv_bytes) == [(8 * 64 + block) * per_token]
-        with counting_preemptions(eng) as preempted:
-            groups = eng.generate(PROMPTS, SPEC)
-        assert preempted == [0] and all(len(c.completion_ids) == 59 for g in groups for c in g)
+#: Engines built once for the module (each start costs seconds): room for all 16 sequences at 32-token blocks;
+#: room for 8 (the job's sizing); room for 8 at the 16-token blocks a 59-token completion gets.
+CONFIGS = {
+    "roomy": {"max_num_seqs": 64},
+    "sized": {"max_num_seqs": 8},
+    "sized16": {"max_num_seqs": 8, "max_new_tokens": SPEC.max_tokens},
+}
 
 
-def test_more_sequences_than_fit_wait_their_turn_and_sample_the_same(tiny_model_dir):
-    with built(tiny_model_dir, max_num_seqs=64) as roomy:
-        want = roomy.generate(PROMPTS, SPEC)
-    with built(tiny_model_dir, max_num_seqs=8) as sized, counting_preemptions(sized) as preempted:
-        got = sized.generate(PROMPTS, SPEC)
-    assert preempted == [0]
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir) -> dict[str, dict]:
+    """Each config's KV block, cache blocks, sequence cap, KV bytes, preemptions and samples of PROMPTS."""
+    out = {}
+    for name, kw in CONFIGS.items():
+        with built(tiny_model_dir, **kw) as eng, counting_preemptions(eng) as preempted:
+            sched = scheduler(eng)
+            out[name] = {
+                "block": eng.kv_block,
+                "blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
+                "running": sched.max_num_running_reqs,
+                "kv_bytes": eng.llm.collective_rpc(kv_bytes),
+                "groups": eng.generate(PROMPTS, SPEC),
+            }
+        out[name]["preempted"] = preempted[0]
+    return out
+
+
+def same_samples(got, want) -> None:
     assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
-    assert all(len(c.completion_ids) == 59 for g in got for c in g)
     for g, w in zip(got, want, strict=True):
         for c, r in zip(g, w, strict=True):
             assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
 
 
-def test_16_and_32_token_blocks_sample_the_same(tiny_model_dir):
+@pytest.mark.parametrize(("config", "max_new_tokens"), [("sized", None), ("sized16", SPEC.max_tokens)])
+def test_the_cache_holds_max_num_seqs_sequences_of_max_model_len(runs, tiny_model_dir, config, max_new_tokens):
+    run = runs[config]
+    block = run["block"]
+    assert block == cpu.cpu_kv_block(max_new_tokens, "float32")
+    # 8 sequences x 64 tokens in blocks, and the null block vLLM holds back
+    assert run["blocks"] == 8 * (64 // block) + 1
+    assert run["running"] == 8
+    per_token = cpu.kv_bytes_per_token(str(tiny_model_dir), "float32")
+    assert run["kv_bytes"] == [(8 * 64 + block) * per_token]
+    assert run["preempted"] == 0 and all(len(c.completion_ids) == 59 for g in run["groups"] for c in g)
+
+
+def test_more_sequences_than_fit_wait_their_turn_and_sample_the_same(runs):
+    assert runs["sized"]["preempted"] == 0
+    same_samples(runs["sized"]["groups"], runs["roomy"]["groups"])
+
+
+def test_16_and_32_token_blocks_sample_the_same(runs):
     """The two kernels ("vec16", "vec") attend alike: same seeded tokens, logprobs within 1e-5, over
     contexts that cross three 16-token block boundaries."""
-    with built(tiny_model_dir, max_num_seqs=16) as at32:
-        want = at32.generate(PROMPTS, SPEC)
-    with built(tiny_model_dir, max_num_seqs=16, max_new_tokens=SPEC.max_tokens) as at16:
-        got = at16.generate(PROMPTS, SPEC)
-    assert (at32.kv_block, at16.kv_block) == (32, cpu.cpu_kv_block(SPEC.max_tokens, "float32"))
-    assert [[c.completion_ids for c in g] for g in got] == [[c.completion_ids for c in g] for g in want]
-    for g, w in zip(got, want, strict=True):
-        for c, r in zip(g, w, strict=True):
-            assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
+    assert (runs["roomy"]["block"], runs["sized16"]["block"]) == (32, cpu.cpu_kv_block(SPEC.max_tokens, "float32"))
+    same_samples(runs["sized16"]["groups"], runs["roomy"]["groups"])
 
 
 def test_a_cache_smaller_than_its_sequences_need_preempts(tiny_model_dir, monkeypatch):
