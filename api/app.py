@@ -63,6 +63,7 @@ def _instrument(app: FastAPI) -> None:
     app.add_middleware(
         BodyLimitMiddleware,
         limit_for=lambda path: settings.max_upload_bytes + 65536 if path == "/v1/files" else settings.max_request_bytes,
+        rate_for=lambda path: settings.upload_bytes_per_second if path == "/v1/files" else 0.0,
     )
     app.add_middleware(MetricsMiddleware, requests=requests, latency=latency)
 

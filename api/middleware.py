@@ -31,8 +31,10 @@ class BodyLimitMiddleware:
     is counted as it arrives, so a multipart upload cannot spool an unbounded file to disk first.
     """
 
-    def __init__(self, app: ASGIApp, limit_for: Callable[[str], int]) -> None:
-        self.app, self.limit_for = app, limit_for
+    def __init__(
+        self, app: ASGIApp, limit_for: Callable[[str], int], rate_for: Callable[[str], float] = lambda _: 0.0
+    ) -> None:
+        self.app, self.limit_for, self.rate_for = app, limit_for, rate_for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,6 +46,9 @@ class BodyLimitMiddleware:
             await _send_413(send, limit)
             return
         received, started = 0, False
+        # Bytes a second this body is read at (0: as fast as it comes): reading slower holds the client back
+        # through TCP, so one tenant's uploads cannot take the event loop's time for their parsing.
+        rate, t0 = self.rate_for(scope["path"]), time.monotonic()
 
         async def limited_receive() -> Message:
             nonlocal received
@@ -52,6 +57,8 @@ class BodyLimitMiddleware:
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise BodyTooLarge(limit)
+                if rate and (ahead := t0 + received / rate - time.monotonic()) > 0:
+                    await asyncio.sleep(ahead)
             return message
 
         async def tracking_send(message: Message) -> None:

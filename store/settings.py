@@ -58,6 +58,13 @@ class Settings(BaseSettings):
     )
     max_row_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_ROW_BYTES"), description="Longest dataset line")
     max_uploads_per_tenant: int = Field(2, validation_alias=_env("MAX_UPLOADS_PER_TENANT"))
+    upload_bytes_per_second: float = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        validation_alias=_env("UPLOAD_BYTES_PER_SECOND"),
+        description="How fast one upload's body is read (0: unbounded): a tenant's uploads at their cap cost "
+        "the API's event loop a bounded share",
+    )
     max_uploads_per_process: int = Field(4, validation_alias=_env("MAX_UPLOADS_PER_PROCESS"))
     max_streams_per_tenant: int = Field(8, validation_alias=_env("MAX_STREAMS_PER_TENANT"))
     max_streams_per_process: int = Field(256, validation_alias=_env("MAX_STREAMS_PER_PROCESS"))

@@ -92,9 +92,11 @@ def _grade(grader, sample: dict, item: dict, timeout: float) -> dict:
 def main() -> None:
     parent, headroom_mb = int(sys.argv[1]), int(sys.argv[2])
     _die_with_parent(parent)
-    if len(sys.argv) > 3 and int(sys.argv[3]):
-        os.nice(int(sys.argv[3]))
     from gspo_core.rewards import pool
+    from gspo_core.rewards.isolation import lower_priority
+
+    if len(sys.argv) > 3:
+        lower_priority(int(sys.argv[3]))  # started in a session of its own: its autogroup too
 
     pool.IN_POOL_PROCESS = True
     proto = os.fdopen(os.dup(1), "w", buffering=1)

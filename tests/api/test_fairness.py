@@ -301,3 +301,31 @@ def test_api_process_gil_switch_interval_is_the_operators_while_it_serves(settin
         assert sys.getswitchinterval() == before
     finally:
         app.state.db.dispose()
+
+
+def test_an_upload_is_read_at_the_operators_rate(settings):
+    """GSPO_UPLOAD_BYTES_PER_SECOND: the body is read no faster (the client is held back), so a tenant's
+    uploads cost the event loop a bounded share; other requests are not slowed by it."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from store.tenants import create_tenant_and_key
+
+    rows = b"".join(b'{"prompt": "%s", "answer": "a"}\n' % (b"p" * 330) for _ in range(400))  # ~145 kB
+    timings = {}
+    for rate in (100_000, 0):
+        app = create_app(settings.model_copy(update={"upload_bytes_per_second": rate}))
+        try:
+            with app.state.db.session() as s:
+                key = create_tenant_and_key(s, f"rate-{uuid.uuid4().hex[:6]}")[1]
+            with TestClient(app) as client:
+                t0 = time.monotonic()
+                r = client.post(
+                    "/v1/files", files={"file": ("d.jsonl", rows)}, headers={"Authorization": f"Bearer {key}"}
+                )
+                timings[rate] = time.monotonic() - t0
+                assert r.status_code == 201, r.text
+        finally:
+            app.state.db.dispose()
+    assert timings[100_000] >= len(rows) / 100_000 * 0.9, timings
+    assert timings[0] < timings[100_000] / 2, timings

@@ -166,6 +166,26 @@ def test_a_grader_environment_under_tmp_is_not_hidden_by_the_sandboxs_own_tmp():
         subprocess.run(["rm", "-rf", env], check=False)
 
 
+def test_a_niced_sandbox_is_niced_in_its_sessions_autogroup_too():
+    """Each sandbox is a session of its own; Linux gives each session's autogroup an equal CPU share whatever
+    the nice values inside, so the niceness must reach the autogroup too (the fairness bench's cause)."""
+    src = (
+        "import os\n"
+        "def grade(sample, item):\n"
+        "    try:\n"
+        "        group = float(open('/proc/self/autogroup').read().split()[-1])\n"
+        "    except OSError:\n"
+        "        group = -1.0\n"
+        "    return os.nice(0) * 100 + group\n"
+    )
+    res = run(src, ["x"], policy=grader_policy(niceness=19))
+    assert not res[0].errors, res[0].errors
+    nice, group = divmod(res[0].reward, 100)
+    assert nice == 19, res[0].reward
+    if os.path.exists("/proc/self/autogroup"):
+        assert group == 19, res[0].reward
+
+
 def test_the_service_interpreter_is_the_default():
     iso = isolation_for(grader_policy(python=None))
     assert iso.python == sys.executable and iso.mode in (BUBBLEWRAP, REFUSED)
