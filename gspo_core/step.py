@@ -49,7 +49,7 @@ from gspo_core.losses import LossMetrics
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rewards import output_json
+from gspo_core.rewards import sample_for
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 if TYPE_CHECKING:
@@ -262,17 +262,15 @@ def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
 def grader_sample(completion: Completion, prompt: str) -> dict:
     """What graders see as ``sample``: the final answer, the sampled tokens and the finish reason; for an
     episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript)."""
-    sample = {
-        "output_text": completion.text,
-        "output_json": output_json(completion.text),
-        "output_tokens": completion.sampled_tokens,
-        "finish_reason": completion.finish_reason,
-        "output_tools": completion.extra.get("tool_calls", []),
-    }
-    sample["messages"] = [{"role": "user", "content": prompt}, *completion.extra.get("messages", [])]
-    if "messages" not in completion.extra:
-        sample["messages"].append({"role": "assistant", "content": completion.text})
-    return sample
+    turns = completion.extra.get("messages")
+    answer = [{"role": "assistant", "content": completion.text}]
+    return sample_for(
+        completion.text,
+        completion.sampled_tokens,
+        completion.finish_reason,
+        completion.extra.get("tool_calls", []),
+        [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)],
+    )
 
 
 def _dropped_grade(rollout: Rollout, row: int, graded: dict[int, GradeResult]) -> GradeResult:

@@ -42,7 +42,7 @@ def unix(value: datetime | None) -> int | None:
 
 def _http_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """Agent RFT's ``{name, server_url, headers, ...}`` tools as native http tools (checked by the native service)."""
-    return [{**tool, "type": "http"} if isinstance(tool, dict) else tool for tool in tools or []]
+    return [{**tool, "type": "http"} for tool in tools or []]
 
 
 def _check_method(req: FineTuningJobCreate) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:

@@ -17,7 +17,7 @@ from gspo_core.rewards import (
     RewardSpecError,
     build_reward,
     map_reward_models,
-    output_json,
+    sample_for,
 )
 from store.model_refs import ModelRefError, check_local_or_hub, resolve_model
 from store.settings import Settings
@@ -44,17 +44,7 @@ def build_checked(spec: dict[str, Any], settings: Settings) -> RewardFunction:
 def _grade(req: RewardRunIn, settings: Settings) -> RewardRunOut:
     fn = build_checked(req.reward, settings)
     try:
-        samples = [
-            {
-                "output_text": t,
-                "output_json": output_json(t),
-                "output_tokens": len(t),
-                "finish_reason": "stop",
-                "output_tools": [],  # the trainer's sample fields (gspo_core.step.grader_sample) for one turn
-                "messages": [{"role": "assistant", "content": t}],
-            }
-            for t in req.samples
-        ]
+        samples = [sample_for(t, len(t)) for t in req.samples]  # one turn, as the trainer's sample has it
         results = fn.score_batch([req.item] * len(samples), samples)
     finally:
         fn.close()

@@ -22,6 +22,7 @@ from gspo_core.rewards.base import (
     check_spec_values,
     output_json,
     redact_secrets,
+    sample_for,
 )
 from gspo_core.rewards.multi import MAX_MULTI_DEPTH, MultiGrader
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
@@ -38,6 +39,7 @@ __all__ = [
     "map_reward_models",
     "output_json",
     "redact_secrets",
+    "sample_for",
 ]
 
 #: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.

@@ -72,6 +72,25 @@ def output_json(text: str) -> Any:
         return None
 
 
+def sample_for(
+    text: str,
+    tokens: int,
+    finish_reason: str = "stop",
+    tool_calls: list[dict] | None = None,
+    messages: list[dict] | None = None,
+) -> dict:
+    """What graders see as ``sample`` (`SAMPLE_FIELDS`), the trainer's and the dry runs' alike; ``messages``
+    defaults to the answer as the one assistant turn."""
+    return {
+        "output_text": text,
+        "output_json": output_json(text),
+        "output_tokens": tokens,
+        "finish_reason": finish_reason,
+        "output_tools": list(tool_calls or []),
+        "messages": messages if messages is not None else [{"role": "assistant", "content": text}],
+    }
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
