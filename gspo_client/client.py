@@ -70,7 +70,7 @@ class Client:
         *,
         model: str,
         training_file: str,
-        reward: dict,
+        reward: dict | None = None,
         hyperparameters: dict | None = None,
         validation_file: str | None = None,
         name: str | None = None,
