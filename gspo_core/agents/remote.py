@@ -11,7 +11,6 @@ only its new messages, rendered as a suffix (`gspo_core.agents.render`), as envi
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import threading
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, cast
 
+from gspo_core.agents.chat import RequestError, error, parse_request, reward_of, same_message, with_names
 from gspo_core.agents.episodes import _Episode
 from gspo_core.agents.formats import Parser
 from gspo_core.agents.render import tool_turn_ids
@@ -28,71 +28,8 @@ from gspo_core.rollout.base import Completion, SamplingSpec
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-#: A reward an agent reports is clipped to this range (a runaway value would swamp the group's advantages).
-REWARD_RANGE = (-10.0, 10.0)
 MAX_BODY = 8 << 20
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 MODEL_NAME = "policy"
-
-
-class RequestError(ValueError):
-    """A chat request the endpoint refuses: answered as OpenAI's 400 ``invalid_request_error``."""
-
-
-def _text(content: Any) -> str:
-    """A message's content as text (OpenAI's list of parts: their ``text`` joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise RequestError("messages[].content must be a string or a list of text parts")
-
-
-def parse_request(body: bytes) -> dict:
-    """The fields of a chat request the endpoint uses: ``messages`` (content as text), ``tools``, ``cap``."""
-    try:
-        req = json.loads(body)
-    except ValueError:
-        raise RequestError("the body is not JSON") from None
-    if not isinstance(req, dict) or not isinstance(req.get("messages"), list) or not req["messages"]:
-        raise RequestError("messages: a non-empty list of chat messages is required")
-    if req.get("stream"):
-        raise RequestError("stream: streaming is not supported")
-    if req.get("n", 1) != 1:
-        raise RequestError("n: only 1 completion per request")
-    messages = []
-    for i, m in enumerate(req["messages"]):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
-        msg = {**{k: v for k, v in m.items() if v is not None}, "content": _text(m.get("content"))}
-        messages.append(msg)
-    tools = req.get("tools") or None
-    if tools is not None and not isinstance(tools, list):
-        raise RequestError("tools must be a list")
-    cap = req.get("max_completion_tokens") or req.get("max_tokens") or 0
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-        raise RequestError("max_tokens must be a positive integer")
-    return {"messages": messages, "tools": tools, "cap": cap}
-
-
-def _same(ours: dict, theirs: dict) -> bool:
-    """Whether the agent sent back a message as the service produced it (role, text, calls' names and args)."""
-
-    def calls(m: dict) -> list:
-        out = []
-        for c in m.get("tool_calls") or []:
-            fn = c.get("function") or {} if isinstance(c, dict) else {}
-            try:
-                args = json.loads(fn.get("arguments") or "{}")
-            except (TypeError, ValueError):
-                args = fn.get("arguments")
-            out.append((fn.get("name"), args))
-        return out
-
-    keys = ("role", "content", "tool_call_id")
-    return all(ours.get(k) == theirs.get(k) for k in keys) and calls(ours) == calls(theirs)
 
 
 @dataclass
@@ -141,19 +78,19 @@ class AgentEndpoint:
         with self.cv:
             s = self.sessions.get(sid)
             if s is None:
-                return 404, _error("no such session", "not_found_error")
+                return 404, error("no such session", "not_found_error")
             if s.closed:
-                return 400, _error("the episode is over (max_turns, its token budget, or a timeout)")
+                return 400, error("the episode is over (max_turns, its token budget, or a timeout)")
             if s.request is not None:
-                return 409, _error("one request at a time per session")
+                return 409, error("one request at a time per session")
             try:
                 s.request = parse_request(body)
             except RequestError as exc:
-                return 400, _error(str(exc))
+                return 400, error(str(exc))
             s.answered.clear()
             self.cv.notify_all()
         if not s.answered.wait(self.timeout_s):
-            return 504, _error("no answer in time")
+            return 504, error("no answer in time")
         with self.cv:
             answer, s.answer = cast(tuple[int, dict], s.answer), None
         return answer
@@ -161,10 +98,6 @@ class AgentEndpoint:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def _error(message: str, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind}}
 
 
 def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
@@ -187,37 +120,22 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
             with endpoint.cv:
                 known = sid in endpoint.sessions
             if not known:
-                return self._reply(404, _error("not found", "not_found_error"))
+                return self._reply(404, error("not found", "not_found_error"))
             self._reply(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "gspo"}]})
 
         def do_POST(self) -> None:
             sid = self._session("chat/completions")
             size = int(self.headers.get("Content-Length") or 0)
             if sid is None:
-                return self._reply(404, _error("not found", "not_found_error"))
+                return self._reply(404, error("not found", "not_found_error"))
             if size > MAX_BODY:
-                return self._reply(413, _error(f"the request is larger than {MAX_BODY} bytes"))
+                return self._reply(413, error(f"the request is larger than {MAX_BODY} bytes"))
             self._reply(*endpoint.submit(sid, self.rfile.read(size)))
 
         def log_message(self, *args: Any) -> None:
             pass
 
     return Handler
-
-
-def _reward_of(body: bytes) -> tuple[float | None, str | None]:
-    """``(reward, error)`` of an agent's reply: its ``reward`` clipped to :data:`REWARD_RANGE`; none given
-    (or a body that is not a JSON object): the grader's."""
-    try:
-        reply = json.loads(body) if body.strip() else None
-    except ValueError:
-        return None, None
-    if not isinstance(reply, dict) or reply.get("reward") is None:
-        return None, None
-    value = reply["reward"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None, "bad_reward"
-    return min(max(float(value), REWARD_RANGE[0]), REWARD_RANGE[1]), None
 
 
 class AgentEnvironment:
@@ -271,7 +189,7 @@ class AgentEnvironment:
             for s in self.sessions:
                 s.closed = True
                 if s.request is not None:
-                    self._answer(s, 400, _error("the episode is over (max_turns)"))
+                    self._answer(s, 400, error("the episode is over (max_turns)"))
             self.ep.cv.wait_for(lambda: all(s.finished for s in self.sessions), self.ep.timeout_s)
             for s in self.sessions:
                 self.ep.sessions.pop(s.id, None)
@@ -286,7 +204,7 @@ class AgentEnvironment:
         body = {"item": s.item, "base_url": f"{self.ep.base}/s/{s.id}/v1", "session": s.id}
         try:
             status, reply = self.client.request("POST", self.ep.url, json=body)
-            reward, error = _reward_of(reply) if status < 300 else (None, f"http_{status // 100}xx")
+            reward, error = reward_of(reply) if status < 300 else (None, f"http_{status // 100}xx")
         except EgressRefused:
             error = "egress_refused"
         except EgressError as exc:
@@ -320,7 +238,7 @@ class AgentEnvironment:
         with self.ep.cv:
             s.closed = s.episode.done = True
             s.episode.truncated = s.episode.last is not None
-            self._answer(s, 400, _error(why))
+            self._answer(s, 400, error(why))
         return False
 
     def _first(self, s: _Session) -> bool:
@@ -347,7 +265,7 @@ class AgentEnvironment:
         suffix = msgs[n:]
         kept = (
             len(msgs) > n
-            and all(_same(a, b) for a, b in zip(s.history, msgs, strict=False))
+            and all(same_message(a, b) for a, b in zip(s.history, msgs, strict=False))
             and req["tools"] == s.tools
             and all(m["role"] != "assistant" for m in suffix)
         )
@@ -365,7 +283,7 @@ class AgentEnvironment:
         (only when the request offered tools)."""
         e, c = s.episode, cast(Completion, s.episode.last)
         calls = [call for call in self.ep.parser(c.text) if not call.error] if s.tools else []
-        tool_calls = [_with_names(call.openai(f"call_{e.turns}_{j}"), s.tools) for j, call in enumerate(calls)]
+        tool_calls = [with_names(call.openai(f"call_{e.turns}_{j}"), s.tools) for j, call in enumerate(calls)]
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -409,16 +327,3 @@ class AgentEnvironment:
             e.ids, e.mask = [self.tokenizer.eos_token_id or 0], [0]
             e.logprobs = [0.0] if self.spec.logprobs else []
         e.extra["agent"] = {"session": s.id, "reward": s.reward, "prefix_breaks": s.breaks, "error": s.error}
-
-
-def _with_names(call: dict, tools: list | None) -> dict:
-    """A toy-format call's one positional value (``{"_": v}``) under the name of the tool's first parameter."""
-    args = json.loads(call["function"]["arguments"])
-    if set(args) != {"_"}:
-        return call
-    for tool in tools or []:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        props = list(((fn or {}).get("parameters") or {}).get("properties") or {})
-        if fn and fn.get("name") == call["function"]["name"] and props:
-            return {**call, "function": {**call["function"], "arguments": json.dumps({props[0]: args["_"]})}}
-    return call

@@ -185,3 +185,30 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_ids(caller_dir, ag
     agents = [1.0 if c.text == "ok" else 0.5 for c in rollout.completions[:4]]
     graded = [1.0 if c.text == "ok" else 0.0 for c in rollout.completions[6:]]
     assert rewards == [*agents, 0.0, 0.0, *graded]
+
+
+def test_a_job_with_an_agent_trains_on_its_rewards(caller_dir, tmp_path, agent_server):
+    """Through the trainer (the job's `tools` as given in YAML or POST /v1/jobs): the endpoint opens for
+    the job, the agents' rewards are the step's rewards, and the stored samples show their transcripts."""
+    from gspo_core.config import JobSpec
+    from tests.core.trainer_support import Recorder, train
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "q:", "mode": "tool"}\n' * 2)
+    spec = JobSpec(
+        model=str(caller_dir),
+        training_file=str(data),
+        reward={"type": "string_check", "operation": "eq", "input": "{{sample.output_text}}", "reference": "x"},
+        tools=[agent_server.spec],
+        hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_turns": 2, "mini_batches": 1},
+        output_dir=str(tmp_path / "out"),
+    )
+    rec = Recorder()
+    with one_torch_thread():
+        train(spec, rec, grader_policy=grader_policy(egress_allow=("127.0.0.1",)))
+    ((_, metrics),) = rec.steps
+    said = [second.choices[0].message.content for _, _, second in agent_server.seen.values()]
+    assert len(said) == 4 and metrics["reward/mean"] == pytest.approx(sum(1.0 if s == "ok" else 0.5 for s in said) / 4)
+    assert metrics["turns/mean"] == 2 and metrics["agent/prefix_breaks"] == 0 and metrics["rollouts_dropped"] == 0
+    shown = rec.samples[0][1][0]["completions"][0]
+    assert shown["messages"][0] == {"role": "user", "content": "q:"} and shown["turns"] == 2
