@@ -63,7 +63,10 @@ class AgentEndpoint:
         self.sessions: dict[str, _Session] = {}
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="agent-endpoint", daemon=True)
+        # A short poll: closing the endpoint (each job's end) waits for at most one poll.
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, args=(0.05,), name="agent-endpoint", daemon=True
+        )
         self._thread.start()
 
     @property

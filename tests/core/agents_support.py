@@ -126,7 +126,7 @@ class AgentServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
         self.spec = {
             "type": "agent",
             "server_url": f"http://127.0.0.1:{self.httpd.server_address[1]}/run",

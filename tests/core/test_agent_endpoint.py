@@ -90,3 +90,58 @@ def test_a_job_with_an_agent_trains_on_its_rewards(caller_dir, tmp_path, agent_s
     assert metrics["turns/mean"] == 2 and metrics["agent/prefix_breaks"] == 0 and metrics["rollouts_dropped"] == 0
     shown = rec.samples[0][1][0]["completions"][0]
     assert shown["messages"][0] == {"role": "user", "content": "q:"} and shown["turns"] == 2
+
+
+def test_chat_requests_and_agent_replies_are_read_strictly(agent_server):
+    """What the endpoint refuses (OpenAI-style 400s), how it compares a message sent back with the one it
+    produced, how an agent's reward is read, and that a session id it did not open is a 404."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from gspo_core.agents.chat import RequestError, parse_request, reward_of, same_message
+
+    user = [{"role": "user", "content": "x"}]
+    for req, why in [
+        ("{", "not JSON"),
+        ({"messages": []}, "messages"),
+        ({"messages": user, "stream": True}, "stream"),
+        ({"messages": user, "n": 2}, "n:"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\].role"),
+        ({"messages": user, "max_tokens": -1}, "max_tokens"),
+    ]:
+        with pytest.raises(RequestError, match=why):
+            parse_request(req.encode() if isinstance(req, str) else json.dumps(req).encode())
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": None}]
+    assert parse_request(json.dumps({"messages": parts, "max_completion_tokens": 5}).encode()) == {
+        "messages": [{"role": "user", "content": "ab"}],
+        "tools": None,
+        "cap": 5,
+    }
+    call = {"id": "call_1_0", "type": "function", "function": {"name": "f", "arguments": '{"key": "a"}'}}
+    ours = {"role": "assistant", "content": "{f:a}", "tool_calls": [call]}
+    sdk = {
+        **ours,
+        "refusal": None,
+        "tool_calls": [{**call, "id": "other", "function": {**call["function"], "arguments": '{"key":"a"}'}}],
+    }
+    assert same_message(ours, sdk) and not same_message(ours, {**sdk, "content": "{f:b}"})
+    assert [reward_of(body) for body in (b'{"reward": 99}', b'{"reward": 0.25}', b"", b'{"ok": 1}', b"[1]")] == [
+        (10.0, None),
+        (0.25, None),
+        (None, None),
+        (None, None),
+        (None, None),
+    ]
+    assert {reward_of(body) for body in (b'{"reward": "1"}', b'{"reward": true}', b'{"reward": NaN}')} == {
+        (None, "bad_reward")
+    }
+    endpoint = AgentEndpoint(agent_server.spec, grader_policy(), pick_format("toy", None), 64)
+    try:
+        for path in ("/s/nope/v1/chat/completions", "/elsewhere"):
+            request = urllib.request.Request(endpoint.base + path, data=json.dumps({"messages": user}).encode())
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(request, timeout=5)
+            assert info.value.code == 404
+    finally:
+        endpoint.close()
