@@ -33,6 +33,14 @@ MODEL_NAME = "policy"
 
 
 @dataclass
+class _Reply:
+    """The answer to one chat request, for the HTTP thread that waits on it."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    answer: tuple[int, dict] = (504, {})
+
+
+@dataclass
 class _Session:
     """One rollout's agent session; every field is read and written under the endpoint's condition."""
 
@@ -40,8 +48,7 @@ class _Session:
     item: dict
     episode: _Episode
     request: dict | None = None
-    answer: tuple[int, dict] | None = None
-    answered: threading.Event = field(default_factory=threading.Event)
+    reply: _Reply | None = None
     history: list[dict] = field(default_factory=list)
     tools: list | None = None
     closed: bool = False
@@ -90,13 +97,11 @@ class AgentEndpoint:
                 s.request = parse_request(body)
             except RequestError as exc:
                 return 400, error(str(exc))
-            s.answered.clear()
+            reply = s.reply = _Reply()
             self.cv.notify_all()
-        if not s.answered.wait(self.timeout_s):
+        if not reply.ready.wait(self.timeout_s):
             return 504, error("no answer in time")
-        with self.cv:
-            answer, s.answer = cast(tuple[int, dict], s.answer), None
-        return answer
+        return reply.answer
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -203,19 +208,19 @@ class AgentEnvironment:
     def _run(self, s: _Session) -> None:
         from gspo_core.egress import EgressError, EgressRefused
 
-        reward, error = None, None
+        reward, kind = None, None
         body = {"item": s.item, "base_url": f"{self.ep.base}/s/{s.id}/v1", "session": s.id}
         try:
             status, reply = self.client.request("POST", self.ep.url, json=body)
-            reward, error = reward_of(reply) if status < 300 else (None, f"http_{status // 100}xx")
+            reward, kind = reward_of(reply) if status < 300 else (None, f"http_{status // 100}xx")
         except EgressRefused:
-            error = "egress_refused"
+            kind = "egress_refused"
         except EgressError as exc:
-            error = "timeout" if exc.kind == "timeout" else "http_error"
+            kind = "timeout" if exc.kind == "timeout" else "http_error"
         except Exception:  # whatever else broke this session must not stall the turn
-            error = "agent_error"
+            kind = "agent_error"
         with self.ep.cv:
-            s.finished, s.reward, s.error = True, reward, s.error or error
+            s.finished, s.reward, s.error = True, reward, s.error or kind
             self.ep.cv.notify_all()
 
     def _gather(self, sessions: list[_Session]) -> list[_Session]:
@@ -234,8 +239,10 @@ class AgentEnvironment:
 
     def _answer(self, s: _Session, status: int, obj: dict) -> None:
         """Hand the HTTP thread its answer (the caller holds the condition)."""
-        s.answer, s.request = (status, obj), None
-        s.answered.set()
+        if s.reply is not None:
+            s.reply.answer = (status, obj)
+            s.reply.ready.set()
+        s.request, s.reply = None, None
 
     def _refuse(self, s: _Session, why: str) -> bool:
         with self.ep.cv:
