@@ -80,7 +80,8 @@ TOOLS = [
 
 def run_agent(item: dict, base_url: str, seen: dict, session: str) -> dict:
     """A plain agent loop on the `openai` client: ask, run the tool the model called (or say "go on"), ask
-    again. ``rewrite``: it rewrites its first message before asking again; ``grader``: it reports no reward."""
+    again. ``rewrite``: it rewrites its first message before asking again; ``grader``: it reports no reward;
+    ``again`` (a row field): it asks a third time."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
@@ -97,6 +98,13 @@ def run_agent(item: dict, base_url: str, seen: dict, session: str) -> dict:
         messages[0] = {"role": "user", "content": item["prompt"] + " (summary)"}
     second = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     seen[session] = (first, messages, second)
+    if item.get("again"):  # a third turn, past the job's max_turns: refused, the episode is over
+        import openai
+
+        try:
+            client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        except openai.BadRequestError as exc:
+            seen[session + "/again"] = exc.status_code
     return {} if item["mode"] == "grader" else {"reward": 1.0 if second.choices[0].message.content == "ok" else 0.5}
 
 

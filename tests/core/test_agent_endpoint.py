@@ -72,7 +72,7 @@ def test_a_job_with_an_agent_trains_on_its_rewards(caller_dir, tmp_path, agent_s
     from tests.core.trainer_support import Recorder, train
 
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "q:", "mode": "tool"}\n' * 2)
+    data.write_text('{"prompt": "q:", "mode": "tool", "again": true}\n' * 2)
     spec = JobSpec(
         model=str(caller_dir),
         training_file=str(data),
@@ -85,6 +85,8 @@ def test_a_job_with_an_agent_trains_on_its_rewards(caller_dir, tmp_path, agent_s
     with one_torch_thread():
         train(spec, rec, grader_policy=grader_policy(egress_allow=("127.0.0.1",)))
     ((_, metrics),) = rec.steps
+    refused = [agent_server.seen.pop(k) for k in list(agent_server.seen) if k.endswith("/again")]
+    assert refused == [400] * 4  # max_turns 2: a third request is refused, the episode is over
     said = [second.choices[0].message.content for _, _, second in agent_server.seen.values()]
     assert len(said) == 4 and metrics["reward/mean"] == pytest.approx(sum(1.0 if s == "ok" else 0.5 for s in said) / 4)
     assert metrics["turns/mean"] == 2 and metrics["agent/prefix_breaks"] == 0 and metrics["rollouts_dropped"] == 0
