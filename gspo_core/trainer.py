@@ -16,6 +16,7 @@ import torch
 from gspo_core import step as phases
 from gspo_core.agents import build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
+from gspo_core.agents.tools import agent_spec
 from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
@@ -38,6 +39,8 @@ from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from gspo_core.agents.remote import AgentEndpoint
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Trainer:
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
         self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
+        self.agent_endpoint: AgentEndpoint | None = None
         try:
             self.toolbox = build_toolbox(spec.tools, grader_policy) if self.ranks.main else None
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
@@ -143,8 +147,14 @@ class Trainer:
             self.engine_shares_weights: bool = broadcast(
                 self.engine.shares_weights if self.engine is not None else None, self.ranks
             )
+            parser = pick_format(self.cfg.tool_format, tokenizer)
+            agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
+            if agent is not None:
+                from gspo_core.agents.remote import AgentEndpoint
+
+                self.agent_endpoint = AgentEndpoint(agent, grader_policy, parser, self.cfg.max_prompt_tokens)
             self.agent = EpisodeSettings(
-                self.cfg.max_turns, self.cfg.max_turn_tokens, pick_format(self.cfg.tool_format, tokenizer), self.toolbox
+                self.cfg.max_turns, self.cfg.max_turn_tokens, parser, self.toolbox, self.agent_endpoint
             )
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
@@ -189,7 +199,8 @@ class Trainer:
         cfg = self.cfg
         evals = self.val_rows[: cfg.eval_prompts] if cfg.eval_every else []
         rows = self.rows + evals
-        longest = 1
+        agent = any(tool.get("type") == "agent" for tool in self.spec.tools)
+        longest = cfg.max_prompt_tokens if agent else 1  # an agent's prompts are its own: the bound
         # One batched tokenizer call per chunk (memory stays bounded): about what the job's first epoch
         # spends tokenizing them anyway.
         for i in range(0, len(rows), 4096):
@@ -359,6 +370,9 @@ class Trainer:
             self.reward_fn.close()
         if self.toolbox is not None:
             self.toolbox.close()
+        if self.agent_endpoint is not None:
+            self.agent_endpoint.close()
+            self.agent_endpoint = None
 
     def close(self, engine: bool = True) -> None:
         self.close_graders()

@@ -124,24 +124,13 @@ def _python_tool(fn: ast.FunctionDef, where: str, code: str, limits: SandboxLimi
 def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     import re
 
-    from gspo_core.egress import EgressPolicy, header_refusal
-
-    name, url = spec.get("name"), spec.get("server_url")
+    name = spec.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", name):
         raise ToolSpecError(f"{path}.name", "must be a name of letters, digits, _ or - (at most 64)")
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL")
-    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
-        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
+    url, headers = _endpoint(spec, path, policy)
     params = spec.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise ToolSpecError(f"{path}.parameters", 'must be a JSON schema of {"type": "object"}')
-    headers = spec.get("headers") or {}
-    if not isinstance(headers, dict):
-        raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
-    for key, value in headers.items():
-        if why := header_refusal(key, value):
-            raise ToolSpecError(f"{path}.headers.{key}", why)
     description = spec.get("description", "")
     if not isinstance(description, str):
         raise ToolSpecError(f"{path}.description", "must be a string")
@@ -152,6 +141,48 @@ def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     schema = {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
     props = params.get("properties") or {}
     return Tool(name, schema, tuple(props), {}, caller.call, caller.close)
+
+
+def _endpoint(spec: dict, path: str, policy: GraderPolicy) -> tuple[str, dict]:
+    """``server_url`` (http(s), not refused by the egress policy) and ``headers`` of an http tool or an agent."""
+    import re
+
+    from gspo_core.egress import EgressPolicy, header_refusal
+
+    url = spec.get("server_url")
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL")
+    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
+        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
+    headers = spec.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
+    for key, value in headers.items():
+        if why := header_refusal(key, value):
+            raise ToolSpecError(f"{path}.headers.{key}", why)
+    return url, headers
+
+
+def agent_spec(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> dict | None:
+    """The job's bring-your-own-agent entry ``{"type": "agent", "server_url", "headers", "timeout_s"?}``
+    validated (`gspo_core.agents.remote`), or None when ``tools`` has none. It comes alone: the agent runs
+    its own tools."""
+    if not isinstance(specs, list):
+        return None
+    at = [i for i, spec in enumerate(specs) if isinstance(spec, dict) and spec.get("type") == "agent"]
+    if not at:
+        return None
+    if len(specs) > 1:
+        other = next(i for i in range(len(specs)) if i != at[0])
+        raise ToolSpecError(f"tools[{other}]", "an agent comes alone in tools: no other tools (it runs its own)")
+    spec = specs[0]
+    if extra := sorted(set(spec) - {"type", "server_url", "headers", "timeout_s"}):
+        raise ToolSpecError(f"tools[0].{extra[0]}", "unknown field")
+    _endpoint(spec, "tools[0]", policy)
+    timeout = spec.get("timeout_s", 300)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
+        raise ToolSpecError("tools[0].timeout_s", "must be a number of seconds between 1 and 3600")
+    return spec
 
 
 class HttpToolCaller:
@@ -257,6 +288,8 @@ def build_toolbox(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> Toolb
     naming the bad field."""
     if specs is None or specs == []:
         return None
+    if agent_spec(specs, policy) is not None:
+        return None  # the agent is the environment: no toolbox
     if not isinstance(specs, list) or len(specs) > MAX_TOOLS:
         raise ToolSpecError("tools", f"must be a list of at most {MAX_TOOLS} tool objects")
     tools: list[Tool] = []
@@ -266,7 +299,7 @@ def build_toolbox(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> Toolb
             raise ToolSpecError(path, "must be an object")
         kind = spec.get("type")
         if kind not in KINDS:
-            raise ToolSpecError(f"{path}.type", f"must be one of {', '.join(KINDS)}")
+            raise ToolSpecError(f"{path}.type", f"must be one of {', '.join(KINDS)}, agent")
         known = {"python": {"type", "source", "timeout_s"}}.get(
             kind, {"type", "name", "description", "parameters", "server_url", "headers", "timeout_s"}
         )

@@ -119,6 +119,10 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
     assert "tok-5678" not in r.text and r.json()["tools"][0]["headers"]["Authorization"] == "[redacted]"
     with app.state.db.session() as s:
         assert s.get(Job, r.json()["id"]).tools[0]["headers"]["Authorization"] == "Bearer tok-5678"
+    agent = {"type": "agent", "server_url": "http://agent.invalid/run", "headers": hook["headers"]}
+    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "tools": [agent]}, headers=auth)
+    assert r.status_code == 201, r.text
+    assert "tok-5678" not in r.text and r.json()["tools"][0]["headers"]["Authorization"] == "[redacted]"
 
 
 @pytest.mark.parametrize(
