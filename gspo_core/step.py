@@ -44,12 +44,13 @@ from gspo_core import advantages as _advantages  # noqa: F401  (registers the es
 from gspo_core.agents.episodes import EpisodeSettings, run_episodes
 from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
 from gspo_core.config import GSPOConfig
+from gspo_core.data import row_tool_names
 from gspo_core.distributed import Ranks, clip_grad_norm, everywhere, gather, merge_loss_metrics, most
 from gspo_core.losses import LossMetrics
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rewards import sample_for
+from gspo_core.rewards import transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 if TYPE_CHECKING:
@@ -234,7 +235,8 @@ def sample(
         seed=seed,
         logprobs=logprobs,
     )
-    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings())
+    offered = [row_tool_names(row) for row in rows]  # each row's own narrowing of the job's tools
+    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings(), offered)
     return Rollout(rows, prompts, [completion for group in groups for completion in group], metrics)
 
 
@@ -261,16 +263,12 @@ def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
 
 def grader_sample(completion: Completion, prompt: str) -> dict:
     """What graders see as ``sample``: the final answer, the sampled tokens and the finish reason; for an
-    episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript)."""
+    episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript), read
+    from the transcript as the API's dry runs read a given one (`gspo_core.rewards.transcript_sample`)."""
     turns = completion.extra.get("messages")
     answer = [{"role": "assistant", "content": completion.text}]
-    return sample_for(
-        completion.text,
-        completion.sampled_tokens,
-        completion.finish_reason,
-        completion.extra.get("tool_calls", []),
-        [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)],
-    )
+    messages = [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)]
+    return transcript_sample(messages, completion.sampled_tokens, completion.finish_reason)
 
 
 def _dropped_grade(rollout: Rollout, row: int, graded: dict[int, GradeResult]) -> GradeResult:

@@ -115,23 +115,54 @@ def run_episodes(
     prompt_ids: list[list[int]],
     spec: SamplingSpec,
     settings: EpisodeSettings,
+    offered: list[frozenset[str] | None] | None = None,
 ) -> tuple[list[list[Completion]], dict[str, float]]:
     """``spec.n`` episodes per prompt, in prompt order, and their metrics (``turns/mean``,
     ``tool_calls/mean``, ``tool_errors/<tool>/<kind>``, ``rollouts_dropped``, ``time/tools``; none for
-    one-turn settings)."""
+    one-turn settings). ``offered[p]``: the names of the tools prompt p's row offers (None: all the job's)."""
     groups = engine.generate(prompt_ids, replace(spec, max_tokens=settings.turn_cap(spec.max_tokens)))
     if settings.toolbox is None or settings.parser is None or settings.max_turns == 1:
         return groups, {}
-    toolbox, parser = settings.toolbox, settings.parser
+    toolbox = settings.toolbox
     episodes = [_Episode.start(c) for group in groups for c in group]
     metrics: dict[str, float] = {"time/tools": 0.0}
+    try:
+        _run_turns(engine, tokenizer, spec, settings, episodes, offered or [None] * len(prompt_ids), metrics)
+    finally:  # an episode's tool state (its MCP sessions) lives as long as the episode
+        toolbox.end_episodes([id(e) for e in episodes])
+    out: list[list[Completion]] = [[] for _ in prompt_ids]
+    for e in episodes:
+        out[e.first.prompt_index].append(e.completion())
+    n = len(episodes)
+    metrics["turns/mean"] = sum(e.turns for e in episodes) / n
+    metrics["tool_calls/mean"] = sum(len(e.tool_calls) for e in episodes) / n
+    metrics["rollouts_dropped"] = float(sum(e.dropped for e in episodes))
+    return out, metrics
+
+
+def _run_turns(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: SamplingSpec,
+    settings: EpisodeSettings,
+    episodes: list[_Episode],
+    offered: list[frozenset[str] | None],
+    metrics: dict[str, float],
+) -> None:
+    """Turns 2..max_turns: every episode whose last turn called tools gets their results and samples on."""
+    assert settings.toolbox is not None and settings.parser is not None
+    toolbox, parser = settings.toolbox, settings.parser
     for turn in range(1, settings.max_turns):
         calling = [(e, parser(e.last.text)) for e in episodes if e.last.finish_reason == "stop" and not e.dropped]
         calling = [(e, calls) for e, calls in calling if calls]
         if not calling:
             break
         start = time.perf_counter()
-        results = toolbox.call_many([call for _, calls in calling for call in calls])
+        results = toolbox.call_many(
+            [call for _, calls in calling for call in calls],
+            [id(e) for e, calls in calling for _ in calls],
+            [offered[e.first.prompt_index] for e, calls in calling for _ in calls],
+        )
         metrics["time/tools"] += time.perf_counter() - start
         live, k = [], 0
         for e, calls in calling:
@@ -142,6 +173,9 @@ def run_episodes(
                     metrics[key] = metrics.get(key, 0.0) + 1
             if e.add_results(tokenizer, calls, mine, spec.max_tokens):
                 live.append(e)
+        going = {id(e) for e in live}
+        if ended := [id(e) for e, _ in calling if id(e) not in going]:  # dropped or out of budget: over
+            toolbox.end_episodes(ended)
         if not live:
             break
         caps = tuple(settings.turn_cap(spec.max_tokens - len(e.ids)) for e in live)
@@ -149,11 +183,3 @@ def run_episodes(
         nxt = replace(spec, n=1, max_tokens=max(caps), max_tokens_each=caps, seed=seed)
         for e, (c,) in zip(live, engine.generate([e.first.prompt_ids + e.ids for e in live], nxt), strict=True):
             e.add_turn(c)
-    out: list[list[Completion]] = [[] for _ in prompt_ids]
-    for e in episodes:
-        out[e.first.prompt_index].append(e.completion())
-    n = len(episodes)
-    metrics["turns/mean"] = sum(e.turns for e in episodes) / n
-    metrics["tool_calls/mean"] = sum(len(e.tool_calls) for e in episodes) / n
-    metrics["rollouts_dropped"] = float(sum(e.dropped for e in episodes))
-    return out, metrics

@@ -1,0 +1,119 @@
+"""MCP tools against a real MCP server (the `mcp` SDK's own), per-row tools, and transcripts for graders."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from gspo_core import step as phases
+from gspo_core.agents import ToolCall, ToolSpecError, build_toolbox, pick_format
+from gspo_core.agents.episodes import EpisodeSettings
+from gspo_core.agents.render import tool_turn_ids
+from gspo_core.config import GSPOConfig
+from gspo_core.data import DataError, check_row_tools, render_prompt, validate_jsonl_bytes
+from gspo_core.policy import load_policy
+from gspo_core.rollout.hf_engine import TransformersEngine
+from tests.conftest import grader_policy
+from tests.core.agents_support import CALL, PROMPT
+from tests.core.mcp_support import McpToolServer
+from tests.core.trainer_support import one_torch_thread
+
+LOOPBACK = grader_policy(egress_allow=("127.0.0.1",))
+
+
+@pytest.fixture
+def mcp_server():
+    server = McpToolServer()
+    yield server
+    server.close()
+
+
+def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(caller_dir, mcp_server):
+    """The server's tools (less those allowed_tools leaves out) are the toolbox's; the taught model's call
+    reaches the server and its answer is the environment ids after the sampled call; a row whose `tools`
+    offer none gets `unknown_tool` instead; each calling episode had a session of its own, all closed."""
+    with pytest.raises(ToolSpecError, match=r"tools\[0\]\.server_url"):  # loopback: refused by default
+        build_toolbox([mcp_server.spec()], grader_policy())
+    box = build_toolbox([mcp_server.spec(allowed_tools=["f"])], LOOPBACK)
+    assert box is not None and [s["function"]["name"] for s in box.schemas] == ["f"]
+    assert box.schemas[0]["function"]["parameters"]["required"] == ["key"]
+    with one_torch_thread():
+        model, tok = load_policy(str(caller_dir), GSPOConfig(), torch.device("cpu"))
+        cfg = GSPOConfig(prompts_per_step=2, group_size=2, max_new_tokens=64, max_turns=3, mini_batches=1)
+        agent = EpisodeSettings(cfg.max_turns, 0, pick_format("auto", tok), box)
+        rows = [{"prompt": PROMPT}, {"prompt": PROMPT, "tools": []}]
+        try:
+            rollout = phases.sample(TransformersEngine(model, tok), tok, rows, [PROMPT] * 2, cfg, seed=3, agent=agent)
+            server = box.servers[0]
+            opened, left = server.opened, dict(server.sessions)
+        finally:
+            box.close()
+    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    env = tool_turn_ids(tok, [{"role": "tool", "content": "aaa"}], tok.eos_token)
+    first, second = rollout.completions[:2], rollout.completions[2:]
+    for c in first:
+        assert c.completion_ids[: len(call_ids) + len(env)] == call_ids + env
+        assert c.mask[len(call_ids) : len(call_ids) + len(env)] == [0] * len(env)
+        assert c.extra["messages"][1] == {"role": "tool", "tool_call_id": "call_1_0", "name": "f", "content": "aaa"}
+    for c in second:
+        assert c.extra["messages"][1]["content"] == "error: no tool named 'f'"
+    assert rollout.metrics["tool_errors/f/unknown_tool"] == 2
+    assert mcp_server.calls == [("f", {"key": "a"})] * 2
+    assert opened == 1 + 2 and left == {}  # the job start's listing, then one per calling episode
+
+
+def test_mcp_error_results_reach_the_model_and_a_lost_server_drops_the_rollout(mcp_server):
+    """An isError result is the model's to read (counted); a server gone is tried 3 times, then dropped; a
+    server that cannot be listed, or lacks an allowed tool, fails the toolbox's build naming the field."""
+    box = build_toolbox([mcp_server.spec()], LOOPBACK)
+    assert box is not None and sorted(box.tools) == ["boom", "f", "g"]
+    try:
+        boom, f = box.call_many([ToolCall("boom"), ToolCall("f", {"_": "b"})], [7, 7])
+        assert (boom.error, boom.drop, "boom" in boom.text) == ("tool_error", False, True)
+        assert (f.text, f.error) == ("bbb", None)
+        box.end_episodes([7])
+        assert box.servers[0].sessions == {}
+        mcp_server.close()
+        (gone,) = box.call_many([ToolCall("g")], [8])
+        assert (gone.error, gone.drop) == ("connection", True)
+    finally:
+        box.close()
+    with pytest.raises(ToolSpecError, match="could not list") as info:
+        build_toolbox([{**mcp_server.spec(), "server_url": f"http://127.0.0.1:{_free_port()}/mcp"}], LOOPBACK)
+    assert info.value.field == "tools[0].server_url"
+
+
+def test_mcp_allowed_tools_must_be_listed(mcp_server):
+    with pytest.raises(ToolSpecError, match="no tool named 'h'") as info:
+        build_toolbox([mcp_server.spec(allowed_tools=["f", "h"])], LOOPBACK)
+    assert info.value.field == "tools[0].allowed_tools"
+
+
+def test_rows_narrow_the_tools_they_offer(tiny_model_dir):
+    """A row's `tools` (OpenAI's dataset format): its shape is checked at upload, its names against the
+    job's tools, and the chat template is offered only those."""
+    from transformers import AutoTokenizer
+
+    with pytest.raises(DataError) as info:
+        validate_jsonl_bytes(b'{"prompt": "x"}\n{"prompt": "x", "tools": [{"type": "function", "function": {}}]}\n')
+    assert (info.value.line, info.value.field) == (2, "tools[0].function.name")
+    rows = validate_jsonl_bytes(
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "g"}}]}\n'
+    )
+    check_row_tools(enumerate(rows, 1), {"f", "g"})
+    with pytest.raises(DataError) as info:
+        check_row_tools(enumerate(rows, 1), {"f"})
+    assert (info.value.line, info.value.field) == (1, "tools[0].function.name") and "'g'" in str(info.value)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    schemas = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("f", "g")]
+    assert render_prompt(rows[0], tok, schemas) == "[g]hi"
+    assert render_prompt({"messages": rows[0]["messages"]}, tok, schemas) == "[f][g]hi"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
