@@ -18,6 +18,7 @@ from gspo_core.rollout.hf_engine import TransformersEngine
 from tests.conftest import grader_policy
 from tests.core.agents_support import CALL, PROMPT
 from tests.core.mcp_support import McpToolServer
+from tests.core.net_support import loopback_name
 from tests.core.trainer_support import one_torch_thread
 
 LOOPBACK = grader_policy(egress_allow=("127.0.0.1",))
@@ -66,7 +67,8 @@ def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(call
 
 def test_mcp_error_results_reach_the_model_and_a_lost_server_drops_the_rollout(mcp_server):
     """An isError result is the model's to read (counted); a server gone is tried 3 times, then dropped; a
-    server that cannot be listed, or lacks an allowed tool, fails the toolbox's build naming the field."""
+    server that cannot be listed (or whose name resolves inside), or lacks an allowed tool, fails the
+    toolbox's build naming the field."""
     box = build_toolbox([mcp_server.spec()], LOOPBACK)
     assert box is not None and sorted(box.tools) == ["boom", "f", "g"]
     try:
@@ -83,6 +85,9 @@ def test_mcp_error_results_reach_the_model_and_a_lost_server_drops_the_rollout(m
     with pytest.raises(ToolSpecError, match="could not list") as info:
         build_toolbox([{**mcp_server.spec(), "server_url": f"http://127.0.0.1:{_free_port()}/mcp"}], LOOPBACK)
     assert info.value.field == "tools[0].server_url"
+    name, _ = loopback_name()  # a name (not a literal) that resolves inside: refused when connecting
+    with pytest.raises(ToolSpecError, match=r"EgressRefusedError: .* loopback"):
+        build_toolbox([{**mcp_server.spec(), "server_url": f"http://{name}:{_free_port()}/mcp"}], grader_policy())
 
 
 def test_mcp_allowed_tools_must_be_listed(mcp_server):
@@ -99,9 +104,8 @@ def test_rows_narrow_the_tools_they_offer(tiny_model_dir):
     with pytest.raises(DataError) as info:
         validate_jsonl_bytes(b'{"prompt": "x"}\n{"prompt": "x", "tools": [{"type": "function", "function": {}}]}\n')
     assert (info.value.line, info.value.field) == (2, "tools[0].function.name")
-    rows = validate_jsonl_bytes(
-        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "g"}}]}\n'
-    )
+    offers_g = b'"tools": [{"type": "function", "function": {"name": "g"}}]'
+    rows = validate_jsonl_bytes(b'{"messages": [{"role": "user", "content": "hi"}], ' + offers_g + b"}\n")
     check_row_tools(enumerate(rows, 1), {"f", "g"})
     with pytest.raises(DataError) as info:
         check_row_tools(enumerate(rows, 1), {"f"})
@@ -117,3 +121,26 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_job_start_lists_the_servers_and_checks_the_rows_tools(caller_dir, tmp_path, mcp_server):
+    """The worker's start of a job: an unreachable MCP server fails it naming the field; a row naming a tool
+    that neither the job nor its servers have fails it naming the file and the row."""
+    from gspo_core.config import JobSpec
+    from tests.core.trainer_support import Recorder, train
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(f'{{"prompt": "{PROMPT}"}}\n{{"prompt": "{PROMPT}", "tools": [{{"function": {{"name": "h"}}}}]}}\n')
+    spec = {
+        "model": str(caller_dir),
+        "training_file": str(data),
+        "reward": {"type": "string_check", "operation": "eq", "input": "{{sample.output_text}}", "reference": "ok"},
+        "tools": [{**mcp_server.spec(), "server_url": f"http://127.0.0.1:{_free_port()}/mcp"}],
+        "hyperparameters": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_turns": 2, "mini_batches": 1},
+        "output_dir": str(tmp_path / "out"),
+    }
+    with pytest.raises(ToolSpecError, match=r"tools\[0\]\.server_url: could not list the tools of the MCP server"):
+        train(JobSpec(**spec), Recorder(), grader_policy=LOOPBACK)
+    spec["tools"] = [mcp_server.spec()]
+    with pytest.raises(DataError, match="training_file: row 2: no tool named 'h' in the job"):
+        train(JobSpec(**spec), Recorder(), grader_policy=LOOPBACK)
