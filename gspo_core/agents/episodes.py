@@ -152,9 +152,13 @@ def _run_turns(
     """Turns 2..max_turns: every episode whose last turn called tools gets their results and samples on."""
     assert settings.toolbox is not None and settings.parser is not None
     toolbox, parser = settings.toolbox, settings.parser
+    sampled = episodes  # the episodes whose latest turn was just sampled
     for turn in range(1, settings.max_turns):
-        calling = [(e, parser(e.last.text)) for e in episodes if e.last.finish_reason == "stop" and not e.dropped]
+        calling = [(e, parser(e.last.text)) for e in sampled if e.last.finish_reason == "stop" and not e.dropped]
         calling = [(e, calls) for e, calls in calling if calls]
+        calls_now = {id(e) for e, _ in calling}
+        if answered := [id(e) for e in sampled if id(e) not in calls_now]:  # these ended with their answer
+            toolbox.end_episodes(answered)
         if not calling:
             break
         start = time.perf_counter()
@@ -183,3 +187,4 @@ def _run_turns(
         nxt = replace(spec, n=1, max_tokens=max(caps), max_tokens_each=caps, seed=seed)
         for e, (c,) in zip(live, engine.generate([e.first.prompt_ids + e.ids for e in live], nxt), strict=True):
             e.add_turn(c)
+        sampled = live

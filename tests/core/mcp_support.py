@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -11,7 +12,8 @@ from mcp.server.mcpserver import MCPServer
 
 
 class McpToolServer:
-    """Tools ``f(key)`` (``key * 3``), ``g()`` and ``boom()`` (raises: an ``isError`` result); ``calls``
+    """Tools ``f(key)`` (``key * 3``), ``g()``, ``slow()`` (0.5 s) and ``boom()`` (raises: an ``isError``
+    result); ``calls``
     records every call as ``(tool, arguments)``."""
 
     def __init__(self) -> None:
@@ -29,6 +31,13 @@ class McpToolServer:
             """Not offered when allowed_tools leaves it out."""
             self.calls.append(("g", {}))
             return "g"
+
+        @mcp.tool()
+        async def slow() -> str:
+            """Answers after 0.5 s."""
+            self.calls.append(("slow", {}))
+            await asyncio.sleep(0.5)
+            return "late"
 
         @mcp.tool()
         def boom() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
@@ -66,16 +67,19 @@ def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(call
 
 
 def test_mcp_error_results_reach_the_model_and_a_lost_server_drops_the_rollout(mcp_server):
-    """An isError result is the model's to read (counted); a server gone is tried 3 times, then dropped; a
-    server that cannot be listed (or whose name resolves inside), or lacks an allowed tool, fails the
-    toolbox's build naming the field."""
+    """A batch's calls run at once (four episodes' sessions); an isError result is the model's to read
+    (counted); a server gone is tried 3 times, then dropped; a server that cannot be listed (or whose name
+    resolves inside), or lacks an allowed tool, fails the toolbox's build naming the field."""
     box = build_toolbox([mcp_server.spec()], LOOPBACK)
-    assert box is not None and sorted(box.tools) == ["boom", "f", "g"]
+    assert box is not None and sorted(box.tools) == ["boom", "f", "g", "slow"]
     try:
+        start = time.perf_counter()
+        assert [r.text for r in box.call_many([ToolCall("slow")] * 4, [1, 2, 3, 4])] == ["late"] * 4
+        assert time.perf_counter() - start < 1.5  # 4 x 0.5 s one after the other: they ran at once
         boom, f = box.call_many([ToolCall("boom"), ToolCall("f", {"_": "b"})], [7, 7])
         assert (boom.error, boom.drop, "boom" in boom.text) == ("tool_error", False, True)
         assert (f.text, f.error) == ("bbb", None)
-        box.end_episodes([7])
+        box.end_episodes([1, 2, 3, 4, 7])
         assert box.servers[0].sessions == {}
         mcp_server.close()
         (gone,) = box.call_many([ToolCall("g")], [8])
