@@ -35,7 +35,8 @@ def mcp_server():
 def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(caller_dir, mcp_server):
     """The server's tools (less those allowed_tools leaves out) are the toolbox's; the taught model's call
     reaches the server and its answer is the environment ids after the sampled call; a row whose `tools`
-    offer none gets `unknown_tool` instead; each calling episode had a session of its own, all closed."""
+    offer none gets `unknown_tool` instead; each calling episode had a session of its own, all closed. An
+    episode whose result does not fit ends truncated, its call made once."""
     with pytest.raises(ToolSpecError, match=r"tools\[0\]\.server_url"):  # loopback: refused by default
         build_toolbox([mcp_server.spec()], grader_policy())
     box = build_toolbox([mcp_server.spec(allowed_tools=["f"])], LOOPBACK)
@@ -46,13 +47,22 @@ def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(call
         cfg = GSPOConfig(prompts_per_step=2, group_size=2, max_new_tokens=64, max_turns=3, mini_batches=1)
         agent = EpisodeSettings(cfg.max_turns, 0, pick_format("auto", tok), box)
         rows = [{"prompt": PROMPT}, {"prompt": PROMPT, "tools": []}]
+        call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        engine = TransformersEngine(model, tok)
         try:
-            rollout = phases.sample(TransformersEngine(model, tok), tok, rows, [PROMPT] * 2, cfg, seed=3, agent=agent)
+            rollout = phases.sample(engine, tok, rows, [PROMPT] * 2, cfg, seed=3, agent=agent)
             server = box.servers[0]
             opened, left = server.opened, dict(server.sessions)
+            # Room for "aaa" and the answer, not for the longer error text: those episodes end truncated while
+            # the others go on, and their calls are not made again on the later turns.
+            env = tool_turn_ids(tok, [{"role": "tool", "content": "aaa"}], tok.eos_token)
+            short = cfg.model_copy(update={"max_new_tokens": len(call_ids) + len(env) + 4})
+            cut = phases.sample(engine, tok, rows, [PROMPT] * 2, short, seed=3, agent=agent)
         finally:
             box.close()
-    call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert [c.finish_reason for c in cut.completions] == ["stop", "stop", "length", "length"]
+    assert [len(c.extra["messages"]) for c in cut.completions] == [3, 3, 2, 2]
+    assert cut.metrics["tool_errors/f/unknown_tool"] == 2 and len(mcp_server.calls) == 2 + 2
     env = tool_turn_ids(tok, [{"role": "tool", "content": "aaa"}], tok.eos_token)
     first, second = rollout.completions[:2], rollout.completions[2:]
     for c in first:
@@ -62,7 +72,7 @@ def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(call
     for c in second:
         assert c.extra["messages"][1]["content"] == "error: no tool named 'f'"
     assert rollout.metrics["tool_errors/f/unknown_tool"] == 2
-    assert mcp_server.calls == [("f", {"key": "a"})] * 2
+    assert mcp_server.calls == [("f", {"key": "a"})] * 4
     assert opened == 1 + 2 and left == {}  # the job start's listing, then one per calling episode
 
 
