@@ -7,6 +7,7 @@ bounded before any recursive parse, finite numbers only, integers of bounded len
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -194,15 +195,19 @@ def check_row_tools(rows: Iterable[tuple[int, dict]], names: set[str]) -> None:
                 )
 
 
-def rows_with_tools(f: BinaryIO) -> Iterator[tuple[int, dict]]:
-    """``(line, row)`` of the rows of a stored JSONL file (validated at upload) that carry ``tools``; only the
-    lines that mention ``"tools"`` are parsed."""
-    for line, raw in enumerate(f, 1):
-        if b'"tools"' not in raw:
-            continue
-        row = loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
-        if isinstance(row, dict) and "tools" in row:
-            yield line, row
+def rows_with_tools(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
+    """``(line, row)`` of the rows that carry ``tools`` in a stored JSONL file (validated at upload) read as
+    byte chunks; memory holds one line at a time, and only the lines that mention ``"tools"`` are parsed."""
+    line, rest = 0, b""
+    for chunk in itertools.chain(chunks, [b"\n"]):  # the last line may lack its newline
+        *lines, rest = (rest + chunk).split(b"\n")
+        for raw in lines:
+            line += 1
+            if b'"tools"' not in raw:
+                continue
+            row = loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
+            if isinstance(row, dict) and "tools" in row:
+                yield line, row
 
 
 def _check_row(row: Any, line: int) -> dict:

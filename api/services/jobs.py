@@ -80,7 +80,7 @@ def check_tools(
         if f is None:
             continue
         try:
-            check_row_tools(rows_with_tools(io.BytesIO(objects.get_bytes(f.object_key))), names)
+            check_row_tools(rows_with_tools(objects.open_stream(f.object_key)), names)
         except DataError as exc:
             raise ApiError(
                 422, "invalid_file", f"{field}: line {exc.line}: {exc.message}", f"{field}.{exc.field}", line=exc.line

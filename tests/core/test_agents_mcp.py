@@ -13,7 +13,7 @@ from gspo_core.agents import ToolCall, ToolSpecError, build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
 from gspo_core.agents.render import tool_turn_ids
 from gspo_core.config import GSPOConfig
-from gspo_core.data import DataError, check_row_tools, render_prompt, validate_jsonl_bytes
+from gspo_core.data import DataError, check_row_tools, render_prompt, rows_with_tools, validate_jsonl_bytes
 from gspo_core.policy import load_policy
 from gspo_core.rollout.hf_engine import TransformersEngine
 from tests.conftest import grader_policy
@@ -121,6 +121,10 @@ def test_rows_narrow_the_tools_they_offer(tiny_model_dir):
     offers_g = b'"tools": [{"type": "function", "function": {"name": "g"}}]'
     rows = validate_jsonl_bytes(b'{"messages": [{"role": "user", "content": "hi"}], ' + offers_g + b"}\n")
     check_row_tools(enumerate(rows, 1), {"f", "g"})
+    stored = b'{"prompt": "x"}\n\n{"prompt": "y", ' + offers_g + b"}"  # as the API streams a file at submit
+    for size in (1, 5, 4096):
+        chunks = (stored[i : i + size] for i in range(0, len(stored), size))
+        assert [(line, row["prompt"]) for line, row in rows_with_tools(chunks)] == [(3, "y")]
     with pytest.raises(DataError) as info:
         check_row_tools(enumerate(rows, 1), {"f"})
     assert (info.value.line, info.value.field) == (1, "tools[0].function.name") and "'g'" in str(info.value)
