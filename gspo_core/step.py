@@ -49,7 +49,7 @@ from gspo_core.losses import LossMetrics
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rewards import sample_for
+from gspo_core.rewards import sample_for, transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 if TYPE_CHECKING:
@@ -271,7 +271,8 @@ def _agent_reward(completion: Completion) -> float | None:
 def grader_sample(completion: Completion, prompt: str) -> dict:
     """What graders see as ``sample``: the final answer, the sampled tokens and the finish reason; for an
     episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript: an
-    agent's episode, its own whole; else after the prompt as a user message)."""
+    agent's episode, its own whole; else after the prompt as a user message), read from the transcript as
+    the API's dry runs read a given one (`gspo_core.rewards.transcript_sample`)."""
     turns = completion.extra.get("messages")
     if "agent" in completion.extra:
         return sample_for(
@@ -282,13 +283,8 @@ def grader_sample(completion: Completion, prompt: str) -> dict:
             turns or [],
         )
     answer = [{"role": "assistant", "content": completion.text}]
-    return sample_for(
-        completion.text,
-        completion.sampled_tokens,
-        completion.finish_reason,
-        completion.extra.get("tool_calls", []),
-        [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)],
-    )
+    messages = [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)]
+    return transcript_sample(messages, completion.sampled_tokens, completion.finish_reason)
 
 
 def _dropped_grade(rollout: Rollout, row: int, graded: dict[int, GradeResult]) -> GradeResult:

@@ -20,7 +20,7 @@ from gspo_core.agents.tools import agent_spec
 from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
-from gspo_core.data import load_rows, render_prompt
+from gspo_core.data import DataError, check_row_tools, load_rows, render_prompt
 from gspo_core.distributed import (
     Ranks,
     broadcast,
@@ -134,6 +134,8 @@ class Trainer:
         self.agent_endpoint: AgentEndpoint | None = None
         try:
             self.toolbox = build_toolbox(spec.tools, grader_policy) if self.ranks.main else None
+            if self.ranks.main:  # rows naming a tool the job lacks (an MCP server's are known only now)
+                self._check_row_tools()
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.tokenizer: PreTrainedTokenizerBase = tokenizer
             amp = autocast_dtype(self.cfg, self.device)
@@ -162,6 +164,14 @@ class Trainer:
         self.step = 0
         self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
+
+    def _check_row_tools(self) -> None:
+        names = set(self.toolbox.tools) if self.toolbox else set()
+        for what, rows in (("training_file", self.rows), ("validation_file", self.val_rows)):
+            try:
+                check_row_tools(enumerate(rows, 1), names)
+            except DataError as exc:
+                raise DataError(None, exc.field, f"{what}: row {exc.line}: {exc.message}") from None
 
     @property
     def model(self) -> Policy:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from gspo_core.agents.tools import ToolSpecError
 from gspo_core.config import GSPOConfig, JobSpec, Resources
 from gspo_core.data import DataError
 from gspo_core.platform import RuntimeOptions, prepare_process
@@ -248,7 +249,7 @@ def run_job(job_id: str) -> str:
     except jobs.LeaseLost as exc:
         log.warning("%s: stopped without writing further", exc)
         return "lease_lost"
-    except (JobInputError, DataError, ValidationError) as exc:
+    except (JobInputError, DataError, ValidationError, ToolSpecError) as exc:  # a tool server unreachable at start
         return _fail(db, objects, job_id, worker_id, f"invalid job input: {exc}", usage)
     except OSError as exc:
         return _fail(

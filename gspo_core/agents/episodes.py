@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from gspo_core.agents.formats import Parser, ToolCall
 from gspo_core.agents.render import tool_turn_ids
 from gspo_core.agents.tools import Toolbox, ToolResult
+from gspo_core.data import row_tool_names
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class EpisodeSettings:
             return self.agent.environment(tokenizer, rows)
         if self.toolbox is None or self.parser is None or self.max_turns == 1:
             return None
-        return ToolEnvironment(tokenizer, self.toolbox, self.parser)
+        return ToolEnvironment(tokenizer, self.toolbox, self.parser, [row_tool_names(row) for row in rows])
 
 
 @dataclass
@@ -159,25 +160,38 @@ class _Episode:
 
 class ToolEnvironment:
     """The job's tools: after a turn that ends (EOS) with calls, the calls of the whole batch run at once on
-    the toolbox's thread pool (timed as ``time/tools``) and their results become environment ids."""
+    the toolbox's thread pool (timed as ``time/tools``) and their results become environment ids.
+    ``offered[p]``: the names of the tools prompt p's row offers (None: all the job's). An episode's tool
+    state (its MCP sessions) is released as soon as it ends."""
 
     shared_first_turn = True
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, toolbox: Toolbox, parser: Parser) -> None:
-        self.tokenizer, self.toolbox, self.parser = tokenizer, toolbox, parser
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        toolbox: Toolbox,
+        parser: Parser,
+        offered: list[frozenset[str] | None],
+    ) -> None:
+        self.tokenizer, self.toolbox, self.parser, self.offered = tokenizer, toolbox, parser, offered
         self.metrics: dict[str, float] = {"time/tools": 0.0}
 
     def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
         return [_Episode(p, ids) for p, ids in enumerate(prompt_ids) for _ in range(spec.n)]
 
     def react(self, live: list[_Episode], spec: SamplingSpec, last: bool) -> list[_Episode]:
-        if last:
-            return []
-        ended = [cast(Completion, e.last).finish_reason == "stop" for e in live]
-        calling = [(e, self.parser(cast(Completion, e.last).text)) for e, stop in zip(live, ended, strict=True) if stop]
-        calling = [(e, calls) for e, calls in calling if calls]
+        stopped = [] if last else [e for e in live if cast(Completion, e.last).finish_reason == "stop"]
+        calling = [(e, calls) for e in stopped if (calls := self.parser(cast(Completion, e.last).text))]
         start = time.perf_counter()
-        results = self.toolbox.call_many([call for _, calls in calling for call in calls]) if calling else []
+        results = (
+            self.toolbox.call_many(
+                [call for _, calls in calling for call in calls],
+                [id(e) for e, calls in calling for _ in calls],
+                [self.offered[e.prompt_index] for e, calls in calling for _ in calls],
+            )
+            if calling
+            else []
+        )
         self.metrics["time/tools"] += time.perf_counter() - start
         going, k = [], 0
         for e, calls in calling:
@@ -188,10 +202,13 @@ class ToolEnvironment:
                     self.metrics[key] = self.metrics.get(key, 0.0) + 1
             if e.add_results(self.tokenizer, calls, mine, spec.max_tokens):
                 going.append(e)
+        kept = {id(e) for e in going}
+        if over := [id(e) for e in live if id(e) not in kept]:  # answered, dropped or out of budget
+            self.toolbox.end_episodes(over)
         return going
 
     def close(self, episodes: list[_Episode]) -> None:
-        pass
+        self.toolbox.end_episodes([id(e) for e in episodes])
 
 
 def run_episodes(

@@ -141,7 +141,12 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
         ({"training_file": "file_nope"}, "training_file"),
         ({"validation_file": "file_nope"}, "validation_file"),
         ({"surprise": 1}, "surprise"),
-        ({"tools": [{"type": "mcp"}]}, "tools[0].type"),
+        ({"tools": [{"type": "nope"}]}, "tools[0].type"),
+        ({"tools": [{"type": "mcp", "server_url": "http://127.0.0.1:1/mcp"}]}, "tools[0].server_url"),
+        (
+            {"tools": [{"type": "mcp", "server_url": "http://x.invalid/mcp", "allowed_tools": [1]}]},
+            "tools[0].allowed_tools",
+        ),
         ({"tools": [{"type": "http", "name": "f", "server_url": "http://127.0.0.1:1/x"}]}, "tools[0].server_url"),
         ({"tools": [{"type": "python", "source": "def f(x):\n    return x\n"}]}, "tools[0].source"),
     ],
