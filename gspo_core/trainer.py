@@ -154,7 +154,16 @@ class Trainer:
             if agent is not None:
                 from gspo_core.agents.remote import AgentEndpoint
 
-                self.agent_endpoint = AgentEndpoint(agent, grader_policy, parser, self.cfg.max_prompt_tokens)
+                rt = self.runtime
+                self.agent_endpoint = AgentEndpoint(
+                    agent,
+                    grader_policy,
+                    parser,
+                    self.cfg.max_prompt_tokens,
+                    rt.agent_endpoint_host,
+                    rt.agent_endpoint_port,
+                    rt.agent_endpoint_url,
+                )
             self.agent = EpisodeSettings(
                 self.cfg.max_turns, self.cfg.max_turn_tokens, parser, self.toolbox, self.agent_endpoint
             )

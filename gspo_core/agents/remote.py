@@ -59,16 +59,27 @@ class _Session:
 
 
 class AgentEndpoint:
-    """A job's agent: its server (``server_url``, ``headers``, ``timeout_s``) and the loopback chat endpoint
-    (one HTTP server per job on a free port; each session's ``base_url`` is ``/s/<random id>/v1``)."""
+    """A job's agent: its server (``server_url``, ``headers``, ``timeout_s``) and the chat endpoint (one HTTP
+    server per job on ``host:port``, loopback and a free port by default; each session's ``base_url`` is
+    ``<url>/s/<random id>/v1``, ``url`` the address agents reach it at, default ``http://host:port``)."""
 
-    def __init__(self, spec: dict, policy: GraderPolicy, parser: Parser, max_prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        spec: dict,
+        policy: GraderPolicy,
+        parser: Parser,
+        max_prompt_tokens: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        url: str = "",
+    ) -> None:
         self.url, self.headers = spec["server_url"], dict(spec.get("headers") or {})
         self.timeout_s = float(spec.get("timeout_s", 300.0))
         self.policy, self.parser, self.max_prompt_tokens = policy, parser, max_prompt_tokens
         self.cv = threading.Condition()
         self.sessions: dict[str, _Session] = {}
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.public_url = url.rstrip("/")
         self.httpd.daemon_threads = True
         # A short poll: closing the endpoint (each job's end) waits for at most one poll.
         self._thread = threading.Thread(
@@ -78,7 +89,8 @@ class AgentEndpoint:
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        host, port = self.httpd.server_address[:2]
+        return self.public_url or f"http://{host}:{port}"
 
     def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> AgentEnvironment:
         return AgentEnvironment(self, tokenizer, rows)

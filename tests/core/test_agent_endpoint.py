@@ -3,6 +3,8 @@ against the service's chat endpoint; the trained ids are exactly the sampled ids
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from gspo_core.agents import ToolSpecError, build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
 from gspo_core.agents.remote import AgentEndpoint
 from gspo_core.config import GSPOConfig
+from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import load_policy
 from gspo_core.rewards import build_reward
 from gspo_core.rollout.hf_engine import TransformersEngine
@@ -147,3 +150,26 @@ def test_chat_requests_and_agent_replies_are_read_strictly(agent_server):
             assert info.value.code == 404
     finally:
         endpoint.close()
+    # The operator's address for agents on other machines: a fixed port, and the URL they reach it at.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    runtime = RuntimeOptions(agent_endpoint_port=port, agent_endpoint_url=f"http://localhost:{port}/")
+    endpoint = AgentEndpoint(
+        agent_server.spec,
+        grader_policy(),
+        pick_format("toy", None),
+        64,
+        runtime.agent_endpoint_host,
+        runtime.agent_endpoint_port,
+        runtime.agent_endpoint_url,
+    )
+    try:
+        assert endpoint.base == f"http://localhost:{port}"
+        with pytest.raises(urllib.error.HTTPError) as info:  # reached under that name: no such session
+            urllib.request.urlopen(endpoint.base + "/s/nope/v1/models", timeout=5)
+        assert info.value.code == 404
+    finally:
+        endpoint.close()
+    with pytest.raises(ValueError, match="agent_endpoint_port"):
+        RuntimeOptions(agent_endpoint_port=70000)
