@@ -90,7 +90,7 @@ class AgentEndpoint:
     @property
     def base(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return self.public_url or f"http://{host}:{port}"
+        return self.public_url or f"http://{host!s}:{port}"
 
     def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> AgentEnvironment:
         return AgentEnvironment(self, tokenizer, rows)
