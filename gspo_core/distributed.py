@@ -184,11 +184,10 @@ def load_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path) -
     the number of ranks that wrote it: DCP reads each rank's piece of every tensor from the saved pieces
     it overlaps (resharding). A collective."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=SHARDED)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # fills them in place
     # Not strict: the frozen parameters are absent on purpose (a trainable one missing fails in dcp.load).
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+    set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
 
 
 def load_full_state(

@@ -1,15 +1,20 @@
-"""Infrastructure faults for real: a Redis restart and a PostgreSQL restart in the middle of a job."""
+"""Infrastructure faults for real: a Redis restart and a PostgreSQL restart in the middle of a job, and a rank of
+a 2-device job killed."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
+from store.models import Checkpoint, JobEvent
 from tests.worker.conftest import build_rig, wait_for
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin") if Path("/usr/lib/postgresql/15/bin").exists() else None
@@ -136,3 +141,42 @@ def test_postgres_restart_mid_job_and_api_503(tmp_path):
         rig.stop_all()
         pg.stop()
         shutil.rmtree(pg_root, ignore_errors=True)
+
+
+def processes_running(arg: str) -> list[int]:
+    """Pids of the live processes one of whose arguments is ``arg``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and arg.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:  # it ended meanwhile
+            continue
+    return pids
+
+
+def test_a_killed_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
+    """SIGKILL to rank 1 of a 2-device job (what the OOM killer does): rank 0 notices at its next collective,
+    no rank is left behind, and the attempt is lost rather than the job: retried from its last checkpoint,
+    it succeeds with each step's metrics once."""
+    rig = make_rig(GSPO_WORKER_DEVICES="2", GSPO_MAX_JOB_DEVICES="2")
+    rig.start_worker(OMP_NUM_THREADS="1")  # two ranks on two cores
+    job_id = rig.submit(steps=4, save_every=1, job={"resources": {"devices": 2}})
+
+    def checkpoints() -> list[int]:
+        with rig.app.state.db.session() as s:
+            return list(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
+
+    wait_for(lambda: 1 in checkpoints(), 120, "step 1's checkpoint")
+    ranks = str(tmp_path / "work" / job_id / "ranks.yaml")  # the job file of ranks 1..N-1 (worker/ranks.py)
+    (rank_1,) = processes_running(ranks)
+    os.kill(rank_1, signal.SIGKILL)
+    job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=120)
+    assert job["status"] == "succeeded", rig.logs()
+    assert rig.steps(job_id) == [1, 2, 3, 4]
+    assert rig.db_job(job_id).attempts == 2
+    with rig.app.state.db.session() as s:
+        events = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
+    assert any(m.startswith("rank 1 was killed (SIGKILL): this attempt is lost") for m in events), events
+    assert any(m.startswith("resumed from step-00000") for m in events), events
+    assert not processes_running(ranks), "no rank outlives its job"
