@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from store.models import Checkpoint, JobEvent
+from store.objects import get_object_store
 from tests.worker.conftest import build_rig, wait_for
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin") if Path("/usr/lib/postgresql/15/bin").exists() else None
@@ -161,7 +162,7 @@ def test_a_killed_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
     it succeeds with each step's metrics once."""
     rig = make_rig(GSPO_WORKER_DEVICES="2", GSPO_MAX_JOB_DEVICES="2")
     rig.start_worker(OMP_NUM_THREADS="1")  # two ranks on two cores
-    job_id = rig.submit(steps=4, save_every=1, job={"resources": {"devices": 2}})
+    job_id = rig.submit(steps=4, slow=False, save_every=1, job={"resources": {"devices": 2}})
 
     def checkpoints() -> list[int]:
         with rig.app.state.db.session() as s:
@@ -179,4 +180,6 @@ def test_a_killed_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
         events = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
     assert any(m.startswith("rank 1 was killed (SIGKILL): this attempt is lost") for m in events), events
     assert any(m.startswith("resumed from step-00000") for m in events), events
+    stored = [key for key, _ in get_object_store(rig.settings).list(f"jobs/{job_id}/checkpoints")]
+    assert any(key.endswith("/trainer/__1_0.distcp") for key in stored), "rank 1's shards are stored too"
     assert not processes_running(ranks), "no rank outlives its job"
