@@ -183,3 +183,34 @@ def test_a_killed_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
     stored = [key for key, _ in get_object_store(rig.settings).list(f"jobs/{job_id}/checkpoints")]
     assert any(key.endswith("/trainer/__1_0.distcp") for key in stored), "rank 1's shards are stored too"
     assert not processes_running(ranks), "no rank outlives its job"
+    assert_ends_as_one_uninterrupted_rank(rig, job_id, tmp_path)
+
+
+def assert_ends_as_one_uninterrupted_rank(rig, job_id: str, tmp_path: Path) -> None:
+    """The retried job's weights are those of the same job run at once in one process (two ranks and one
+    agree to rounding: tests/core/test_spmd.py): the resume from the stored sharded state lost and repeated
+    nothing."""
+    from safetensors.torch import load_file
+
+    from gspo_core.config import GSPOConfig, JobSpec
+    from tests.core.trainer_support import one_torch_thread, train
+
+    job = rig.db_job(job_id)
+    with rig.app.state.db.session() as s:
+        prefix = s.scalar(select(Checkpoint.object_prefix).where(Checkpoint.job_id == job_id, Checkpoint.final))
+    got = load_file(rig.settings.data_dir / "objects" / prefix / "model" / "model.safetensors")
+    spec = JobSpec(
+        model=str(rig.settings.models_dir / "toy"),
+        training_file=str(tmp_path / "toy.jsonl"),
+        reward=job.reward,
+        hyperparameters=GSPOConfig.from_stored({**job.hyperparameters, "seed": job.seed}),
+        output_dir=str(tmp_path / "reference"),
+    )
+    with one_torch_thread():
+        want = load_file(Path(train(spec).final_checkpoint) / "model" / "model.safetensors")
+    base = load_file(rig.settings.models_dir / "toy" / "model.safetensors")
+    assert got.keys() == want.keys()
+    moved = max(float((want[name] - base[name]).abs().max()) for name in want)
+    err = max(float((got[name] - want[name]).abs().max()) for name in want)
+    # Two ranks sum in another order than one: measured 7e-6 after 4 steps here (2e-6 after 3 in test_spmd).
+    assert moved > 1e-3 and err < 5e-5, (moved, err)
