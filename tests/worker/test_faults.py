@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from store.models import Checkpoint, JobEvent
-from store.objects import get_object_store
+from store.objects import get_dir, get_object_store
 from tests.worker.conftest import build_rig, wait_for
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin") if Path("/usr/lib/postgresql/15/bin").exists() else None
@@ -198,7 +198,8 @@ def assert_ends_as_one_uninterrupted_rank(rig, job_id: str, tmp_path: Path) -> N
     job = rig.db_job(job_id)
     with rig.app.state.db.session() as s:
         prefix = s.scalar(select(Checkpoint.object_prefix).where(Checkpoint.job_id == job_id, Checkpoint.final))
-    got = load_file(rig.settings.data_dir / "objects" / prefix / "model" / "model.safetensors")
+    final = get_dir(get_object_store(rig.settings), f"{prefix}/model", tmp_path / "final")
+    got = load_file(final / "model.safetensors")
     spec = JobSpec(
         model=str(rig.settings.models_dir / "toy"),
         training_file=str(tmp_path / "toy.jsonl"),
