@@ -19,8 +19,8 @@ from gspo_core.config import JobSpec
 
 #: Linux's prctl option that signals a process when its parent dies.
 PR_SET_PDEATHSIG = 1
-#: How long rank 0, its trainer failed, waits to learn whether a rank's death caused it: its collective fails
-#: the moment the dead rank's sockets close, a little before the process can be reaped.
+#: How long rank 0 waits, once its trainer failed, to learn whether a rank's death caused it: its collective
+#: fails the moment the dead rank's sockets close, a little before the watch can reap that rank.
 DEATH_GRACE_S = 2.0
 
 
