@@ -25,7 +25,6 @@ from gspo_core.distributed import (
     Ranks,
     broadcast,
     full_weights,
-    gather_optimizer_state,
     gather_state_dict,
     join_group,
     local_device,
@@ -240,7 +239,7 @@ class Trainer:
 
     def resume(self, ckpt_dir: str) -> None:
         state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir)
+        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir, self.ranks)
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
@@ -351,25 +350,22 @@ class Trainer:
         return out
 
     def checkpoint(self, final: bool) -> str:
-        """Save the current step (once: a step already saved is not written again): every rank gathers the
-        full state dicts, rank 0 writes them and reports the checkpoint."""
+        """Save the current step (once: a step already saved is not written again): every rank writes its
+        shards of the trainer state, rank 0 the export; rank 0 reports the checkpoint."""
         if self.saved is None or self.saved[0] != self.step:
-            model_state = gather_state_dict(self.model)
-            optimizer_state = gather_optimizer_state(self.model, self.policy.optimizer)
-            path = None
+            path = save_checkpoint(
+                self.spec.output_dir,
+                self.step,
+                self.model,
+                self.tokenizer,
+                self.policy.optimizer,
+                self.policy.scheduler,
+                self.ranks,
+                extra={"data": self.data_state()},
+            )
             if self.ranks.main:
-                path = save_checkpoint(
-                    self.spec.output_dir,
-                    self.step,
-                    self.model,
-                    self.tokenizer,
-                    model_state,
-                    optimizer_state,
-                    self.policy.scheduler,
-                    extra={"data": self.data_state()},
-                )
                 self.callbacks.on_checkpoint(self.step, str(path), final)
-            self.saved = (self.step, str(broadcast(path, self.ranks)))
+            self.saved = (self.step, str(path))
         elif final and self.ranks.main:
             self.callbacks.on_checkpoint(self.step, self.saved[1], final)
         return self.saved[1]
