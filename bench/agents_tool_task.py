@@ -38,8 +38,8 @@ GRADE = (
 )
 
 
-def tool_server() -> ThreadingHTTPServer:
-    rng = random.Random(0)
+def tool_server(seed: int = 0) -> ThreadingHTTPServer:
+    rng = random.Random(seed)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -59,7 +59,7 @@ def tool_server() -> ThreadingHTTPServer:
     return server
 
 
-def warm_model(out: Path, copies: bool, steps: int = 300, lr: float = 2e-3) -> Path:
+def warm_model(out: Path, copies: bool, steps: int = 300, lr: float = 2e-3, seed: int = 0) -> Path:
     """The tiny model after a short supervised warm-up (environment ids not trained, as in GSPO's loss):
     after ``key:`` call ``{f}``, then, after the tool's result, answer one of the letters and stop.
 
@@ -71,12 +71,12 @@ def warm_model(out: Path, copies: bool, steps: int = 300, lr: float = 2e-3) -> P
     answer position to ignore the result -- its hidden state was the same for all 12 results to 3e-7
     (docs/agents.md, "Measured")."""
     shutil.copytree(build_tiny_model(out.parent / "tiny"), out, dirs_exist_ok=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model, tok = load_policy(str(out), GSPOConfig(), torch.device("cpu"))
     key, echo = (tok(p, add_special_tokens=False)["input_ids"] for p in ("key:", "cpy:"))  # same length
     call = tok("{f}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     letters_L = torch.tensor(tok(list(LETTERS), add_special_tokens=False)["input_ids"]).squeeze(-1)
-    rng, opt = random.Random(1), torch.optim.Adam(model.parameters(), lr=lr)
+    rng, opt = random.Random(seed + 1), torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
         rows, values = [], []
         for i in range(32):
@@ -108,11 +108,16 @@ class Curve(Callbacks):
     def __init__(self, verbose: bool = False) -> None:
         self.reward: list[float] = []
         self.calls: list[float] = []
+        self.elapsed: list[float] = []  # seconds from the first step's start to each step's end
+        self.start = time.time()
         self.verbose = verbose
 
     def on_step(self, step, metrics):
         self.reward.append(metrics["reward/mean"])
         self.calls.append(metrics.get("tool_calls/mean", 0.0))
+        if not self.elapsed:
+            self.start = time.time() - metrics["time/step"]
+        self.elapsed.append(time.time() - self.start)
         if self.verbose:
             keys = ("reward/mean", "tool_calls/mean", "reward/frac_zero_std", "grad_norm", "entropy", "ratio/max")
             keys += ("logprob_gap/max", "completion/len_mean", "time/step")
@@ -125,24 +130,12 @@ class Curve(Callbacks):
                 print(f"  step {step} reward {c['reward']:.0f} {turns or c['text']!r}", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", nargs="?", default="transformers", choices=["transformers", "vllm"])
-    parser.add_argument("steps", nargs="?", type=int, default=300)
-    parser.add_argument("learning_rate", nargs="?", type=float, default=1e-3)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", choices=["copy", "format"], default="copy")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args()
-    engine, steps, lr = args.engine, args.steps, args.learning_rate
-    torch.set_num_threads(1)
-    server, work = tool_server(), Path(tempfile.mkdtemp(prefix="agents-bench-"))
+def job(args: argparse.Namespace, work: Path, url: str) -> JobSpec:
+    """The GSPO job: two-turn episodes of ``key:`` with the tool ``f`` at ``url``, one mini-batch a step."""
     data = work / "rows.jsonl"
     data.write_text('{"prompt": "key:"}\n' * 64)
-    spec = JobSpec(
-        model=str(warm_model(work / "model", args.warmup == "copy")),
+    return JobSpec(
+        model=str(warm_model(work / "model", args.warmup == "copy", seed=args.seed)),
         training_file=str(data),
         output_dir=str(work / "out"),
         reward={"type": "python", "source": GRADE},
@@ -152,31 +145,55 @@ def main() -> None:
                 "name": "f",
                 "description": "a letter",
                 "parameters": {"type": "object", "properties": {}},
-                "server_url": f"http://127.0.0.1:{server.server_address[1]}/f",
+                "server_url": url,
             }
         ],
         hyperparameters={
-            "steps": steps,
+            "steps": args.steps,
             "prompts_per_step": args.prompts,
             "group_size": args.group_size,
             "max_turns": 2,
             "max_turn_tokens": 6,
             "max_new_tokens": 32,
-            "learning_rate": lr,
+            "learning_rate": args.learning_rate,
             "mini_batches": 1,
             "tool_format": "toy",
             "seed": args.seed,
         },
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine", nargs="?", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("steps", nargs="?", type=int, default=60)
+    parser.add_argument("learning_rate", nargs="?", type=float, default=3e-4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", choices=["copy", "format"], default="copy")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    server, work = tool_server(args.seed), Path(tempfile.mkdtemp(prefix="agents-bench-"))
+    start = time.time()
+    spec = job(args, work, f"http://127.0.0.1:{server.server_address[1]}/f")
+    warmup_s = time.time() - start
     policy = GraderPolicy(python=os.environ.get("GSPO_GRADER_PYTHON"), egress_allow=("127.0.0.1",))
-    curve, start = Curve(args.verbose), time.time()
-    train(spec, curve, grader_policy=policy, runtime=RuntimeOptions(rollout_engine=engine))
-    every = max(1, steps // 15)
+    curve = Curve(args.verbose)
+    train(spec, curve, grader_policy=policy, runtime=RuntimeOptions(rollout_engine=args.engine))
+    steps, every = len(curve.reward), max(1, len(curve.reward) // 15)
     print(
         json.dumps(
             {
-                "engine": engine,
-                "wall_s": round(time.time() - start, 1),
+                "engine": args.engine,
+                "warmup_s": round(warmup_s, 1),
+                "wall_s": round(time.time() - start - warmup_s, 1),
+                "start_reward": round(sum(curve.reward[:5]) / 5, 3),
+                "first_step_over_half": next((i + 1 for i, r in enumerate(curve.reward) if r > 0.5), None),
+                "s_to_first_step_over_half": next(
+                    (round(t, 1) for r, t in zip(curve.reward, curve.elapsed, strict=True) if r > 0.5), None
+                ),
                 f"reward_per_{every}_steps": [
                     round(sum(curve.reward[i : i + every]) / every, 3) for i in range(0, steps, every)
                 ],
