@@ -113,6 +113,7 @@ class VLLMEngine:
         plain_sampling: bool = False,
         max_num_seqs: int | None = None,
         max_new_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
         platform: Platform | None = None,
     ) -> None:
         _quiet_benign_warnings()  # before vLLM loads: it warns of Triton on import
@@ -146,6 +147,7 @@ class VLLMEngine:
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 max_new_tokens=max_new_tokens,
+                tensor_parallel_size=tensor_parallel_size,
             )
         )
         #: Tokens per KV block where the platform picks it (vLLM's own choice otherwise).
