@@ -27,8 +27,8 @@ def weights(ckpt: str | Path) -> dict:
 # model, and a Qwen3-MoE trained in full. (LoRA with the transformers engine shards as LoRA with vLLM does.)
 CASES = [
     pytest.param("transformers", "dense", False, id="full"),
-    pytest.param("vllm", "dense", True, id="lora-vllm", marks=pytest.mark.vllm),
-    pytest.param("vllm", "moe", False, id="moe-vllm", marks=pytest.mark.vllm),
+    pytest.param("vllm", "dense", True, id="lora-vllm", marks=[pytest.mark.vllm, pytest.mark.multiprocess]),
+    pytest.param("vllm", "moe", False, id="moe-vllm", marks=[pytest.mark.vllm, pytest.mark.multiprocess]),
 ]
 
 
