@@ -97,6 +97,8 @@ class VLLMEngine:
     (`gspo_core.rollout.weight_push`): in the trainer's process with one rank (what
     `gspo_core.platform.prepare_process` sets up) it hands vLLM the tensors; in multiprocess mode or with
     tensor parallelism it broadcasts them over gloo.
+    ``tensor_parallel_size``: vLLM's ranks; a job at N devices serves with N, its engine core and workers in
+    processes of their own (`gspo_core.platform.Platform.prepare_job`; docs/scaling.md).
     """
 
     name = "vllm"
