@@ -214,6 +214,37 @@ class WebhookEndpointCreate(BaseModel):
     url: str = Field(max_length=2048)
 
 
+class WebhookEndpointUpdate(BaseModel):
+    """``client.webhooks.update``: what is given is set (``event_types`` is the complete new set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_types: list[str] | None = Field(None, min_length=1, max_length=3)
+    name: str | None = Field(None, max_length=200)
+    url: str | None = Field(None, max_length=2048)
+
+
+class WebhookRotateSecret(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keep_old_secret_active_for_24_hours: bool = False
+
+
+class WebhookTest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    event_type: str = Field(max_length=100)
+
+
+class WebhookEndpointTestResult(BaseModel):
+    object: Literal["webhook_endpoint.test"] = "webhook_endpoint.test"
+    webhook_endpoint_id: str
+    event_type: str
+    status_code: int = Field(description="The endpoint's answer (0: no answer, see `error`)")
+    success: Literal[True] = True
+    error: str | None = Field(None, description="Why there was no 2xx (an extension of OpenAI's object)")
+
+
 class WebhookEndpoint(BaseModel):
     id: str
     object: Literal["webhook_endpoint"] = "webhook_endpoint"
@@ -226,7 +257,7 @@ class WebhookEndpoint(BaseModel):
 
 
 class WebhookEndpointWithSecret(WebhookEndpoint):
-    signing_secret: str = Field(description="Shown only when the endpoint is created")
+    signing_secret: str = Field(description="Shown only when the endpoint is created or its secret rotated")
 
 
 class DeletedWebhookEndpoint(BaseModel):

@@ -276,10 +276,15 @@ class RewardRunIn(BaseModel):
     reward: dict[str, Any]
     item: dict[str, Any] = Field(default_factory=dict)
     samples: list[str] = Field(
-        ...,
-        min_length=1,
+        default_factory=list,
         max_length=64,
-        description="Completion texts to grade (GSPO_MAX_REWARD_RUN_SAMPLES, at most 64).",
+        description="Completion texts to grade (GSPO_MAX_REWARD_RUN_SAMPLES, at most 64); or give `messages`.",
+    )
+    messages: list[dict[str, Any]] | None = Field(
+        None,
+        description="Instead of `samples`: one episode's chat transcript (assistant `tool_calls`, `tool` "
+        "results), graded as training grades it: `output_text` its last assistant text, `output_tools` its "
+        "calls, `messages` the transcript.",
     )
 
 

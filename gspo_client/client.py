@@ -70,7 +70,7 @@ class Client:
         *,
         model: str,
         training_file: str,
-        reward: dict,
+        reward: dict | None = None,
         hyperparameters: dict | None = None,
         validation_file: str | None = None,
         name: str | None = None,
@@ -197,7 +197,14 @@ class Client:
         return dest
 
     # --- rewards -------------------------------------------------------------------------
-    def run_reward(self, reward: dict, item: dict, samples: list[str]) -> dict:
-        return self._check(
-            self.http.post("/v1/rewards/run", json={"reward": reward, "item": item, "samples": samples})
-        ).json()
+    def run_reward(
+        self, reward: dict, item: dict, samples: list[str] | None = None, messages: list[dict] | None = None
+    ) -> dict:
+        """Grade ``samples`` (texts), or ``messages`` (one episode's chat transcript, graded as training
+        grades it)."""
+        body: dict = {"reward": reward, "item": item}
+        if messages is not None:
+            body["messages"] = messages
+        else:
+            body["samples"] = list(samples or [])
+        return self._check(self.http.post("/v1/rewards/run", json=body)).json()

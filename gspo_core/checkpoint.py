@@ -1,10 +1,11 @@
-"""Checkpoints: a Hugging Face model directory plus the trainer state needed for exact resume.
+"""Checkpoints: the trainer's sharded state (exact resume at any number of ranks) beside a Hugging Face export.
 
-Layout: ``<output_dir>/checkpoints/step-000010/{model/, adapter/ (LoRA), trainer_state.pt}``.
-A checkpoint directory is written under a temporary name and renamed when complete, so a crash
-mid-save never leaves a half checkpoint that resume would pick. The trainer gathers the model's and the
-optimizer's full state dicts from its ranks (by parameter name); rank 0 writes them, and every rank of a
-resumed run loads them into its shards, whatever the number of ranks that saved them.
+Layout: ``<output_dir>/checkpoints/step-000010/{trainer/ (DCP: each rank's shards of the trainable weights
+and their optimizer state, plus .metadata), model/ (HF: safetensors + config + tokenizer, merged for LoRA),
+adapter/ (LoRA), trainer_state.pt (step, scheduler, every rank's RNG, data cursor)}``. A checkpoint directory
+is written under a temporary name and renamed when complete, so a crash mid-save never leaves a half
+checkpoint that resume would pick. ``model/`` and ``adapter/`` are for downloads and serving; resume reads
+``trainer/`` (a checkpoint written before it existed resumes from the full state dicts it holds instead).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gspo_core.distributed import load_full_state
+from gspo_core.distributed import (
+    Ranks,
+    barrier,
+    broadcast,
+    gather,
+    gather_state_dict,
+    load_full_state,
+    load_sharded,
+    save_sharded,
+)
 from gspo_core.policy import Policy, save_hf
 
 if TYPE_CHECKING:
@@ -46,43 +56,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _is_lora(model: Policy) -> bool:
-    return hasattr(model, "merge_and_unload")
-
-
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
     model: Policy,
     tokenizer: PreTrainedTokenizerBase,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ranks: Ranks,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write model + trainer state for ``step`` atomically; returns the step directory. ``model_state`` and
-    ``optimizer_state``: the full state dicts (`gspo_core.distributed.gather_state_dict`, ``gather_optimizer_state``).
-
-    Full fine-tuning resumes its weights from ``model/`` itself (fp32 safetensors, no second copy);
-    with LoRA ``model/`` is merged, so the (small) adapter tensors go into the trainer state.
-    """
+    """Write the checkpoint of ``step`` atomically (a collective: every rank calls it, on one machine's
+    ``output_dir``); returns the step directory."""
     final = step_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp / "model", model_state)
-    state = {
-        "step": step,
-        "optimizer": optimizer_state,
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-        **(extra or {}),
-    }
-    if _is_lora(model):
-        state["trainable"] = {n: model_state[n] for n, p in model.named_parameters() if p.requires_grad}
-    torch.save(state, tmp / "trainer_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
+    if ranks.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier(ranks)  # no rank writes its shards into the directory rank 0 is clearing
+    save_sharded(model, optimizer, tmp / "trainer")
+    rngs = gather(rng_state(), ranks)  # each rank's own: a rank's draws need not match rank 0's
+    model_state = gather_state_dict(model)  # the export's full tensors, on rank 0
+    if ranks.main:
+        save_hf(model, tokenizer, tmp / "model", model_state)
+        state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rngs, **(extra or {})}
+        torch.save(state, tmp / "trainer_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    return broadcast(final if ranks.main else None, ranks)
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -123,9 +123,23 @@ def restore(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: dict[str, Any],
     ckpt_dir: str | Path,
+    ranks: Ranks,
 ) -> int:
-    """Load trainable weights, optimizer, scheduler and RNG from a checkpoint into this rank's shards;
-    returns its step."""
+    """Load trainable weights, optimizer, scheduler and RNG from a checkpoint into this rank's shards (a
+    collective); returns its step. A run on more ranks than saved it gives the extra ranks rank 0's RNG."""
+    if (Path(ckpt_dir) / "trainer" / ".metadata").is_file():
+        load_sharded(model, optimizer, Path(ckpt_dir) / "trainer")
+    else:
+        _restore_full(model, optimizer, state, ckpt_dir)
+    scheduler.load_state_dict(state["scheduler"])
+    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+    set_rng_state(rngs[ranks.rank] if ranks.rank < len(rngs) else rngs[0])
+    return int(state["step"])
+
+
+def _restore_full(model: Policy, optimizer: torch.optim.Optimizer, state: dict[str, Any], ckpt_dir: str | Path) -> None:
+    """A checkpoint written before ``trainer/``: full weights (``model/``, or the LoRA tensors in the
+    trainer state) and a full optimizer state dict, loaded into this rank's shards."""
     weights = state.get("trainable") or _saved_weights(ckpt_dir)
     params = dict(model.named_parameters())  # tied weights appear once, as save_pretrained keeps them
     wanted = [n for n, p in params.items() if p.requires_grad]
@@ -136,9 +150,6 @@ def restore(
             "(was it saved from another model or LoRA setting?)"
         )
     load_full_state(model, optimizer, {name: weights[name] for name in wanted}, by_name(state["optimizer"], wanted))
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return int(state["step"])
 
 
 def latest_checkpoint(output_dir: str | Path) -> str | None:

@@ -7,9 +7,10 @@ bounded before any recursive parse, finite numbers only, integers of bounded len
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -162,11 +163,60 @@ def loads_strict(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     return obj
 
 
+def row_tool_names(row: dict) -> frozenset[str] | None:
+    """The names of the tools a row offers (its ``tools``, OpenAI's dataset format); None: the job's all."""
+    tools = row.get("tools")
+    if not isinstance(tools, list):
+        return None
+    return frozenset(t["function"]["name"] for t in tools)
+
+
+def _check_row_tools(tools: Any, line: int) -> None:
+    """A row's ``tools``: OpenAI's ``[{"type": "function", "function": {"name": ...}}]``."""
+    if not isinstance(tools, list):
+        raise DataError(line, "tools", '`tools` must be a list of {"type": "function", "function": {"name": ...}}')
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise DataError(line, f"tools[{i}]", 'each tool is {"type": "function", "function": {"name": ...}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise DataError(line, f"tools[{i}].function.name", "must be the name of one of the job's tools")
+
+
+def check_row_tools(rows: Iterable[tuple[int, dict]], names: set[str]) -> None:
+    """Every tool a row names (``(line, row)`` pairs) is one of the job's (``names``); :class:`DataError`
+    naming the line and the field of the first that is not."""
+    for line, row in rows:
+        for i, tool in enumerate(row.get("tools") or ()):
+            if (name := tool["function"]["name"]) not in names:
+                known = ", ".join(sorted(names)) or "none"
+                raise DataError(
+                    line, f"tools[{i}].function.name", f"no tool named {name!r} in the job (it has: {known})"
+                )
+
+
+def rows_with_tools(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
+    """``(line, row)`` of the rows that carry ``tools`` in a stored JSONL file (validated at upload) read as
+    byte chunks; memory holds one line at a time, and only the lines that mention ``"tools"`` are parsed."""
+    line, rest = 0, b""
+    for chunk in itertools.chain(chunks, [b"\n"]):  # the last line may lack its newline
+        *lines, rest = (rest + chunk).split(b"\n")
+        for raw in lines:
+            line += 1
+            if b'"tools"' not in raw:
+                continue
+            row = loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
+            if isinstance(row, dict) and "tools" in row:
+                yield line, row
+
+
 def _check_row(row: Any, line: int) -> dict:
     if not isinstance(row, dict):
         raise DataError(line, None, f"expected a JSON object, got {type(row).__name__}")
     if len(row) > MAX_ROW_FIELDS:
         raise DataError(line, None, f"row has {len(row)} fields; at most {MAX_ROW_FIELDS}")
+    if "tools" in row:
+        _check_row_tools(row["tools"], line)
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise DataError(line, "prompt", "`prompt` must be a non-empty string")
@@ -301,9 +351,11 @@ def _load_hf(spec: str) -> list[dict]:
 
 def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None) -> str:
     """The prompt text of a row: ``prompt`` as is, or ``messages`` through the chat template, offered the
-    job's ``tools`` (their schemas) where it has any."""
+    job's ``tools`` (their schemas) where it has any, narrowed to the row's own ``tools`` where it has them."""
     if "prompt" in row:
         return row["prompt"]
+    if tools and (names := row_tool_names(row)) is not None:  # the row narrows the job's tools
+        tools = [tool for tool in tools if tool["function"]["name"] in names]
     text = tokenizer.apply_chat_template(
         row["messages"], tools=tools or None, tokenize=False, add_generation_prompt=True
     )

@@ -6,16 +6,19 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -164,17 +167,34 @@ def gather_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
     return cast(dict[str, torch.Tensor], get_model_state_dict(policy, options=options))
 
 
-def gather_optimizer_state(policy: Policy, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's full state dict, keyed by parameter name, on rank 0's CPU (a collective)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(policy, optimizer, options=options)
+#: The trainer state DCP keeps: trainable parameters only (a LoRA job's frozen base is its base model's).
+SHARDED = StateDictOptions(ignore_frozen_params=True)
+
+
+def save_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Each rank writes its own shards of the trainable weights and their optimizer state under ``path``
+    with ``torch.distributed.checkpoint`` (rank 0 adds the metadata: every tensor's global shape and where
+    each piece lies), so nothing is gathered. A collective; one rank writes whole tensors."""
+    model_state, optimizer_state = get_state_dict(policy, optimizer, options=SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+
+
+def load_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Read this rank's shards of a :func:`save_sharded` directory into the policy and optimizer, whatever
+    the number of ranks that wrote it: DCP reads each rank's piece of every tensor from the saved pieces
+    it overlaps (resharding). A collective."""
+    model_state, optimizer_state = get_state_dict(policy, optimizer, options=SHARDED)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # fills them in place
+    # Not strict: the frozen parameters are absent on purpose (a trainable one missing fails in dcp.load).
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
 
 
 def load_full_state(
     policy: Policy, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
 ) -> None:
     """Load full (unsharded, by-name) ``weights`` (some of the policy's) and optimizer state into this rank's
-    shards; every rank reads the checkpoint itself."""
+    shards; every rank reads the checkpoint itself (checkpoints written before :func:`save_sharded`)."""
     set_model_state_dict(
         policy, cast(dict[str, Any], weights), options=StateDictOptions(full_state_dict=True, strict=False)
     )
@@ -204,6 +224,11 @@ def gather(value: T, ranks: Ranks) -> list[T]:
     out: list[Any] = [None] * ranks.world
     dist.all_gather_object(out, value)
     return out
+
+
+def barrier(ranks: Ranks) -> None:
+    if ranks.world > 1:
+        dist.barrier()
 
 
 def most(value: int, ranks: Ranks) -> int:

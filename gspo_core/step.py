@@ -36,7 +36,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -49,7 +49,7 @@ from gspo_core.losses import LossMetrics
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, checkpoint_weights, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
-from gspo_core.rewards import sample_for
+from gspo_core.rewards import sample_for, transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ def sample(
         seed=seed,
         logprobs=logprobs,
     )
-    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings())
+    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings(), rows)
     return Rollout(rows, prompts, [completion for group in groups for completion in group], metrics)
 
 
@@ -244,12 +244,16 @@ def sample(
 def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
     """Rewards of every completion, with reward and grader-error metrics. A dropped episode is not graded: it
     takes the mean reward of its group's other episodes (advantage about 0; it trains nothing anyway)."""
-    kept = [i for i, completion in enumerate(rollout.completions) if not completion.dropped]
+    from gspo_core.rewards import GradeResult
+
+    given = {i: _agent_reward(c) for i, c in enumerate(rollout.completions) if _agent_reward(c) is not None}
+    kept = [i for i, c in enumerate(rollout.completions) if not c.dropped and i not in given]
     items = [rollout.rows[rollout.completions[i].prompt_index] for i in kept]
     samples = [
         grader_sample(rollout.completions[i], rollout.prompts[rollout.completions[i].prompt_index]) for i in kept
     ]
     graded = dict(zip(kept, reward_fn.score_batch(items, samples) if kept else [], strict=True))
+    graded.update({i: GradeResult(cast(float, r)) for i, r in given.items() if not rollout.completions[i].dropped})
     grades = [graded.get(i) or _dropped_grade(rollout, i, graded) for i in range(len(rollout.completions))]
     rewards_N = torch.tensor([grade.reward for grade in grades], dtype=torch.float32)
     metrics = {"reward/mean": float(rewards_N.mean()), "reward/std": float(rewards_N.std(unbiased=False))}
@@ -259,18 +263,28 @@ def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
     return Scores(rewards_N=rewards_N, grades=grades, metrics=metrics)
 
 
+def _agent_reward(completion: Completion) -> float | None:
+    """The reward the user's agent reported for its episode (None: the job's grader gives it)."""
+    return (completion.extra.get("agent") or {}).get("reward")
+
+
 def grader_sample(completion: Completion, prompt: str) -> dict:
     """What graders see as ``sample``: the final answer, the sampled tokens and the finish reason; for an
-    episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript)."""
+    episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript: an
+    agent's episode, its own whole; else after the prompt as a user message), read from the transcript as
+    the API's dry runs read a given one (`gspo_core.rewards.transcript_sample`)."""
     turns = completion.extra.get("messages")
+    if "agent" in completion.extra:
+        return sample_for(
+            completion.text,
+            completion.sampled_tokens,
+            completion.finish_reason,
+            completion.extra.get("tool_calls", []),
+            turns or [],
+        )
     answer = [{"role": "assistant", "content": completion.text}]
-    return sample_for(
-        completion.text,
-        completion.sampled_tokens,
-        completion.finish_reason,
-        completion.extra.get("tool_calls", []),
-        [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)],
-    )
+    messages = [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)]
+    return transcript_sample(messages, completion.sampled_tokens, completion.finish_reason)
 
 
 def _dropped_grade(rollout: Rollout, row: int, graded: dict[int, GradeResult]) -> GradeResult:
@@ -278,7 +292,8 @@ def _dropped_grade(rollout: Rollout, row: int, graded: dict[int, GradeResult]) -
 
     group = rollout.completions[row].prompt_index
     peers = [g.reward for i, g in graded.items() if rollout.completions[i].prompt_index == group]
-    return GradeResult(reward=sum(peers) / len(peers) if peers else 0.0, errors={"episode": "dropped: a tool failed"})
+    why = {"episode": "dropped: a tool or the agent failed"}
+    return GradeResult(reward=sum(peers) / len(peers) if peers else 0.0, errors=why)
 
 
 # --- 3. advantages and the mini-batch plan ------------------------------------------------------------------

@@ -16,15 +16,15 @@ import torch
 from gspo_core import step as phases
 from gspo_core.agents import build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
+from gspo_core.agents.tools import agent_spec
 from gspo_core.callbacks import Callbacks
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
-from gspo_core.data import load_rows, render_prompt
+from gspo_core.data import DataError, check_row_tools, load_rows, render_prompt
 from gspo_core.distributed import (
     Ranks,
     broadcast,
     full_weights,
-    gather_optimizer_state,
     gather_state_dict,
     join_group,
     local_device,
@@ -38,6 +38,8 @@ from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from gspo_core.agents.remote import AgentEndpoint
 
 
 @dataclass
@@ -128,8 +130,11 @@ class Trainer:
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
         self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
+        self.agent_endpoint: AgentEndpoint | None = None
         try:
             self.toolbox = build_toolbox(spec.tools, grader_policy) if self.ranks.main else None
+            if self.ranks.main:  # rows naming a tool the job lacks (an MCP server's are known only now)
+                self._check_row_tools()
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.tokenizer: PreTrainedTokenizerBase = tokenizer
             amp = autocast_dtype(self.cfg, self.device)
@@ -143,8 +148,23 @@ class Trainer:
             self.engine_shares_weights: bool = broadcast(
                 self.engine.shares_weights if self.engine is not None else None, self.ranks
             )
+            parser = pick_format(self.cfg.tool_format, tokenizer)
+            agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
+            if agent is not None:
+                from gspo_core.agents.remote import AgentEndpoint
+
+                rt = self.runtime
+                self.agent_endpoint = AgentEndpoint(
+                    agent,
+                    grader_policy,
+                    parser,
+                    self.cfg.max_prompt_tokens,
+                    rt.agent_endpoint_host,
+                    rt.agent_endpoint_port,
+                    rt.agent_endpoint_url,
+                )
             self.agent = EpisodeSettings(
-                self.cfg.max_turns, self.cfg.max_turn_tokens, pick_format(self.cfg.tool_format, tokenizer), self.toolbox
+                self.cfg.max_turns, self.cfg.max_turn_tokens, parser, self.toolbox, self.agent_endpoint
             )
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
@@ -152,6 +172,14 @@ class Trainer:
         self.step = 0
         self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
+
+    def _check_row_tools(self) -> None:
+        names = set(self.toolbox.tools) if self.toolbox else set()
+        for what, rows in (("training_file", self.rows), ("validation_file", self.val_rows)):
+            try:
+                check_row_tools(enumerate(rows, 1), names)
+            except DataError as exc:
+                raise DataError(None, exc.field, f"{what}: row {exc.line}: {exc.message}") from None
 
     @property
     def model(self) -> Policy:
@@ -186,7 +214,8 @@ class Trainer:
         cfg = self.cfg
         evals = self.val_rows[: cfg.eval_prompts] if cfg.eval_every else []
         rows = self.rows + evals
-        longest = 1
+        agent = any(tool.get("type") == "agent" for tool in self.spec.tools)
+        longest = cfg.max_prompt_tokens if agent else 1  # an agent's prompts are its own: the bound
         # One batched tokenizer call per chunk (memory stays bounded): about what the job's first epoch
         # spends tokenizing them anyway.
         for i in range(0, len(rows), 4096):
@@ -207,7 +236,7 @@ class Trainer:
 
     def resume(self, ckpt_dir: str) -> None:
         state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir)
+        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir, self.ranks)
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
@@ -318,25 +347,22 @@ class Trainer:
         return out
 
     def checkpoint(self, final: bool) -> str:
-        """Save the current step (once: a step already saved is not written again): every rank gathers the
-        full state dicts, rank 0 writes them and reports the checkpoint."""
+        """Save the current step (once: a step already saved is not written again): every rank writes its
+        shards of the trainer state, rank 0 the export; rank 0 reports the checkpoint."""
         if self.saved is None or self.saved[0] != self.step:
-            model_state = gather_state_dict(self.model)
-            optimizer_state = gather_optimizer_state(self.model, self.policy.optimizer)
-            path = None
+            path = save_checkpoint(
+                self.spec.output_dir,
+                self.step,
+                self.model,
+                self.tokenizer,
+                self.policy.optimizer,
+                self.policy.scheduler,
+                self.ranks,
+                extra={"data": self.data_state()},
+            )
             if self.ranks.main:
-                path = save_checkpoint(
-                    self.spec.output_dir,
-                    self.step,
-                    self.model,
-                    self.tokenizer,
-                    model_state,
-                    optimizer_state,
-                    self.policy.scheduler,
-                    extra={"data": self.data_state()},
-                )
                 self.callbacks.on_checkpoint(self.step, str(path), final)
-            self.saved = (self.step, str(broadcast(path, self.ranks)))
+            self.saved = (self.step, str(path))
         elif final and self.ranks.main:
             self.callbacks.on_checkpoint(self.step, self.saved[1], final)
         return self.saved[1]
@@ -356,6 +382,9 @@ class Trainer:
             self.reward_fn.close()
         if self.toolbox is not None:
             self.toolbox.close()
+        if self.agent_endpoint is not None:
+            self.agent_endpoint.close()
+            self.agent_endpoint = None
 
     def close(self, engine: bool = True) -> None:
         self.close_graders()

@@ -241,6 +241,18 @@ def hold(s: Session, job_id: str, worker_id: str) -> None:
         raise LeaseLost(f"job {job_id}: worker {worker_id} no longer holds it")
 
 
+def end_lease(s: Session, job_id: str, worker_id: str) -> None:
+    """Expire the holder's lease now: its attempt was lost (a rank of the job died) and the reaper requeues
+    the job, or fails it past its retry budget, exactly as when a worker dies, without waiting out the lease."""
+    hold(s, job_id, worker_id)
+    s.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id)
+        .values(lease_until=_now() - timedelta(seconds=1))
+        .execution_options(synchronize_session=False)
+    )
+
+
 def _upsert(s: Session, table: Table, values: dict, keys: list[str], update_cols: list[str]) -> None:
     dialect = s.get_bind().dialect.name
     ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)

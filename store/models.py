@@ -194,6 +194,11 @@ class WebhookEndpoint(Base):
     events: Mapped[list] = mapped_column(JSON)
     secret: Mapped[str] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The last change of the URL, name, events or secret (None: never changed since created_at).
+    updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # After a rotation that keeps the old secret for a while, deliveries carry a signature by each.
+    previous_secret: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    previous_secret_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class WebhookDelivery(Base):

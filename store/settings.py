@@ -169,6 +169,22 @@ class Settings(BaseSettings):
         validation_alias=_env("KEEP_FREED_MEMORY"),
         description="CPU training: freed memory stays in the job process's heap",
     )
+    agent_endpoint_host: str = Field(
+        "127.0.0.1",
+        max_length=255,
+        validation_alias=_env("AGENT_ENDPOINT_HOST"),
+        description="Address the chat endpoint of a bring-your-own-agent job listens on (0.0.0.0: every interface)",
+    )
+    agent_endpoint_port: int = Field(
+        0, ge=0, le=65535, validation_alias=_env("AGENT_ENDPOINT_PORT"), description="Its port (0: a free one)"
+    )
+    agent_endpoint_url: str = Field(
+        "",
+        max_length=2048,
+        pattern=r"^(https?://[^\s/]+(/[^\s]*)?)?$",
+        validation_alias=_env("AGENT_ENDPOINT_URL"),
+        description="The base URL agents reach it at, e.g. behind a proxy (empty: http://<host>:<port>)",
+    )
 
     log_level: str = Field(
         "WARNING",
@@ -268,6 +284,9 @@ class Settings(BaseSettings):
             "rollout_engine": self.rollout_engine,
             "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization,
             "keep_freed_memory": self.keep_freed_memory,
+            "agent_endpoint_host": self.agent_endpoint_host,
+            "agent_endpoint_port": self.agent_endpoint_port,
+            "agent_endpoint_url": self.agent_endpoint_url,
         }
 
     def broker_is_embedded(self) -> bool:

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
+from standardwebhooks import Webhook
 
 from store.models import Job, WebhookDelivery, WebhookEndpoint, new_id
 
@@ -45,7 +46,7 @@ class Due:
 
     id: str
     url: str
-    secret: str
+    secrets: tuple[str, ...]  # each signs: the current one, and a rotated-out one while it is kept
     payload: str
     attempts: int
     tenant_id: str
@@ -74,6 +75,59 @@ def create_endpoint(
     s.add(ep)
     s.flush()
     return ep
+
+
+def signing_secrets(ep: WebhookEndpoint, now: datetime) -> tuple[str, ...]:
+    """The secrets a delivery is signed with: the endpoint's, and the previous one until it expires."""
+    until = ep.previous_secret_until
+    if ep.previous_secret and until is not None and _aware(until) > now:
+        return (ep.secret, ep.previous_secret)
+    return (ep.secret,)
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo else at.replace(tzinfo=UTC)  # SQLite hands back naive UTC
+
+
+def signed_headers(msg_id: str, secrets_: tuple[str, ...], payload: str, at: datetime) -> dict[str, str]:
+    """Standard Webhooks' headers: the message id, the time, and one ``v1,`` signature per secret
+    (space-separated, as the spec allows during a rotation; receivers accept any that verifies)."""
+    return {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(int(at.timestamp())),
+        "webhook-signature": " ".join(Webhook(secret).sign(msg_id, at, payload) for secret in secrets_),
+        "content-type": "application/json",
+        "user-agent": "gspo-webhooks/1",
+    }
+
+
+def update_endpoint(
+    s: Session, ep: WebhookEndpoint, url: str | None, name: str | None, events: list[str] | None
+) -> WebhookEndpoint:
+    """Set what is given; ``updated_at`` moves only when something changed."""
+    changes = {k: v for k, v in (("url", url), ("name", name), ("events", events)) if v is not None}
+    if any(getattr(ep, k) != v for k, v in changes.items()):
+        for k, v in changes.items():
+            setattr(ep, k, v)
+        ep.updated_at = _now()
+    return ep
+
+
+def rotate_secret(s: Session, ep: WebhookEndpoint, keep_old_for: timedelta | None) -> WebhookEndpoint:
+    """A new signing secret; the old one also signs for ``keep_old_for`` (None: it stops at once)."""
+    now = _now()
+    ep.previous_secret = ep.secret if keep_old_for else None
+    ep.previous_secret_until = now + keep_old_for if keep_old_for else None
+    ep.secret, ep.updated_at = new_secret(), now
+    return ep
+
+
+def event_payload(event_type: str, job_id: str) -> tuple[str, str]:
+    """A new event's id and its exact body (OpenAI's event object)."""
+    event_id = new_id("evt")
+    event = {"id": event_id, "object": "event", "type": event_type, "created_at": int(time.time())}
+    event["data"] = {"id": job_id}
+    return event_id, json.dumps(event, separators=(",", ":"))
 
 
 def list_endpoints(s: Session, tenant_id: str) -> list[WebhookEndpoint]:
@@ -114,15 +168,7 @@ def enqueue_job_event(s: Session, job: Job, status: str) -> int:
     ]
     if not endpoints:
         return 0
-    event_id = new_id("evt")
-    event = {
-        "id": event_id,
-        "object": "event",
-        "type": event_type,
-        "created_at": int(time.time()),
-        "data": {"id": job.id},
-    }
-    payload = json.dumps(event, separators=(",", ":"))
+    event_id, payload = event_payload(event_type, job.id)
     now = _now()
     for ep in endpoints:
         s.add(
@@ -187,7 +233,8 @@ def claim_due(
     for r in rows:
         r.next_attempt_at = now + timedelta(seconds=hold_s)
     return [
-        Due(r.id, eps[r.endpoint_id].url, eps[r.endpoint_id].secret, r.payload, r.attempts, r.tenant_id) for r in rows
+        Due(r.id, eps[r.endpoint_id].url, signing_secrets(eps[r.endpoint_id], now), r.payload, r.attempts, r.tenant_id)
+        for r in rows
     ]
 
 

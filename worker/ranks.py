@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,45 @@ from gspo_core.platform import prepare_job
 
 #: Linux's prctl option that signals a process when its parent dies.
 PR_SET_PDEATHSIG = 1
+#: How long rank 0 waits, once its trainer failed, to learn whether a rank's death caused it: its collective
+#: fails the moment the dead rank's sockets close, a little before the watch can reap that rank.
+DEATH_GRACE_S = 2.0
+
+
+class RankLost(Exception):
+    """A rank other than 0 was killed by a signal (the OOM killer, a lost device or machine): the attempt is
+    lost, not the job's fault, so the job is retried from its last checkpoint (`worker.runner`)."""
+
+
+class _Watch(threading.Thread):
+    """Polls ranks 1..N-1 while rank 0 trains. When one ends with a non-zero status, it kills the others:
+    every connection to rank 0 then closes, so rank 0's next (or current) gloo collective fails at once
+    instead of waiting out the group's timeout, and no rank is left waiting for the dead one."""
+
+    def __init__(self, ranks: list[subprocess.Popen]) -> None:
+        super().__init__(name="gspo-ranks-watch", daemon=True)
+        self.ranks, self.stop = ranks, threading.Event()
+        self.ended: tuple[int, int] | None = None  # (rank, exit status; negative: the signal) of the first
+
+    def run(self) -> None:
+        while not self.stop.wait(0.1):
+            for rank, process in enumerate(self.ranks, 1):
+                code = process.poll()
+                if code:
+                    self.ended = (rank, code)
+                    for other in self.ranks:
+                        if other.poll() is None:
+                            other.kill()
+                    return
+
+    def lost(self) -> RankLost | None:
+        """After rank 0 failed: the rank killed meanwhile, if any. A rank that exited with an error is not
+        one: it failed like rank 0 did (the same bad input) or on its own, and rank 0's error says so."""
+        self.join(DEATH_GRACE_S)
+        if self.ended is None or self.ended[1] > 0:
+            return None
+        rank, code = self.ended
+        return RankLost(f"rank {rank} was killed ({signal.Signals(-code).name})")
 
 
 def _die_with_parent() -> None:
@@ -36,7 +76,8 @@ def _free_port() -> int:
 def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
     """Start ranks 1..N-1 of the job (N = ``spec.resources.devices``) with torchrun's environment (``env://``
     rendezvous on this machine), and make this process rank 0: it holds the lease, runs the callbacks and
-    samples; the others only train their shards. Nothing to start for N = 1. Stopped on exit."""
+    samples; the others only train their shards. Nothing to start for N = 1. Stopped on exit: when the job
+    fails, a rank killed meanwhile makes it raise `RankLost`."""
     world = spec.resources.devices
     if world == 1:
         yield
@@ -61,11 +102,19 @@ def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
     ]
     os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})  # read once, by the trainer's join_group
     prepare_job(world)  # rank 0 samples: its vLLM engine runs in processes of its own, over the job's devices
+    watch = _Watch(ranks)
+    watch.start()
     ended = False
     try:
         yield
         ended = True
+    except Exception as exc:
+        lost = watch.lost()
+        if lost is not None:
+            raise lost from exc
+        raise
     finally:
+        watch.stop.set()
         for process in ranks:
             try:  # after rank 0's last collective they end; after its failure they would wait for it
                 process.wait(timeout=60 if ended else 0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from gspo_core.agents.tools import ToolSpecError
 from gspo_core.config import GSPOConfig, JobSpec, Resources
 from gspo_core.data import DataError
 from gspo_core.platform import RuntimeOptions, prepare_process
@@ -26,7 +27,8 @@ from store.settings import Settings, get_settings
 from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
-from worker.ranks import other_ranks
+from worker.ranks import RankLost, other_ranks
+from worker.reaper import reap_once
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,27 @@ def _fail(db, objects: ObjectStore, job_id: str, worker_id: str, message: str, u
     return "failed"
 
 
+def _lose_attempt(db, settings: Settings, job_id: str, worker_id: str, why: RankLost, usage: RunUsage) -> str:
+    """A rank of the job died: this attempt is lost like a dead worker's. Its lease ends now and the reaper
+    requeues the job (a retry from its last checkpoint; past its retry budget it fails), at once."""
+
+    def run() -> None:
+        with db.session() as s:
+            jobs.end_lease(s, job_id, worker_id)
+            usage.write(s)
+            jobs.add_event(s, job_id, "log", f"{why}: this attempt is lost; retrying from the last checkpoint")
+
+    try:
+        with_db_retry(run, what="ending the lost attempt's lease")
+    except jobs.LeaseLost:
+        return "lease_lost"
+    try:
+        reap_once(settings)
+    except Exception as exc:  # the reaper thread of any worker requeues it on its next round
+        log.warning("could not requeue job %s now (%s); the reaper will", job_id, exc)
+    return "rank_lost"
+
+
 def _train(
     db,
     objects: ObjectStore,
@@ -248,7 +271,10 @@ def run_job(job_id: str) -> str:
     except jobs.LeaseLost as exc:
         log.warning("%s: stopped without writing further", exc)
         return "lease_lost"
-    except (JobInputError, DataError, ValidationError) as exc:
+    except RankLost as exc:
+        log.warning("job %s: %s", job_id, exc)
+        return _lose_attempt(db, settings, job_id, worker_id, exc, usage)
+    except (JobInputError, DataError, ValidationError, ToolSpecError) as exc:  # a tool server unreachable at start
         return _fail(db, objects, job_id, worker_id, f"invalid job input: {exc}", usage)
     except OSError as exc:
         return _fail(

@@ -9,9 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
 
 import httpx
-from standardwebhooks import Webhook
 
-from gspo_core.egress import EgressPolicy, EgressRefused, PinnedTransport
+from gspo_core import delivery
+from gspo_core.egress import EgressPolicy
 from store import webhooks
 from store.settings import Settings
 from store.webhooks import Due, RetryPolicy
@@ -23,54 +23,21 @@ SEND_THREADS = 4
 
 
 def make_client(settings: Settings) -> httpx.Client:
-    """An HTTP client whose connections go only where the egress policy allows (pinned addresses, the
-    operator's GSPO_EGRESS_ALLOW), redirects not followed: a signed body goes to the registered URL only."""
+    """The sender's client: the operator's egress policy (GSPO_EGRESS_ALLOW), redirects not followed."""
     policy = EgressPolicy(settings.grader_policy()["egress_allow"])
-    return httpx.Client(
-        transport=PinnedTransport(policy, max_connections=SEND_THREADS),
-        timeout=settings.webhook_timeout_seconds,
-        follow_redirects=False,
-        trust_env=False,
-    )
+    return delivery.make_client(policy, settings.webhook_timeout_seconds, SEND_THREADS)
 
 
-def signed_headers(due: Due, at: datetime) -> dict[str, str]:
-    """Standard Webhooks' headers: the delivery's id (the same on every attempt), the time, the signature."""
-    return {
-        "webhook-id": due.id,
-        "webhook-timestamp": str(int(at.timestamp())),
-        "webhook-signature": Webhook(due.secret).sign(due.id, at, due.payload),
-        "content-type": "application/json",
-        "user-agent": "gspo-webhooks/1",
-    }
-
-
-def post(client: httpx.Client, due: Due, timeout: float) -> tuple[int | None, str | None, bool]:
-    """One attempt: ``(status code, error text or None on a 2xx, whether to retry)``. The answer's body is
-    never read, so none of it can reach the tenant; errors say what failed, not what the remote said."""
-    try:
-        headers = signed_headers(due, datetime.now(UTC))
-        with client.stream("POST", due.url, content=due.payload.encode(), headers=headers) as resp:
-            code = resp.status_code
-    except EgressRefused as exc:
-        return None, f"refused by the egress policy: {exc}", False
-    except httpx.InvalidURL:
-        return None, "not a valid URL", False
-    except httpx.TimeoutException:
-        return None, f"no answer within {timeout:g} s", True
-    except httpx.HTTPError:  # refused, reset, TLS failure, not HTTP: one text for all (no port scanning)
-        return None, "could not get an answer (connection or protocol error)", True
-    if 200 <= code < 300:
-        return code, None, False
-    if 300 <= code < 400:
-        return code, f"HTTP {code}: redirects are not followed", False
-    return code, f"HTTP {code}", code >= 500 or code in (408, 429)
+def post(client: httpx.Client, due: Due) -> tuple[int | None, str | None, bool]:
+    """One signed attempt (Standard Webhooks' headers, the same webhook-id on every attempt)."""
+    headers = webhooks.signed_headers(due.id, due.secrets, due.payload, datetime.now(UTC))
+    return delivery.post(client, due.url, due.payload.encode(), headers)
 
 
 def _attempt(settings: Settings, client: httpx.Client, due: Due, policy: RetryPolicy) -> None:
     t0 = time.monotonic()
     try:
-        code, error, retry = post(client, due, settings.webhook_timeout_seconds)
+        code, error, retry = post(client, due)
     except Exception as exc:  # a bug or a bad stored secret: counted as an attempt, so it cannot loop forever
         log.warning("webhooks: delivery %s: %s", due.id, exc)
         code, error, retry = None, "could not send (internal error)", True

@@ -19,7 +19,7 @@ from api.schemas import JobCreate, JobOut, JobStatus, JobUsage, Page
 from api.services.rewards import build_checked
 from gspo_core.agents.tools import ToolSpecError, build_toolbox
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig, Resources
-from gspo_core.data import DataError, check_sft_file
+from gspo_core.data import DataError, check_row_tools, check_sft_file, rows_with_tools
 from gspo_core.rewards import GraderPolicy, redact_secrets
 from store import jobs as job_state
 from store import results
@@ -61,14 +61,30 @@ def check_reward(spec: dict[str, Any], fields: set[str] | None, settings: Settin
         )
 
 
-def check_tools(tools: list[dict[str, Any]], settings: Settings) -> None:
-    """The tools build under the operator's grader policy (sandbox, egress); 422 naming the field."""
+def check_tools(
+    tools: list[dict[str, Any]], settings: Settings, objects: ObjectStore, files: dict[str, File | None]
+) -> None:
+    """The tools build under the operator's grader policy (sandbox, egress; MCP servers are not contacted
+    here: their tools are listed when the job starts); every tool the files' rows name is one of them
+    (unless an MCP server's may be). 422 naming the field (and the file's line)."""
     try:
-        box = build_toolbox(tools, GraderPolicy.from_mapping(settings.grader_policy()))
+        box = build_toolbox(tools, GraderPolicy.from_mapping(settings.grader_policy()), connect=False)
     except ToolSpecError as exc:
         raise ApiError(422, "invalid_tools", str(exc), exc.field) from None
+    names = set(box.tools) if box is not None else set()
     if box is not None:
         box.close()
+    if any(tool.get("type") == "mcp" for tool in tools):
+        return  # the rows' names are checked against the servers' lists when the job starts
+    for field, f in files.items():
+        if f is None:
+            continue
+        try:
+            check_row_tools(rows_with_tools(objects.open_stream(f.object_key)), names)
+        except DataError as exc:
+            raise ApiError(
+                422, "invalid_file", f"{field}: line {exc.line}: {exc.message}", f"{field}.{exc.field}", line=exc.line
+            ) from None
 
 
 def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> None:
@@ -164,7 +180,7 @@ def create_row(
         )
     else:
         check_reward(req.reward, set(train.item_fields), settings)
-    check_tools(req.tools, settings)
+    check_tools(req.tools, settings, objects, {"training_file": train, "validation_file": val})
     check_model(s, settings, tenant, req.model)
     check_wall_limit(req.max_wall_seconds, settings)
     check_resources(req.resources, settings)

@@ -124,13 +124,15 @@ def field_param(field: str | None, hp: dict[str, Any], method: str = "reinforcem
 
 
 def from_native(cfg: dict[str, Any], rows: int | None) -> dict[str, Any]:
-    """OpenAI's hyperparameters as the job runs them (``n_epochs``: passes over the training file, null
+    """OpenAI's hyperparameters as the job runs them (``n_epochs``: passes begun over the training file, null
     once the file is deleted); a supervised job's are OpenAI's supervised keys only."""
     prompts, steps = int(cfg.get("prompts_per_step", 8)), int(cfg.get("steps", 1))
-    epochs = round(steps * prompts / rows, 3) if rows else None
+    # Passes begun over the file: OpenAI types n_epochs as an integer, and the job's `steps` (shown in
+    # gspo_hyperparameters) may end part-way through a pass.
+    epochs = math.ceil(round(steps * prompts / rows, 6)) if rows else None
     out = {
         "batch_size": prompts,
-        "n_epochs": int(epochs) if epochs is not None and epochs.is_integer() else epochs,
+        "n_epochs": epochs,
         "learning_rate_multiplier": round(float(cfg.get("learning_rate", BASE_LR)) / BASE_LR, 6),
         "eval_interval": int(cfg.get("eval_every", 0)),
         "eval_samples": int(cfg.get("eval_prompts", 32)),

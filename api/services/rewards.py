@@ -15,9 +15,12 @@ from gspo_core.rewards import (
     GraderPolicy,
     RewardFunction,
     RewardSpecError,
+    TranscriptError,
     build_reward,
+    check_transcript,
     map_reward_models,
     sample_for,
+    transcript_sample,
 )
 from store.model_refs import ModelRefError, check_local_or_hub, resolve_model
 from store.settings import Settings
@@ -41,18 +44,34 @@ def build_checked(spec: dict[str, Any], settings: Settings) -> RewardFunction:
     return fn
 
 
+def _samples(req: RewardRunIn) -> list[dict]:
+    """The graders' ``sample`` of each text (one turn, as the trainer's sample has it), or of the transcript
+    (read as the trainer reads an episode's)."""
+    if req.messages is None:
+        if not req.samples:
+            raise ApiError(422, "invalid_request", "samples: give at least one text, or `messages`", "samples")
+        return [sample_for(t, len(t)) for t in req.samples]
+    if req.samples:
+        raise ApiError(422, "invalid_request", "give either `samples` or `messages`, not both", "messages")
+    try:
+        check_transcript(req.messages)
+    except TranscriptError as exc:
+        raise ApiError(422, "invalid_request", str(exc), exc.field) from None
+    return [transcript_sample(req.messages)]
+
+
 def _grade(req: RewardRunIn, settings: Settings) -> RewardRunOut:
+    samples = _samples(req)
     fn = build_checked(req.reward, settings)
     try:
-        samples = [sample_for(t, len(t)) for t in req.samples]  # one turn, as the trainer's sample has it
         results = fn.score_batch([req.item] * len(samples), samples)
     finally:
         fn.close()
     return RewardRunOut(
         grader_names=fn.grader_names,
         results=[
-            RewardRunResult(output_text=t, reward=r.reward, scores=r.scores, errors=r.errors)
-            for t, r in zip(req.samples, results, strict=True)
+            RewardRunResult(output_text=sample["output_text"], reward=r.reward, scores=r.scores, errors=r.errors)
+            for sample, r in zip(samples, results, strict=True)
         ],
     )
 

@@ -37,7 +37,9 @@ const Charts = (() => {
   function stacked(parts) {
     // cumulative sums so the areas stack: parts = [{label, values}]
     const out = []; let acc = null;
-    parts.forEach((p) => { acc = acc ? acc.map((a, i) => a + (p.values[i] || 0)) : p.values.map((v) => v || 0); out.push({ label: p.label, values: acc.slice(), fill: true }); });
+    // a step none of the parts reports stays empty (null), not 0
+    const any = parts.length ? parts[0].values.map((_, i) => parts.some((p) => p.values[i] !== null && p.values[i] !== undefined)) : [];
+    parts.forEach((p) => { acc = acc ? acc.map((a, i) => a + (p.values[i] || 0)) : p.values.map((v) => v || 0); out.push({ label: p.label, values: acc.map((a, i) => any[i] ? a : null), fill: true }); });
     return out.reverse();
   }
   return { draw, stacked, palette };

@@ -59,6 +59,8 @@ const GSPO = (() => {
   const when = (s) => s ? new Date(s).toLocaleString() : "–";
   const duration = (a, b) => { if (!a) return "–"; const s = ((b ? new Date(b) : new Date()) - new Date(a)) / 1000; return s < 90 ? s.toFixed(0) + " s" : (s / 60).toFixed(1) + " min"; };
   const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+  // A step's headline number: the mean reward of a reinforcement job, the loss of a supervised one.
+  const headline = (m) => ("reward/mean" in m ? { name: "reward", value: m["reward/mean"] } : { name: "loss", value: m.loss });
   document.addEventListener("DOMContentLoaded", keyBox);
-  return { api, events, getKey, setKey, fmt, when, duration, esc };
+  return { api, events, getKey, setKey, fmt, when, duration, esc, headline };
 })();

@@ -20,6 +20,7 @@
     ["grad", "Gradient norm", () => [{ label: "grad_norm", values: col("grad_norm") }]],
     ["lr", "Learning rate", () => [{ label: "lr", values: col("lr") }]],
     ["eval", "Eval reward", () => [{ label: "eval", values: col("eval/reward/mean") }]],
+    ["loss", "Loss", () => [{ label: "train", values: col("loss") }, { label: "validation", values: col("eval/loss") }]],
     ["time", "Time per phase (s, stacked)", () => Charts.stacked(["rollout", "reward", "old_logprobs", "train", "weight_sync"]
       .map((k) => ({ label: k, values: col("time/" + k) })))],
     ["tps", "Tokens / s", () => [{ label: "tokens/s", values: col("throughput/tokens_per_s") }]],
@@ -31,7 +32,10 @@
     for (const [id, title, build] of CHARTS) {
       let el = document.getElementById("chart-" + id);
       if (!el) { el = document.createElement("div"); el.className = "chart"; el.id = "chart-" + id; host.appendChild(el); }
-      Charts.draw(el, title, steps, rows.length ? build() : [], { smooth });
+      const series = rows.length ? build() : [];
+      // A chart none of whose metrics the job reports (a supervised job has no reward) is left out.
+      el.hidden = rows.length > 0 && !series.some((s) => s.values.some((v) => v !== null && v !== undefined));
+      if (!el.hidden) Charts.draw(el, title, steps, series, { smooth });
     }
     document.body.dataset.points = String(steps.length);
   }
@@ -57,6 +61,7 @@
     document.getElementById("job-progress").textContent = `step ${job.step}/${job.total_steps} · ${job.model}${used}${waiting}`;
     document.getElementById("job-error").textContent = job.error || "";
     document.getElementById("cancel").disabled = !["queued", "running", "pausing", "paused"].includes(job.status);
+    document.getElementById("ckpt-metric").textContent = job.hyperparameters.method === "supervised" ? "Loss" : "Reward";
     document.getElementById("config").textContent = JSON.stringify({ model: job.model, training_file: job.training_file,
       validation_file: job.validation_file, seed: job.seed, reward: job.reward, hyperparameters: job.hyperparameters,
       metadata: job.metadata }, null, 2);
@@ -70,7 +75,7 @@
   async function loadCheckpoints() {
     const list = (await GSPO.api(`/v1/jobs/${jobId}/checkpoints`)).data;
     document.getElementById("checkpoints").innerHTML = list.map((c) => `<tr><td>${c.step}${c.final ? " (final)" : ""}</td>
-      <td>${GSPO.fmt(c.metrics["reward/mean"])}</td><td>${(c.size_bytes / 1e6).toFixed(2)} MB</td><td>${GSPO.when(c.created_at)}</td>
+      <td>${GSPO.fmt(GSPO.headline(c.metrics).value)}</td><td>${(c.size_bytes / 1e6).toFixed(2)} MB</td><td>${GSPO.when(c.created_at)}</td>
       <td><a href="#" class="download" data-id="${c.id}" data-name="${jobId}-step-${c.step}.tar.gz">download</a></td></tr>`).join("")
       || '<tr><td colspan="5" class="muted">no checkpoint yet</td></tr>';
     document.querySelectorAll("a.download").forEach((a) => a.onclick = async (e) => {

@@ -1,4 +1,4 @@
-// Jobs list (with reward sparklines) and the new-job form.
+// Jobs list (with reward or, for supervised jobs, loss sparklines) and the new-job form.
 (() => {
   const DEFAULT_REWARD = { type: "string_check", name: "correct", input: "{{sample.output_text}}", reference: "{{item.answer}}", operation: "eq" };
   const DEFAULT_HP = { steps: 20, prompts_per_step: 8, group_size: 8, max_new_tokens: 64, learning_rate: 1e-5 };
@@ -18,11 +18,12 @@
       const page = await GSPO.api("/v1/jobs?limit=100" + (status ? "&status=" + status : ""));
       const rows = await Promise.all(page.data.map(async (j) => {
         const m = await GSPO.api(`/v1/jobs/${j.id}/metrics?limit=10000`).catch(() => ({ data: [] }));
-        const rewards = m.data.map((r) => r.metrics["reward/mean"]);
-        const last = rewards.length ? GSPO.fmt(rewards[rewards.length - 1]) : "–";
+        const points = m.data.map((r) => GSPO.headline(r.metrics)).filter((h) => h.value !== undefined);
+        const values = points.map((h) => h.value);
+        const last = values.length ? `${GSPO.fmt(values[values.length - 1])}${points[0].name === "loss" ? " loss" : ""}` : "–";
         return `<tr data-job="${j.id}"><td><a href="/jobs/${j.id}">${GSPO.esc(j.name || j.id)}</a></td><td>${GSPO.esc(j.model)}</td>
           <td><span class="status ${j.status}">${j.status}</span></td><td>${j.step}/${j.total_steps}</td>
-          <td>${last} ${sparkline(rewards)}</td><td>${GSPO.when(j.created_at)}</td><td>${GSPO.duration(j.started_at, j.finished_at)}</td></tr>`;
+          <td>${last} ${sparkline(values)}</td><td>${GSPO.when(j.created_at)}</td><td>${GSPO.duration(j.started_at, j.finished_at)}</td></tr>`;
       }));
       tbody.innerHTML = rows.join("") || '<tr><td colspan="7" class="muted">no jobs yet</td></tr>';
       document.getElementById("jobs-error").textContent = "";

@@ -1,7 +1,8 @@
-"""Multi-turn episodes with tools: call formats, tools (python in the sandbox, http), the rollout loop.
+"""Multi-turn episodes with tools: call formats, tools (python in the sandbox, http, mcp), the rollout loop.
 
 This package's top level imports no torch (the API validates ``tools`` through `gspo_core.agents.tools`);
-the loop is `gspo_core.agents.episodes`.
+the loop is `gspo_core.agents.episodes`; a user's own agent is its environment through
+`gspo_core.agents.remote`.
 """
 
 from gspo_core.agents.formats import FORMATS, ToolCall, pick_format

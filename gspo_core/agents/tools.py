@@ -1,5 +1,6 @@
-"""Tools a job offers the model: `python` (typed functions run in the grader sandbox) and `http` (an
-endpoint with OpenAI Agent RFT semantics), validated into one `Toolbox` that runs a batch's calls at once."""
+"""Tools a job offers the model: `python` (typed functions run in the grader sandbox), `http` (an endpoint with
+OpenAI Agent RFT semantics) and `mcp` (`gspo_core.agents.mcp`), validated into one `Toolbox` that runs a batch's
+calls at once."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import ast
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gspo_core.agents.formats import ToolCall
 from gspo_core.rewards.base import GraderError, RewardSpecError
 from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+
+if TYPE_CHECKING:
+    from gspo_core.agents.mcp import EventLoopThread, McpServer
 
 #: Characters of a tool's answer shown to the model; the rest is cut (a huge answer would eat the budget).
 MAX_RESULT_CHARS = 8_000
@@ -55,13 +59,14 @@ class ToolResult:
 
 @dataclass(frozen=True)
 class Tool:
-    """One callable tool: its OpenAI function schema and how to call it (``run(arguments) -> ToolResult``)."""
+    """One callable tool: its OpenAI function schema and how to call it (``run(arguments, episode) ->
+    ToolResult``; ``episode`` keys the state a tool keeps per episode: an MCP session)."""
 
     name: str
     schema: dict
     params: tuple[str, ...]
     kinds: dict[str, str]
-    run: Callable[[dict], ToolResult]
+    run: Callable[[dict, int], ToolResult]
     close: Callable[[], None] | None = None
 
 
@@ -112,7 +117,7 @@ def _python_tool(fn: ast.FunctionDef, where: str, code: str, limits: SandboxLimi
         },
     }
 
-    def run(arguments: dict) -> ToolResult:
+    def run(arguments: dict, episode: int = 0) -> ToolResult:
         (out,) = run_sandboxed(code, [[fn.name, arguments]], limits, policy, entry="__gspo_call__")
         if isinstance(out, GraderError):
             return ToolResult(f"error: {out}", error=out.kind)
@@ -124,24 +129,13 @@ def _python_tool(fn: ast.FunctionDef, where: str, code: str, limits: SandboxLimi
 def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     import re
 
-    from gspo_core.egress import EgressPolicy, header_refusal
-
-    name, url = spec.get("name"), spec.get("server_url")
+    name = spec.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", name):
         raise ToolSpecError(f"{path}.name", "must be a name of letters, digits, _ or - (at most 64)")
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL")
-    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
-        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
+    url, headers = _endpoint(spec, path, policy)
     params = spec.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise ToolSpecError(f"{path}.parameters", 'must be a JSON schema of {"type": "object"}')
-    headers = spec.get("headers") or {}
-    if not isinstance(headers, dict):
-        raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
-    for key, value in headers.items():
-        if why := header_refusal(key, value):
-            raise ToolSpecError(f"{path}.headers.{key}", why)
     description = spec.get("description", "")
     if not isinstance(description, str):
         raise ToolSpecError(f"{path}.description", "must be a string")
@@ -152,6 +146,48 @@ def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     schema = {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
     props = params.get("properties") or {}
     return Tool(name, schema, tuple(props), {}, caller.call, caller.close)
+
+
+def _endpoint(spec: dict, path: str, policy: GraderPolicy) -> tuple[str, dict]:
+    """``server_url`` (http(s), not refused by the egress policy) and ``headers`` of an http tool or an agent."""
+    import re
+
+    from gspo_core.egress import EgressPolicy, header_refusal
+
+    url = spec.get("server_url")
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL")
+    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
+        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
+    headers = spec.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
+    for key, value in headers.items():
+        if why := header_refusal(key, value):
+            raise ToolSpecError(f"{path}.headers.{key}", why)
+    return url, headers
+
+
+def agent_spec(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> dict | None:
+    """The job's bring-your-own-agent entry ``{"type": "agent", "server_url", "headers", "timeout_s"?}``
+    validated (`gspo_core.agents.remote`), or None when ``tools`` has none. It comes alone: the agent runs
+    its own tools."""
+    if not isinstance(specs, list):
+        return None
+    at = [i for i, spec in enumerate(specs) if isinstance(spec, dict) and spec.get("type") == "agent"]
+    if not at:
+        return None
+    if len(specs) > 1:
+        other = next(i for i in range(len(specs)) if i != at[0])
+        raise ToolSpecError(f"tools[{other}]", "an agent comes alone in tools: no other tools (it runs its own)")
+    spec = specs[0]
+    if extra := sorted(set(spec) - {"type", "server_url", "headers", "timeout_s"}):
+        raise ToolSpecError(f"tools[0].{extra[0]}", "unknown field")
+    _endpoint(spec, "tools[0]", policy)
+    timeout = spec.get("timeout_s", 300)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
+        raise ToolSpecError("tools[0].timeout_s", "must be a number of seconds between 1 and 3600")
+    return spec
 
 
 class HttpToolCaller:
@@ -165,7 +201,7 @@ class HttpToolCaller:
         self.url, self.backoff_s = url, backoff_s
         self.client = EgressClient(EgressPolicy(policy.egress_allow), timeout, headers=headers)
 
-    def call(self, arguments: dict) -> ToolResult:
+    def call(self, arguments: dict, episode: int = 0) -> ToolResult:
         from gspo_core.egress import EgressError, EgressRefused
 
         last = ToolResult("", error="http_error", drop=True)
@@ -200,18 +236,27 @@ KINDS: dict[str, Callable[[dict, str, GraderPolicy], list[Tool]]] = {
 
 class Toolbox:
     """A job's tools by name, their schemas (the chat template's ``tools=``), and the batch runner:
-    :meth:`call_many` runs every call of a turn of the whole batch concurrently."""
+    :meth:`call_many` runs every call of a turn of the whole batch concurrently. ``servers`` (MCP) keep
+    sessions per episode on ``loop``, the toolbox's event loop thread."""
 
-    def __init__(self, tools: list[Tool], concurrency: int = 16) -> None:
+    def __init__(
+        self,
+        tools: list[Tool],
+        concurrency: int = 16,
+        servers: Sequence[McpServer] = (),
+        loop: EventLoopThread | None = None,
+    ) -> None:
         self.tools = {tool.name: tool for tool in tools}
         self.schemas = [tool.schema for tool in tools]
+        self.servers, self.loop = list(servers), loop
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tools")
 
-    def call(self, call: ToolCall) -> ToolResult:
-        """One call: an unknown tool or bad arguments are told to the model as the result."""
+    def call(self, call: ToolCall, episode: int = 0, offered: frozenset[str] | None = None) -> ToolResult:
+        """One call of ``episode``: an unknown tool (or one its row does not offer: ``offered``, None: all) or
+        bad arguments are told to the model as the result."""
         if call.error:
             return ToolResult(f"error: {call.error}", error="bad_call")
-        tool = self.tools.get(call.name)
+        tool = self.tools.get(call.name) if offered is None or call.name in offered else None
         if tool is None:
             return ToolResult(f"error: no tool named {call.name!r}", error="unknown_tool")
         args = dict(call.arguments)
@@ -223,20 +268,33 @@ class Toolbox:
         if unknown or missing:
             why = f"unknown arguments {sorted(unknown)}" if unknown else f"missing arguments {missing}"
             return ToolResult(f"error: {call.name}: {why}", error="bad_arguments")
-        return tool.run(args)
+        return tool.run(args, episode)
 
-    def call_many(self, calls: list[ToolCall]) -> list[ToolResult]:
-        """Every call at once; each result cut to :data:`MAX_RESULT_CHARS`."""
-        return [
-            replace(r, text=r.text[:MAX_RESULT_CHARS]) if len(r.text) > MAX_RESULT_CHARS else r
-            for r in self._pool.map(self.call, calls)
-        ]
+    def call_many(
+        self,
+        calls: list[ToolCall],
+        episodes: list[int] | None = None,
+        offered: list[frozenset[str] | None] | None = None,
+    ) -> list[ToolResult]:
+        """Every call at once (``episodes[i]``, ``offered[i]``: call i's episode and its row's tools); each
+        result cut to :data:`MAX_RESULT_CHARS`."""
+        results = self._pool.map(self.call, calls, episodes or [0] * len(calls), offered or [None] * len(calls))
+        return [replace(r, text=r.text[:MAX_RESULT_CHARS]) if len(r.text) > MAX_RESULT_CHARS else r for r in results]
+
+    def end_episodes(self, episodes: list[int]) -> None:
+        """These episodes are over: what tools keep for them (MCP sessions) is released."""
+        for server in self.servers:
+            server.end(episodes)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for tool in self.tools.values():
             if tool.close is not None:
                 tool.close()
+        for server in self.servers:
+            server.close()
+        if self.loop is not None:
+            self.loop.close()
 
 
 def _coerce(value: Any, kind: str | None) -> Any:
@@ -252,29 +310,54 @@ def _coerce(value: Any, kind: str | None) -> Any:
     return value
 
 
-def build_toolbox(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> Toolbox | None:
+def build_toolbox(specs: object, policy: GraderPolicy = DEFAULT_POLICY, connect: bool = True) -> Toolbox | None:
     """Validate a job's ``tools`` (None or [] = no tools) and build its toolbox; raises :class:`ToolSpecError`
-    naming the bad field."""
+    naming the bad field. ``connect``: list the tools of ``mcp`` servers (a job's start; False: the API's
+    check at submit, which checks their fields only and contacts no server)."""
     if specs is None or specs == []:
         return None
+    if agent_spec(specs, policy) is not None:
+        return None  # the agent is the environment: no toolbox
     if not isinstance(specs, list) or len(specs) > MAX_TOOLS:
         raise ToolSpecError("tools", f"must be a list of at most {MAX_TOOLS} tool objects")
-    tools: list[Tool] = []
-    for i, spec in enumerate(specs):
-        path = f"tools[{i}]"
-        if not isinstance(spec, dict):
-            raise ToolSpecError(path, "must be an object")
-        kind = spec.get("type")
-        if kind not in KINDS:
-            raise ToolSpecError(f"{path}.type", f"must be one of {', '.join(KINDS)}")
+    box = Toolbox([])
+    try:
+        for i, spec in enumerate(specs):
+            for tool in _tools_of(spec, f"tools[{i}]", policy, box, connect):
+                if tool.name in box.tools:
+                    raise ToolSpecError(f"tools[{i}]", f"a second tool named {tool.name!r}")
+                box.tools[tool.name] = tool
+                box.schemas.append(tool.schema)
+        json.dumps(box.schemas)  # schemas go into prompts: they must be plain JSON
+    except BaseException:
+        box.close()
+        raise
+    return box
+
+
+def _tools_of(spec: object, path: str, policy: GraderPolicy, box: Toolbox, connect: bool) -> list[Tool]:
+    """The tools of one entry; an ``mcp`` server joins ``box`` (its event loop started on the first)."""
+    if not isinstance(spec, dict):
+        raise ToolSpecError(path, "must be an object")
+    kind = spec.get("type")
+    if kind not in (*KINDS, "mcp"):
+        raise ToolSpecError(f"{path}.type", f"must be one of {', '.join(KINDS)}, mcp, agent")
+    if kind == "mcp":
+        from gspo_core.agents.mcp import FIELDS as known
+    else:
         known = {"python": {"type", "source", "timeout_s"}}.get(
             kind, {"type", "name", "description", "parameters", "server_url", "headers", "timeout_s"}
         )
-        if extra := sorted(set(spec) - known):
-            raise ToolSpecError(f"{path}.{extra[0]}", "unknown field")
-        for tool in KINDS[kind](spec, path, policy):
-            if tool.name in {t.name for t in tools}:
-                raise ToolSpecError(path, f"a second tool named {tool.name!r}")
-            tools.append(tool)
-    json.dumps([tool.schema for tool in tools])  # schemas go into prompts: they must be plain JSON
-    return Toolbox(tools)
+    if extra := sorted(set(spec) - known):
+        raise ToolSpecError(f"{path}.{extra[0]}", "unknown field")
+    if kind != "mcp":
+        return KINDS[kind](spec, path, policy)
+    from gspo_core.agents.mcp import EventLoopThread, McpServer, check_mcp_spec
+
+    checked = check_mcp_spec(spec, path, policy)
+    if not connect:
+        return []
+    box.loop = box.loop or EventLoopThread()
+    server = McpServer(checked, policy, box.loop)
+    box.servers.append(server)
+    return server.tools(path)

@@ -41,11 +41,17 @@ class RuntimeOptions:
     only its start-up check reads it; the KV cache is sized to the job there).
     ``keep_freed_memory``: CPU training keeps freed memory in the process's heap (see
     :mod:`gspo_core.platform.heap`); applied by :func:`prepare_process`.
+    ``agent_endpoint_host`` / ``_port`` / ``_url``: where a bring-your-own-agent job's chat endpoint listens
+    (port 0: a free one) and the base URL its agents are given ("": ``http://host:port``), for agents that
+    run on other machines than the worker (`gspo_core.agents.remote`).
     """
 
     rollout_engine: str = "auto"
     vllm_gpu_memory_utilization: float = 0.3
     keep_freed_memory: bool = True
+    agent_endpoint_host: str = "127.0.0.1"
+    agent_endpoint_port: int = 0
+    agent_endpoint_url: str = ""
 
     def __post_init__(self) -> None:
         if self.rollout_engine not in ENGINE_KINDS:
@@ -55,6 +61,9 @@ class RuntimeOptions:
             raise ValueError(f"vllm_gpu_memory_utilization: {u!r} must be a number in (0, 0.95]")
         if not isinstance(self.keep_freed_memory, bool):
             raise ValueError(f"keep_freed_memory: {self.keep_freed_memory!r} must be true or false")
+        port = self.agent_endpoint_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"agent_endpoint_port: {port!r} must be a port number (0: a free one)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RuntimeOptions:

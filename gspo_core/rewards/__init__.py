@@ -26,6 +26,7 @@ from gspo_core.rewards.base import (
 )
 from gspo_core.rewards.multi import MAX_MULTI_DEPTH, MultiGrader
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+from gspo_core.rewards.transcript import TranscriptError, check_transcript, transcript_sample
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -35,11 +36,14 @@ __all__ = [
     "GraderPolicy",
     "RewardFunction",
     "RewardSpecError",
+    "TranscriptError",
     "build_reward",
+    "check_transcript",
     "map_reward_models",
     "output_json",
     "redact_secrets",
     "sample_for",
+    "transcript_sample",
 ]
 
 #: Threads for per-sample grader calls (mostly waiting on HTTP); sandboxes have their own pools.

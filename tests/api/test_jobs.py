@@ -119,6 +119,10 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
     assert "tok-5678" not in r.text and r.json()["tools"][0]["headers"]["Authorization"] == "[redacted]"
     with app.state.db.session() as s:
         assert s.get(Job, r.json()["id"]).tools[0]["headers"]["Authorization"] == "Bearer tok-5678"
+    agent = {"type": "agent", "server_url": "http://agent.invalid/run", "headers": hook["headers"]}
+    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "tools": [agent]}, headers=auth)
+    assert r.status_code == 201, r.text
+    assert "tok-5678" not in r.text and r.json()["tools"][0]["headers"]["Authorization"] == "[redacted]"
 
 
 @pytest.mark.parametrize(
@@ -137,7 +141,12 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
         ({"training_file": "file_nope"}, "training_file"),
         ({"validation_file": "file_nope"}, "validation_file"),
         ({"surprise": 1}, "surprise"),
-        ({"tools": [{"type": "mcp"}]}, "tools[0].type"),
+        ({"tools": [{"type": "nope"}]}, "tools[0].type"),
+        ({"tools": [{"type": "mcp", "server_url": "http://127.0.0.1:1/mcp"}]}, "tools[0].server_url"),
+        (
+            {"tools": [{"type": "mcp", "server_url": "http://x.invalid/mcp", "allowed_tools": [1]}]},
+            "tools[0].allowed_tools",
+        ),
         ({"tools": [{"type": "http", "name": "f", "server_url": "http://127.0.0.1:1/x"}]}, "tools[0].server_url"),
         ({"tools": [{"type": "python", "source": "def f(x):\n    return x\n"}]}, "tools[0].source"),
     ],

@@ -3,11 +3,13 @@ reinforcement jobs, events, checkpoints, graders and errors in OpenAI's shapes o
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import uuid
 from contextlib import ExitStack
@@ -15,6 +17,7 @@ from contextlib import ExitStack
 import httpx
 import openai
 import pytest
+from transformers import AutoModelForCausalLM
 
 from gspo_core.toy import write_toy_dataset
 from store.db import run_migrations
@@ -182,7 +185,7 @@ def test_reinforcement_job_runs_to_succeeded(service):
     assert job.to_dict()["method"]["reinforcement"]["response_format"] == RESPONSE_FORMAT
     hp = job.method.reinforcement.hyperparameters
     assert (hp.batch_size, hp.compute_multiplier, hp.learning_rate_multiplier) == (2, 0.5, 1.0)
-    assert hp.n_epochs == 0.25  # "auto" shown as the value used: 2 steps x 2 prompts over 16 rows
+    assert hp.n_epochs == 1  # "auto" shown as the value used: 2 steps x 2 prompts begin 1 pass over 16 rows
     deadline = time.monotonic() + 300
     while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
         assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
@@ -201,6 +204,13 @@ def test_reinforcement_job_runs_to_succeeded(service):
     assert [c.step_number for c in ckpts] == [2, 1] and ckpts[0].object == "fine_tuning.job.checkpoint"
     assert job.fine_tuned_model == ckpts[0].fine_tuned_model_checkpoint == f"ckpt:{ckpts[0].id}"
     assert ckpts[0].metrics.to_dict()["train_mean_reward"] == data["train_mean_reward"]
+    # The checkpoint's download (its download_url, the same API key) loads in transformers as it is.
+    archive = httpx.get(ckpts[0].to_dict()["download_url"], headers={"Authorization": f"Bearer {keys[0]}"})
+    assert archive.status_code == 200, archive.text
+    with tarfile.open(fileobj=io.BytesIO(archive.content), mode="r:gz") as tar:
+        tar.extractall(tmp / "download", filter="data")
+    (model_dir,) = (tmp / "download").glob("*/model")
+    assert AutoModelForCausalLM.from_pretrained(model_dir).num_parameters() > 0
     native = httpx.get(f"{url}/v1/jobs/{job.id}", headers={"Authorization": f"Bearer {keys[0]}"}).json()
     assert native["status"] == "succeeded" and native["hyperparameters"]["group_size"] == 4
     assert native["name"] == "sdk" and native["metadata"] == {"suite": "openai"}

@@ -18,7 +18,7 @@ def test_native_jobs_in_openai_shapes(client, auth, uploaded, model_name):
     assert job["object"] == "fine_tuning.job" and job["status"] == "queued" and job["suffix"] == "n"
     assert isinstance(job["created_at"], int) and job["fine_tuned_model"] is None and job["error"] is None
     hp = job["method"]["reinforcement"]["hyperparameters"]
-    assert (hp["batch_size"], hp["compute_multiplier"], hp["n_epochs"]) == (2, 0.5, 0.25)  # 2 steps x 2 / 16 rows
+    assert (hp["batch_size"], hp["compute_multiplier"], hp["n_epochs"]) == (2, 0.5, 1)  # 2 x 2 of 16 rows: 1 pass begun
     page = client.get("/v1/fine_tuning/jobs?limit=2", headers=auth).json()
     assert [j["id"] for j in page["data"]] == ids[:0:-1] and page["has_more"]
     rest = client.get(f"/v1/fine_tuning/jobs?limit=2&after={page['last_id']}", headers=auth).json()

@@ -202,3 +202,49 @@ def test_one_tenants_slow_receivers_do_not_hold_the_others_deliveries(
         finally:
             stop.set()
             thread.join(10)
+
+
+def test_openai_sdk_updates_rotates_and_tests_endpoints(app, auth, other_auth):
+    """`client.webhooks.update`, `.rotate_secret` (the old secret kept 24 h, or not) and `.test` against a real
+    server and a real receiver: the test event is signed like a delivery, by each secret in force."""
+    with LiveServer(app) as live, Receiver((200, 503, 200)) as rx:
+        sdk = openai.OpenAI(base_url=live.url + "/v1", api_key=auth["Authorization"][7:], max_retries=0)
+        other = openai.OpenAI(base_url=live.url + "/v1", api_key=other_auth["Authorization"][7:], max_retries=0)
+        ep = sdk.webhooks.create(name="ci", url=rx.url, event_types=["fine_tuning.job.failed"])
+        assert sdk.webhooks.update(ep.id, name="ci").updated_at == ep.created_at  # nothing changed
+        moved = sdk.webhooks.update(ep.id, name="renamed", event_types=ALL[::-1])
+        assert (moved.name, moved.event_types, moved.url) == ("renamed", ALL, rx.url)
+        assert moved.updated_at >= ep.created_at and sdk.webhooks.retrieve(ep.id).name == "renamed"
+        for change, param in (
+            ({"url": "http://127.0.0.2/h"}, "url"),
+            ({"event_types": ["batch.failed"]}, "event_types"),
+        ):
+            with pytest.raises(openai.BadRequestError) as bad:
+                sdk.webhooks.update(ep.id, **change)
+            assert bad.value.param == param
+        for call in (other.webhooks.update, other.webhooks.rotate_secret):
+            with pytest.raises(openai.NotFoundError):
+                call(ep.id)
+        with pytest.raises(openai.NotFoundError):
+            other.webhooks.test(ep.id, event_type="fine_tuning.job.failed")
+        with pytest.raises(openai.BadRequestError) as bad:
+            sdk.webhooks.test(ep.id, event_type="batch.failed")
+        assert bad.value.param == "event_type" and not rx.hits
+
+        sent = sdk.webhooks.test(ep.id, event_type="fine_tuning.job.failed")
+        assert (sent.status_code, sent.webhook_endpoint_id, sent.object) == (200, ep.id, "webhook_endpoint.test")
+        event = Webhook(ep.signing_secret).verify(rx.hits[-1][1], rx.hits[-1][0])
+        assert event["type"] == "fine_tuning.job.failed" and event["data"] == {"id": "ftjob_test"}
+
+        kept = sdk.webhooks.rotate_secret(ep.id, keep_old_secret_active_for_24_hours=True)
+        assert kept.signing_secret != ep.signing_secret and kept.signing_secret_hint.endswith(kept.signing_secret[-4:])
+        assert sdk.webhooks.test(ep.id, event_type="fine_tuning.job.succeeded").status_code == 503
+        for secret in (kept.signing_secret, ep.signing_secret):  # either verifies during the 24 h
+            Webhook(secret).verify(rx.hits[-1][1], rx.hits[-1][0])
+        now = sdk.webhooks.rotate_secret(ep.id)  # the previous one stops at once
+        assert sdk.webhooks.test(ep.id, event_type="fine_tuning.job.succeeded").status_code == 200
+        Webhook(now.signing_secret).verify(rx.hits[-1][1], rx.hits[-1][0])
+        for secret in (kept.signing_secret, ep.signing_secret):
+            with pytest.raises(Exception, match="signature"):
+                Webhook(secret).verify(rx.hits[-1][1], rx.hits[-1][0])
+        assert len(rx.hits) == 3

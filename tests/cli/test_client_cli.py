@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from gspo_core.toy import TOY_REWARD, write_toy_dataset
-from tests.e2e.test_dashboard import ROOT, service  # noqa: F401  (module fixture: server + worker + 2 jobs)
+from tests.e2e.test_dashboard import ROOT, service  # noqa: F401  (module fixture: server + worker + 3 jobs)
 
 
 def gspo(service, *args, key: str | None = None):  # noqa: F811
-    url, default_key, _, _ = service
+    url, default_key, *_ = service
     env = {**os.environ, "GSPO_BASE_URL": url, "GSPO_API_KEY": key or default_key, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "gspo_cli.main", *args], capture_output=True, text=True, env=env, timeout=180, cwd=ROOT
@@ -24,7 +24,7 @@ def gspo(service, *args, key: str | None = None):  # noqa: F811
 
 
 def test_files_jobs_metrics_checkpoints(service, tmp_path):  # noqa: F811
-    _, _, job_id, _ = service
+    _, _, job_id, *_ = service
     data = write_toy_dataset(tmp_path / "toy.jsonl", n=8)
     up = gspo(service, "files", "upload", str(data))
     assert up.returncode == 0, up.stderr
@@ -84,7 +84,7 @@ def test_api_errors_are_messages_not_tracebacks(service, tmp_path):  # noqa: F81
 def test_python_client_errors(service):  # noqa: F811
     from gspo_client import ApiError, Client
 
-    url, key, job_id, _ = service
+    url, key, job_id, *_ = service
     with Client(url, key) as c:
         with pytest.raises(ApiError) as exc:
             c.create_job(model="toy", training_file="file_nope", reward=TOY_REWARD)
@@ -99,7 +99,7 @@ def test_python_client_usage_matches_the_steps_run(service):  # noqa: F811
 
     from gspo_client import Client
 
-    url, key, _, _ = service
+    url, key, *_ = service
     with Client(url, key) as c:
         for _ in range(120):  # other tests of this module may have left a job stopping
             runs = c.list_jobs(limit=200)["data"]

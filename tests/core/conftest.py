@@ -35,3 +35,13 @@ def caller_dir(tiny_model_dir, tmp_path_factory):
 
     with one_torch_thread():
         return tool_calling_model(tiny_model_dir, tmp_path_factory.mktemp("caller"))
+
+
+@pytest.fixture
+def agent_server():
+    """A real agent server written against the `openai` client (tests/core/agents_support.py)."""
+    from tests.core.agents_support import AgentServer
+
+    server = AgentServer()
+    yield server
+    server.close()

@@ -76,7 +76,12 @@ def test_tool_results_follow_the_exact_sampled_turn_through_the_template(tiny_mo
 def test_tool_specs_are_validated_with_field_names():
     policy = grader_policy()
     for tools, where in [
-        ([{"type": "mcp"}], "tools[0].type"),
+        ([{"type": "nope"}], "tools[0].type"),
+        ([{"type": "mcp"}], "tools[0].server_url"),
+        ([{"type": "mcp", "server_url": "http://127.0.0.1:9/mcp"}], "tools[0].server_url"),
+        ([{"type": "mcp", "server_url": "http://example.com/mcp", "allowed_tools": "f"}], "tools[0].allowed_tools"),
+        ([{"type": "mcp", "server_url": "http://example.com/mcp", "headers": {"Host": "x"}}], "tools[0].headers.Host"),
+        ([{"type": "mcp", "server_url": "http://example.com/mcp", "name": "f"}], "tools[0].name"),
         ([{"type": "python", "source": "def f(x):\n    return x\n"}], "tools[0].source"),
         ([{"type": "python", "source": "def (:"}], "tools[0].source"),
         ([PY_TOOL, {"type": "http", "name": "f", "server_url": "http://example.com"}], "tools[1]"),

@@ -1,12 +1,14 @@
-"""Checkpoints: HF layout that transformers loads, trainer state, and exact resume (full and LoRA)."""
+"""Checkpoints: HF layout that transformers loads, sharded trainer state (DCP), and exact resume (full and LoRA)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gspo_core.checkpoint import latest_checkpoint, load_trainer_state
 from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, train
@@ -35,6 +37,18 @@ def positional(optimizer_state: dict) -> dict:
     }
 
 
+def as_earlier_versions_saved(ckpt: Path) -> None:
+    """Rewrite a checkpoint as versions before ``trainer/`` wrote it: the full optimizer state by position and
+    rank 0's RNG in ``trainer_state.pt``; the weights only in ``model/``."""
+    dcp_to_torch_save(ckpt / "trainer", ckpt / "full.pt")
+    full = torch.load(ckpt / "full.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state.update(optimizer=positional(full["optimizer"]), rng=state["rng"][0])
+    torch.save(state, ckpt / "trainer_state.pt")
+    shutil.rmtree(ckpt / "trainer")
+    (ckpt / "full.pt").unlink()
+
+
 @pytest.mark.parametrize(
     ("hp", "earlier"),
     [({}, False), ({"lora_rank": 4, "learning_rate": 1e-2}, False), ({}, True)],
@@ -48,9 +62,7 @@ def test_stop_and_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_mod
     stopped = train(part, Recorder(stop_after=2))
     assert stopped.stopped and stopped.final_step == 2
     if earlier:
-        saved = Path(stopped.final_checkpoint) / "trainer_state.pt"
-        state = torch.load(saved, weights_only=False)
-        torch.save({**state, "optimizer": positional(state["optimizer"])}, saved)
+        as_earlier_versions_saved(Path(stopped.final_checkpoint))
     rec = Recorder()
     resumed = train(part, rec, resume_from=stopped.final_checkpoint)
     assert [s for s, _ in rec.steps] == [3, 4] and not resumed.stopped and resumed.final_step == 4
@@ -82,10 +94,16 @@ def test_checkpoint_layout_and_trainer_state(tiny_model_dir, tmp_path):
     assert model.dtype == torch.float32 and tok.decode(tok("say a:")["input_ids"]) == "say a:"
     state = load_trainer_state(ckpt)
     assert state["step"] == 2
-    assert {"python", "numpy", "torch"} <= set(state["rng"])
-    assert state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == 2 * 4
+    assert len(state["rng"]) == 1 and {"python", "numpy", "torch"} <= set(state["rng"][0])  # one per rank
+    assert state["scheduler"]["last_epoch"] == 2 * 4
     assert state["data"] == {"rows": 64, "seed": 0, "shuffle": True, "cursor": 16}
-    assert "trainable" not in state  # full fine-tuning resumes from model/ (no second copy of the weights)
+    assert "optimizer" not in state and "trainable" not in state  # they are in trainer/ (DCP)
+    dcp_to_torch_save(ckpt / "trainer", tmp_path / "trainer.pt")
+    sharded = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    exported = load_file(model_dir / "model.safetensors")
+    assert sharded["model"].keys() == exported.keys()  # the same tensors, by the same names
+    assert all(torch.equal(sharded["model"][name], exported[name]) for name in exported)
+    assert sharded["optimizer"]["state"]["model.norm.weight"]["exp_avg"].shape == exported["model.norm.weight"].shape
 
 
 def test_lora_checkpoint_has_adapter_and_merged_model(tiny_model_dir, tmp_path):

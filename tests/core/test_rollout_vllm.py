@@ -275,3 +275,34 @@ def test_multi_turn_episodes_on_vllm(engine, policy, caller_dir):
     for row, c in enumerate(rollout.completions):
         assert 0 < sum(c.mask) < len(c.mask) and c.extra["messages"][1]["content"] == "aaa"
         torch.testing.assert_close(logp_BT[row, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+
+
+def test_an_openai_client_agent_on_vllm(request, engine, policy, caller_dir, agent_server):
+    """The bring-your-own-agent contract on vLLM (the tool-calling model pushed in): the same checks as on
+    the transformers engine (tests/core/test_agent_endpoint.py), vLLM's log-probs the trainer's."""
+    from gspo_core import step as phases
+    from gspo_core.agents import pick_format
+    from gspo_core.agents.episodes import EpisodeSettings
+    from gspo_core.agents.remote import AgentEndpoint
+    from tests.conftest import grader_policy
+    from tests.core.agents_support import TEMPLATE, check_agent_rollout, episode_logprobs
+
+    if request.node.callspec.params["engine"] is not None:
+        pytest.skip("one engine is enough: the loop is the same")
+    model, tok = policy
+    caller, _ = load_policy(str(caller_dir), GSPOConfig(), DEVICE)
+    engine.load_weights(export_weights(caller))
+    template, tok.chat_template = tok.chat_template, TEMPLATE
+    parser = pick_format("auto", tok)
+    endpoint = AgentEndpoint(agent_server.spec, grader_policy(egress_allow=("127.0.0.1",)), parser, 64)
+    cfg = GSPOConfig(prompts_per_step=4, group_size=2, max_new_tokens=48, max_turns=3, mini_batches=1)
+    rows = [{"prompt": "q:", "mode": m} for m in ("tool", "rewrite", "fail", "grader")]
+    try:
+        settings = EpisodeSettings(cfg.max_turns, 0, parser, None, endpoint)
+        rollout = phases.sample(engine, tok, rows, ["q:"] * 4, cfg, seed=1, agent=settings)
+        logp_BT, masked = episode_logprobs(caller, rollout.completions, tok.pad_token_id, 1.0)
+        check_agent_rollout(rollout, rows, agent_server.seen, tok, logp_BT, masked.mask_BT, endpoint, atol=1e-4)
+    finally:
+        endpoint.close()
+        tok.chat_template = template
+        engine.load_weights(export_weights(model))

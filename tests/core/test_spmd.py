@@ -1,4 +1,5 @@
-"""The trainer as an SPMD program: two real torchrun ranks over gloo train as one process does, with either engine."""
+"""The trainer as an SPMD program: two real torchrun ranks over gloo train as one process does, with either engine,
+and their sharded checkpoint resumes at one rank and loads in transformers."""
 
 from __future__ import annotations
 
@@ -9,11 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
 from gspo_core.rollout import vllm_available
-from tests.core.trainer_support import THREAD_ENV, TOY_RUNTIME, VLLM_RUNTIME, one_torch_thread, toy_spec, train
+from tests.core.trainer_support import (
+    THREAD_ENV,
+    TOY_RUNTIME,
+    VLLM_RUNTIME,
+    Recorder,
+    one_torch_thread,
+    toy_spec,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +54,7 @@ def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir, tmp_path, engine,
 
         model_dir = tmp_path / "moe"
         build_tiny_moe(model_dir)
-    hp = {"steps": 3, "lora_rank": 4 if lora else 0, "learning_rate": 3e-3}
+    hp = {"steps": 3, "lora_rank": 4 if lora else 0, "learning_rate": 3e-3, "save_every": 2}
     with one_torch_thread():
         one = train(
             toy_spec(model_dir, tmp_path / "one", **hp), runtime=VLLM_RUNTIME if engine == "vllm" else TOY_RUNTIME
@@ -76,3 +86,33 @@ def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir, tmp_path, engine,
     assert moved > 1e-3 and err < (1e-4 if shape == "moe" else 1e-5), (moved, err)
     if lora:
         assert (Path(result["checkpoint"]) / "adapter" / "adapter_model.safetensors").is_file()
+    if engine == "transformers":  # the resumed step samples with the transformers engine (no vLLM start)
+        assert_resumes_at_one_rank(tiny_model_dir, tmp_path, hp, Path(spec.output_dir), want)
+    assert_loads_in_transformers(Path(result["checkpoint"]), Path(one.final_checkpoint))
+
+
+def max_error(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def assert_resumes_at_one_rank(tiny_model_dir: Path, tmp_path: Path, hp: dict, two_out: Path, want: dict) -> None:
+    """Step 2's checkpoint of the 2-rank run (each rank wrote its shards) resumes in one process: DCP gathers
+    each tensor from both ranks' pieces; step 3 then ends where the uninterrupted 1-rank run did."""
+    saved = two_out / "checkpoints" / "step-000002"
+    assert {p.name for p in (saved / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    rec = Recorder()
+    with one_torch_thread():
+        resumed = train(toy_spec(tiny_model_dir, tmp_path / "resumed", **hp), rec, resume_from=str(saved))
+    assert [step for step, _ in rec.steps] == [3]
+    assert max_error(weights(resumed.final_checkpoint), want) < 1e-5
+
+
+def assert_loads_in_transformers(two: Path, one: Path) -> None:
+    """The 2-rank run's export is a Hugging Face model that computes what the 1-rank run's does."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        got, want = (AutoModelForCausalLM.from_pretrained(path / "model")(ids).logits for path in (two, one))
+    assert torch.allclose(got, want, atol=1e-4)

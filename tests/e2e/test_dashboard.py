@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.api.test_openai_sdk import chat_rows
 from tests.conftest import spawn_logged
 
 CHROMIUM = "/usr/bin/chromium"
@@ -84,11 +86,20 @@ def service(tmp_path_factory):
             name="second",
             hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
         )
-        for j in (job, second):
+        chat = tmp / "chat.jsonl"
+        chat.write_text("".join(json.dumps(r) + "\n" for r in chat_rows("abcdabcd")))
+        sft = c.create_job(
+            model="toy",
+            training_file=c.upload_file(chat)["id"],
+            name="supervised",
+            hyperparameters={"method": "supervised", "steps": 4, "prompts_per_step": 4, "learning_rate": 3e-3},
+        )
+        for j in (job, second, sft):
             for _ in c.events(j["id"]):
                 pass
-        assert c.get_job(job["id"])["status"] == "succeeded", (tmp / "worker.log").read_text()[-3000:]
-    yield url, key, job["id"], second["id"]
+        for j in (job, sft):
+            assert c.get_job(j["id"])["status"] == "succeeded", (tmp / "worker.log").read_text()[-3000:]
+    yield url, key, job["id"], second["id"], sft["id"]
     server.should_exit = True
     th.join(10)
     worker.terminate()
@@ -109,7 +120,7 @@ def browser():
 
 @pytest.fixture()
 def page(browser, service):
-    url, key, _, _ = service
+    url, key, *_ = service
     ctx = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
     page = ctx.new_page()
     errors: list[str] = []
@@ -130,18 +141,20 @@ def colours(png: bytes) -> int:
 
 
 def test_jobs_list(page, service):
-    url, _, job_id, _ = service
+    url, _, job_id, _, sft_id = service
     ARTIFACTS.mkdir(exist_ok=True)
     page.goto(url + "/")
     page.wait_for_selector("body[data-jobs-ready='1']")
     row = page.locator(f"tr[data-job='{job_id}']")
     assert "succeeded" in row.inner_text() and "12/12" in row.inner_text()
     assert row.locator("svg.spark polyline").count() == 1
+    sft = page.locator(f"tr[data-job='{sft_id}']")  # a supervised job shows its loss
+    assert "4/4" in sft.inner_text() and " loss" in sft.inner_text() and sft.locator("svg.spark").count() == 1
     page.screenshot(path=str(ARTIFACTS / "dashboard-jobs.png"), full_page=True)
 
 
 def test_job_page_charts_inspector_and_download(page, service):
-    url, _, job_id, _ = service
+    url, _, job_id, *_ = service
     page.goto(f"{url}/jobs/{job_id}")
     page.wait_for_selector("body[data-charts-ready='1']")
     page.wait_for_selector("body[data-stream-ended='1']")  # the live stream replayed and closed
@@ -155,6 +168,7 @@ def test_job_page_charts_inspector_and_download(page, service):
     assert "Prompt:" in page.locator("#samples").inner_text()
     assert "succeeded" in page.locator("#job-status").inner_text()
     assert '"clip_eps_low": 0.0003' in page.locator("#config").inner_text()
+    assert page.locator("#chart-eval").is_hidden()  # the job has no validation file
     page.screenshot(path=str(ARTIFACTS / "dashboard-job.png"), full_page=True)
     with page.expect_download() as dl:
         page.locator("a.download").last.click()
@@ -162,8 +176,22 @@ def test_job_page_charts_inspector_and_download(page, service):
     assert dl.value.suggested_filename.endswith(".tar.gz") and Path(path).stat().st_size > 1000
 
 
+def test_supervised_job_page(page, service):
+    """A supervised job (either API) shows its loss and none of the reinforcement charts."""
+    url, *_, sft_id = service
+    page.goto(f"{url}/jobs/{sft_id}")
+    page.wait_for_selector("body[data-charts-ready='1']")
+    loss = page.locator("#chart-loss")
+    assert loss.is_visible() and loss.get_attribute("data-points") == "4"
+    assert colours(loss.locator("canvas").screenshot()) > 10
+    for chart in ("reward", "clip", "ratio", "time"):
+        assert page.locator(f"#chart-{chart}").is_hidden(), chart
+    assert page.locator("#ckpt-metric").text_content() == "Loss"
+    assert page.locator("#checkpoints a.download").count() >= 1
+
+
 def test_compare_page(page, service):
-    url, _, job_id, second = service
+    url, _, job_id, second, _ = service
     page.goto(f"{url}/compare?jobs={job_id},{second}")
     page.wait_for_selector("body[data-compare-ready='2']")
     assert colours(page.locator("#compare-chart canvas").screenshot()) > 10

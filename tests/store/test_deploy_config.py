@@ -22,7 +22,7 @@ def _settings_env_names() -> set[str]:
 def test_compose_service_env_is_known_to_settings():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     known = _settings_env_names()
-    for name in ("api", "worker", "migrate"):
+    for name in ("api", "worker", "worker-multi-gpu", "migrate"):
         env = compose["services"][name]["environment"]
         unknown = set(env) - known - FOREIGN
         assert not unknown, f"{name}: {unknown} are not Settings variables"
@@ -32,8 +32,13 @@ def test_compose_service_env_is_known_to_settings():
             and settings.s3_bucket
             and settings.resolved_database_url().startswith("postgresql+psycopg")
         )
-    worker = compose["services"]["worker"]
-    assert worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    assert worker["command"][:2] == ["gspo", "worker"]
-    for name in ("api", "worker"):
+    for name, gpus in (("worker", 1), ("worker-multi-gpu", 4)):
+        worker = compose["services"][name]
+        (reserved,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert reserved["capabilities"] == ["gpu"] and reserved["count"] == gpus
+        # the worker advertises the devices it reserves, so it takes only the jobs that fit them
+        assert Settings(**{k: v for k, v in worker["environment"].items() if k in known}).worker_devices == gpus
+        assert worker["command"][:2] == ["gspo", "worker"] and "seccomp=unconfined" in worker["security_opt"]
+    assert compose["services"]["worker-multi-gpu"]["profiles"] == ["multi-gpu"]
+    for name in ("api", "worker", "worker-multi-gpu"):
         assert compose["services"][name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"

@@ -228,6 +228,22 @@ def test_reaper_requeues_stale_fails_exhausted_and_leaves_live_leases(db):
         assert jobs.reap(s) == ([], []), "a second pass finds nothing to do"
 
 
+def test_a_lost_attempt_ends_its_lease_at_once_for_the_reaper(db):
+    """A rank of the job died (worker/runner.py): its holder ends the lease and the next reap requeues the
+    job, as for a lost worker; a worker that no longer holds the job cannot end its successor's lease."""
+    job_id = make_job(db, max_attempts=3)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", lease_seconds=600)
+    with db.session() as s, pytest.raises(jobs.LeaseLost):
+        jobs.end_lease(s, job_id, "w0")
+    with db.session() as s:
+        assert jobs.reap(s) == ([], []), "the lease lives"
+        jobs.end_lease(s, job_id, "w1")
+    with db.session() as s:
+        assert jobs.reap(s) == ([job_id], [])
+        assert s.get(Job, job_id).status == "queued"
+
+
 def test_queue_position_counts_only_the_tenants_own_jobs_and_active_count(db):
     first, second, other = make_job(db), make_job(db), make_job(db)  # `other`: another tenant's, queued first
     with db.session() as s:

@@ -1,0 +1,351 @@
+"""Bring your own agent: the user's agent server runs each rollout against an OpenAI-compatible chat endpoint
+that this process opens on loopback, and is the environment of the one episode loop (`run_episodes`).
+
+Per rollout the service POSTs ``{"item", "base_url", "session"}`` to the agent's ``server_url``; the agent
+calls ``POST {base_url}/chat/completions``. A turn of the loop waits until every live session has a pending
+request (or its agent has answered), samples all of them in one engine call, and answers each. The sampled
+ids and log-probs are the trajectory's; an agent's next request that extends what the service produced adds
+only its new messages, rendered as a suffix (`gspo_core.agents.render`), as environment ids.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any, cast
+
+from gspo_core.agents.chat import RequestError, error, parse_request, reward_of, same_message, with_names
+from gspo_core.agents.episodes import _Episode
+from gspo_core.agents.formats import Parser
+from gspo_core.agents.render import tool_turn_ids
+from gspo_core.rewards.policy import GraderPolicy
+from gspo_core.rollout.base import Completion, SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MAX_BODY = 8 << 20
+MODEL_NAME = "policy"
+
+
+@dataclass
+class _Reply:
+    """The answer to one chat request, for the HTTP thread that waits on it."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    answer: tuple[int, dict] = (504, {})
+
+
+@dataclass
+class _Session:
+    """One rollout's agent session; every field is read and written under the endpoint's condition."""
+
+    id: str
+    item: dict
+    episode: _Episode
+    request: dict | None = None
+    reply: _Reply | None = None
+    history: list[dict] = field(default_factory=list)
+    tools: list | None = None
+    closed: bool = False
+    finished: bool = False
+    reward: float | None = None
+    error: str | None = None
+    breaks: int = 0
+
+
+class AgentEndpoint:
+    """A job's agent: its server (``server_url``, ``headers``, ``timeout_s``) and the chat endpoint (one HTTP
+    server per job on ``host:port``, loopback and a free port by default; each session's ``base_url`` is
+    ``<url>/s/<random id>/v1``, ``url`` the address agents reach it at, default ``http://host:port``)."""
+
+    def __init__(
+        self,
+        spec: dict,
+        policy: GraderPolicy,
+        parser: Parser,
+        max_prompt_tokens: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        url: str = "",
+    ) -> None:
+        self.url, self.headers = spec["server_url"], dict(spec.get("headers") or {})
+        self.timeout_s = float(spec.get("timeout_s", 300.0))
+        self.policy, self.parser, self.max_prompt_tokens = policy, parser, max_prompt_tokens
+        self.cv = threading.Condition()
+        self.sessions: dict[str, _Session] = {}
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.public_url = url.rstrip("/")
+        self.httpd.daemon_threads = True
+        # A short poll: closing the endpoint (each job's end) waits for at most one poll.
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, args=(0.05,), name="agent-endpoint", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def base(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return self.public_url or f"http://{host!s}:{port}"
+
+    def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> AgentEnvironment:
+        return AgentEnvironment(self, tokenizer, rows)
+
+    def submit(self, sid: str, body: bytes) -> tuple[int, dict]:
+        """An agent's chat request (an HTTP thread): held until the loop's next turn answers it."""
+        with self.cv:
+            s = self.sessions.get(sid)
+            if s is None:
+                return 404, error("no such session", "not_found_error")
+            if s.closed:
+                return 400, error("the episode is over (max_turns, its token budget, or a timeout)")
+            if s.request is not None:
+                return 409, error("one request at a time per session")
+            try:
+                s.request = parse_request(body)
+            except RequestError as exc:
+                return 400, error(str(exc))
+            reply = s.reply = _Reply()
+            self.cv.notify_all()
+        if not reply.ready.wait(self.timeout_s):
+            return 504, error("no answer in time")
+        return reply.answer
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _session(self, tail: str) -> str | None:
+            parts = self.path.split("/")  # "", "s", <id>, "v1", ...
+            ok = len(parts) >= 4 and parts[1] == "s" and parts[3] == "v1" and "/".join(parts[4:]) == tail
+            return parts[2] if ok else None
+
+        def do_GET(self) -> None:
+            sid = self._session("models")
+            with endpoint.cv:
+                known = sid in endpoint.sessions
+            if not known:
+                return self._reply(404, error("not found", "not_found_error"))
+            self._reply(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "gspo"}]})
+
+        def do_POST(self) -> None:
+            sid = self._session("chat/completions")
+            size = int(self.headers.get("Content-Length") or 0)
+            if sid is None:
+                return self._reply(404, error("not found", "not_found_error"))
+            if size > MAX_BODY:
+                return self._reply(413, error(f"the request is larger than {MAX_BODY} bytes"))
+            self._reply(*endpoint.submit(sid, self.rfile.read(size)))
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+class AgentEnvironment:
+    """One rollout's sessions (``n`` per prompt, each a thread POSTing to the agent) as the loop's
+    environment. Metrics: ``agent/prefix_breaks``, ``agent_errors/<kind>``, ``time/agent`` (waiting on
+    the agents between turns)."""
+
+    shared_first_turn = False
+
+    def __init__(self, endpoint: AgentEndpoint, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> None:
+        self.ep, self.tokenizer, self.rows = endpoint, tokenizer, rows
+        self.sessions: list[_Session] = []
+        self.of: dict[int, _Session] = {}
+        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "time/agent": 0.0}
+
+    def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
+        from gspo_core.egress import EgressClient, EgressPolicy
+
+        self.spec = spec
+        n = len(prompt_ids) * spec.n
+        self.client = EgressClient(
+            EgressPolicy(self.ep.policy.egress_allow), self.ep.timeout_s, self.ep.headers, max_connections=max(64, n)
+        )
+        with self.ep.cv:
+            for p, ids in enumerate(prompt_ids):
+                for _ in range(spec.n):
+                    s = _Session(secrets.token_urlsafe(16), self.rows[p], _Episode(p, ids, extra={"agent": {}}))
+                    self.ep.sessions[s.id] = s
+                    self.sessions.append(s)
+                    self.of[id(s.episode)] = s
+        for s in self.sessions:
+            threading.Thread(target=self._run, args=(s,), name="agent-session", daemon=True).start()
+        for s in self._gather(self.sessions):
+            self._first(s)
+        return [s.episode for s in self.sessions]
+
+    def react(self, live: list[_Episode], spec: SamplingSpec, last: bool) -> list[_Episode]:
+        for e in live:
+            self._deliver(self.of[id(e)])
+        if last:
+            with self.ep.cv:
+                for s in self.sessions:
+                    s.closed = True
+            return []
+        return [s.episode for s in self._gather([self.of[id(e)] for e in live]) if self._next(s, spec)]
+
+    def close(self, episodes: list[_Episode]) -> None:
+        """End every session: a pending request is refused, each agent's reply is awaited (its timeout),
+        then each episode gets its reward, or is dropped (and counted) when its agent failed."""
+        with self.ep.cv:
+            for s in self.sessions:
+                s.closed = True
+                if s.request is not None:
+                    self._answer(s, 400, error("the episode is over (max_turns)"))
+            self.ep.cv.wait_for(lambda: all(s.finished for s in self.sessions), self.ep.timeout_s)
+            for s in self.sessions:
+                self.ep.sessions.pop(s.id, None)
+        self.client.close()
+        for s in self.sessions:
+            self._outcome(s)
+
+    def _run(self, s: _Session) -> None:
+        from gspo_core.egress import EgressError, EgressRefused
+
+        reward, kind = None, None
+        body = {"item": s.item, "base_url": f"{self.ep.base}/s/{s.id}/v1", "session": s.id}
+        try:
+            status, reply = self.client.request("POST", self.ep.url, json=body)
+            reward, kind = reward_of(reply) if status < 300 else (None, f"http_{status // 100}xx")
+        except EgressRefused:
+            kind = "egress_refused"
+        except EgressError as exc:
+            kind = "timeout" if exc.kind == "timeout" else "http_error"
+        except Exception:  # whatever else broke this session must not stall the turn
+            kind = "agent_error"
+        with self.ep.cv:
+            s.finished, s.reward, s.error = True, reward, s.error or kind
+            self.ep.cv.notify_all()
+
+    def _gather(self, sessions: list[_Session]) -> list[_Session]:
+        """Wait until each session has a request or its agent answered (at most the agent's timeout): those
+        with a request; the others' episodes end (a session that neither asked nor answered: ``timeout``)."""
+        start = time.perf_counter()
+        with self.ep.cv:
+            self.ep.cv.wait_for(lambda: all(s.request is not None or s.finished for s in sessions), self.ep.timeout_s)
+            asking = [s for s in sessions if s.request is not None]
+            for s in sessions:
+                if s.request is None:
+                    s.closed = s.episode.done = True
+                    s.error = s.error or (None if s.finished else "timeout")
+        self.metrics["time/agent"] += time.perf_counter() - start
+        return asking
+
+    def _answer(self, s: _Session, status: int, obj: dict) -> None:
+        """Hand the HTTP thread its answer (the caller holds the condition)."""
+        if s.reply is not None:
+            s.reply.answer = (status, obj)
+            s.reply.ready.set()
+        s.request, s.reply = None, None
+
+    def _refuse(self, s: _Session, why: str) -> bool:
+        with self.ep.cv:
+            s.closed = s.episode.done = True
+            s.episode.truncated = s.episode.last is not None
+            self._answer(s, 400, error(why))
+        return False
+
+    def _first(self, s: _Session) -> bool:
+        """A session's context from its request rendered whole (its first, or after a prefix break)."""
+        req, e = cast(dict, s.request), s.episode
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req["messages"], tools=req["tools"], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template's own refusal (roles, tools) is the agent's to read
+            return self._refuse(s, f"messages: the chat template refused them: {exc}")
+        ids = list(self.tokenizer(cast(str, text), add_special_tokens=False)["input_ids"])
+        if len(ids) > self.ep.max_prompt_tokens:
+            return self._refuse(s, f"messages: {len(ids)} tokens, more than max_prompt_tokens")
+        e.prompt_ids, e.ids, e.logprobs, e.mask, e.cap = ids, [], [], [], req["cap"]
+        s.tools = req["tools"]
+        return True
+
+    def _next(self, s: _Session, spec: SamplingSpec) -> bool:
+        """A later request: its new messages as environment ids when it extends the service's history
+        exactly; else (history rewritten, tools changed) a prefix break: the context starts anew."""
+        req, e = cast(dict, s.request), s.episode
+        msgs, n = req["messages"], len(s.history)
+        suffix = msgs[n:]
+        kept = (
+            len(msgs) > n
+            and all(same_message(a, b) for a, b in zip(s.history, msgs, strict=False))
+            and req["tools"] == s.tools
+            and all(m["role"] != "assistant" for m in suffix)
+        )
+        if not kept:
+            self.metrics["agent/prefix_breaks"] += 1
+            s.breaks += 1
+            return self._first(s)
+        if not e.add_environment(tool_turn_ids(self.tokenizer, suffix, e.stop_text(self.tokenizer)), spec.max_tokens):
+            return self._refuse(s, "the episode's token budget (max_new_tokens) is spent")
+        e.cap = req["cap"]
+        return True
+
+    def _deliver(self, s: _Session) -> None:
+        """Answer the request the turn just sampled, in OpenAI's shape, with calls parsed by the job's format
+        (only when the request offered tools)."""
+        e, c = s.episode, cast(Completion, s.episode.last)
+        calls = [call for call in self.ep.parser(c.text) if not call.error] if s.tools else []
+        tool_calls = [with_names(call.openai(f"call_{e.turns}_{j}"), s.tools) for j, call in enumerate(calls)]
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        with self.ep.cv:
+            s.history = [*cast(dict, s.request)["messages"], message]
+            e.messages, e.tool_calls = list(s.history), e.tool_calls + tool_calls
+            context = len(e.prompt_ids) + len(e.ids) - len(c.completion_ids)
+            self._answer(
+                s,
+                200,
+                {
+                    "id": f"chatcmpl-{s.id[:8]}-{e.turns}",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": MODEL_NAME,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": message,
+                            "finish_reason": "tool_calls" if tool_calls else c.finish_reason,
+                            "logprobs": None,
+                        }
+                    ],
+                    "usage": {
+                        "prompt_tokens": context,
+                        "completion_tokens": len(c.completion_ids),
+                        "total_tokens": context + len(c.completion_ids),
+                    },
+                },
+            )
+
+    def _outcome(self, s: _Session) -> None:
+        e = s.episode
+        if s.error is None and e.last is None:
+            s.error = "no_request"
+        if s.error is not None:
+            e.dropped = True
+            key = f"agent_errors/{s.error}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + 1
+        if e.last is None:  # never sampled: one untrained id stands for the row
+            e.ids, e.mask = [self.tokenizer.eos_token_id or 0], [0]
+            e.logprobs = [0.0] if self.spec.logprobs else []
+        e.extra["agent"] = {"session": s.id, "reward": s.reward, "prefix_breaks": s.breaks, "error": s.error}
