@@ -75,8 +75,10 @@ class CpuPlatform(Platform):
         """Eager mode; 16- or 32-token KV blocks (`cpu_kv_block`) and a cache sized to the job
         (`cpu_kv_cache`) when ``max_num_seqs`` is known; no chunked prefill: where a seeded request's
         prefill is split, vLLM rewinds its generator with ``set_offset``, which CPU generators lack."""
-        from gspo_core.platform import cpu_attention
+        from gspo_core.platform import cpu_attention, cpu_moe
 
+        if cpu_moe.has_defect() and (why := cpu_moe.why_updates_fail(model_dir, tensor_parallel_size)):
+            raise ValueError(f"model: {why}")
         cpu_attention.declare()
         block = cpu_kv_block(max_new_tokens, dtype)
         args: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False, "block_size": block}

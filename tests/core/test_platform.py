@@ -72,6 +72,26 @@ def test_cpu_shares_split_the_cpus_per_device():
     assert cpu_shares([5], 2) == "5|5"
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize(("size", "devices", "refused"), [(32, 1, False), (32, 2, True), (64, 2, False)])
+def test_an_moe_whose_experts_vllm_cpu_would_pad_is_refused_before_the_engine_starts(tmp_path, size, devices, refused):
+    """vLLM 0.32 on CPU pads a device's share of the experts' intermediate size to 32 and then cannot take a
+    weight update into them (the engine dies mid-push): such a model and device count is refused up front."""
+    if not vllm_available():
+        pytest.skip("vllm not installed")
+    from transformers import Qwen3MoeConfig
+
+    from gspo_core.platform import cpu_moe
+
+    Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=size, num_experts=4, head_dim=32).save_pretrained(tmp_path)
+    args = {"dtype": "float32", "max_model_len": 64, "max_num_seqs": None, "max_new_tokens": None}
+    if refused and cpu_moe.has_defect():
+        with pytest.raises(ValueError, match=f"model: moe_intermediate_size {size} over {devices} device"):
+            CpuPlatform().vllm_engine_args(model_dir=str(tmp_path), tensor_parallel_size=devices, **args)
+    else:
+        CpuPlatform().vllm_engine_args(model_dir=str(tmp_path), tensor_parallel_size=devices, **args)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="CPU, glibc")
 def test_prepare_process_applies_the_heap_policy_only_when_asked():
     kept, default = _prepare_in_child("keep"), _prepare_in_child("return")
