@@ -236,7 +236,7 @@ def launch_ranks(args: argparse.Namespace, spec: JobSpec) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from gspo_core.checkpoint import latest_checkpoint
-    from gspo_core.platform import prepare_process
+    from gspo_core.platform import prepare_job, prepare_process
     from gspo_core.trainer import train
 
     try:
@@ -247,6 +247,7 @@ def run_train(args: argparse.Namespace) -> int:
     if spec.resources.devices > 1 and "RANK" not in os.environ:
         return launch_ranks(args, spec)
     prepare_process(runtime)  # this command owns its process
+    prepare_job(spec.resources.devices)
     out = Path(spec.output_dir)
     resume = latest_checkpoint(out) if args.resume else None
     main_rank = int(os.environ.get("RANK", "0")) == 0  # rank 0 reports; the others only train

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast, overload
 
@@ -256,6 +256,20 @@ def export_weights(model: Policy, state: dict[str, torch.Tensor] | None = None) 
                     if adapter in layer.lora_A:
                         tensor = tensor + _lora_delta(layer, adapter, state, PEFT_PREFIX + path).to(tensor.dtype)
         yield name.replace(".base_layer", ""), tensor.detach()
+
+
+def checkpoint_weights(
+    model: Policy, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` (:func:`export_weights`) named and shaped as the model's checkpoint holds them: the
+    conversion ``save_pretrained`` applies (transformers' ``revert_weight_conversion``). transformers 5 holds
+    some MoE experts fused in memory (``mlp.experts.gate_up_proj [E, 2I, H]``) where checkpoints have one
+    tensor per expert (Mixtral: ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``), and vLLM's loaders read
+    checkpoint names. Other tensors pass as they are (no copy); an expert's tensor is a view of the fused one."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base = model.get_base_model() if is_peft(model) else model
+    yield from revert_weight_conversion(base, dict(weights)).items()
 
 
 def _lora_delta(layer: Any, adapter: str, state: dict[str, torch.Tensor], path: str) -> torch.Tensor:

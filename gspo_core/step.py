@@ -47,7 +47,7 @@ from gspo_core.config import GSPOConfig
 from gspo_core.distributed import Ranks, clip_grad_norm, everywhere, gather, merge_loss_metrics, most
 from gspo_core.losses import LossMetrics
 from gspo_core.packing import PackedBatch, SharedPrefixBatch
-from gspo_core.policy import Policy, completion_logprobs, export_weights
+from gspo_core.policy import Policy, checkpoint_weights, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import sample_for, transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
@@ -515,7 +515,7 @@ def push_weights(model: Policy, engine: RolloutEngine, state: dict[str, torch.Te
     """Hand the new weights (``state``: the model's full state dict, default its own) to an engine that keeps
     its own copy (vLLM); no-op otherwise."""
     if not engine.shares_weights:
-        engine.load_weights(export_weights(model, state))
+        engine.load_weights(checkpoint_weights(model, export_weights(model, state)))
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:

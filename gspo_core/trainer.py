@@ -187,11 +187,6 @@ class Trainer:
 
     def _make_engine(self) -> RolloutEngine:
         kind, cfg = engine_kind(self.runtime.rollout_engine), self.cfg
-        if kind == "vllm" and self.ranks.world > 1:
-            # vLLM's engine runs in this process today and would take the job's process group for its own.
-            if self.runtime.rollout_engine != "auto":
-                raise ValueError("rollout_engine vllm runs only at resources.devices 1 for now (docs/scaling.md)")
-            kind = "transformers"
         # Only vLLM sizes anything by these; the transformers engine is spared the scan of the data.
         max_model_len, max_num_seqs = (
             self.sampling_bounds() if kind == "vllm" else (cfg.max_prompt_tokens + cfg.max_new_tokens, None)
@@ -208,6 +203,8 @@ class Trainer:
             dtype=sampler_dtype(self.policy.amp),
             plain_sampling=cfg.temperature == 1.0 and cfg.top_p == 1.0,
             max_new_tokens=cfg.max_new_tokens,
+            # Every device of the job serves rollouts: vLLM's tensor parallelism over them (docs/scaling.md).
+            tensor_parallel_size=self.ranks.world,
         )
 
     def sampling_bounds(self) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from gspo_core.config import JobSpec
+from gspo_core.platform import prepare_job
 
 #: Linux's prctl option that signals a process when its parent dies.
 PR_SET_PDEATHSIG = 1
@@ -100,6 +101,7 @@ def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
         for rank in range(1, world)
     ]
     os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})  # read once, by the trainer's join_group
+    prepare_job(world)  # rank 0 samples: its vLLM engine runs in processes of its own, over the job's devices
     watch = _Watch(ranks)
     watch.start()
     ended = False

@@ -6,6 +6,9 @@ of gspo_core only through the small interface below, chosen once per process (:f
 * ``prepare_process(options)``: what the *process owner* (the worker's job process, ``gspo train``, a
   benchmark's ``main``) does once at start, before any model is loaded. Library code never changes
   process-wide state itself.
+* ``prepare_job(devices)``: what the process owner adds once a job's device count is known (vLLM in
+  its own processes at N > 1).
+* ``in_vllm_process()``: what our vLLM plugin registers in each process vLLM starts.
 * ``vllm_engine_args(...)``: the vLLM constructor arguments this platform wants (KV block size and
   cache sizing, eager mode, chunked prefill, sleep mode), passed through vLLM's public ``LLM(...)``.
 * ``after_weight_update(model)``: a version-guarded fix-up of a vLLM defect after a weight push, run in
@@ -85,13 +88,36 @@ class Platform:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return ["vllm_in_process"]
 
+    def prepare_job(self, devices: int) -> list[str]:
+        """By the process owner of a job's rank 0 once the job's device count is known, before its engine
+        starts. At N > 1 vLLM runs in its own processes (docs/scaling.md): an engine core in this process
+        would take the job's process group for its own and destroy it when it shuts down, and its
+        multiprocessing switch is an environment variable only. The weight push then goes over gloo."""
+        if devices == 1:
+            return []
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        return ["vllm_own_processes"]
+
+    def in_vllm_process(self) -> None:
+        """Run by our ``vllm.general_plugins`` entry point in every process vLLM starts (engine core,
+        workers), before any model is built: what this platform registers with vLLM there. None here."""
+
     def vllm_engine_args(
-        self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None, max_new_tokens: int | None
+        self,
+        *,
+        model_dir: str,
+        dtype: str,
+        max_model_len: int,
+        max_num_seqs: int | None,
+        max_new_tokens: int | None,
+        tensor_parallel_size: int = 1,
     ) -> dict[str, Any]:
         """Platform-specific arguments of ``vllm.LLM(...)`` (the engine adds the model, seed, dtype...)."""
         from vllm.platforms import current_platform
 
         args: dict[str, Any] = {"enforce_eager": not current_platform.is_cuda_alike()}
+        if tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = tensor_parallel_size
         if current_platform.is_sleep_mode_available():
             args["enable_sleep_mode"] = True  # frees the KV cache and weights during the update
         return args
@@ -111,6 +137,11 @@ def current() -> Platform:
     from gspo_core.platform.cpu import CpuPlatform
 
     return CpuPlatform()
+
+
+def prepare_job(devices: int) -> list[str]:
+    """:meth:`Platform.prepare_job` of :func:`current` (the job's process owner, once N is known)."""
+    return current().prepare_job(devices)
 
 
 def prepare_process(options: RuntimeOptions | None = None) -> list[str]:

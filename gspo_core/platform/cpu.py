@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -38,6 +39,22 @@ class CpuPlatform(Platform):
             applied.append("keep_freed_memory")
         return applied
 
+    def prepare_job(self, devices: int) -> list[str]:
+        """And, at N > 1, vLLM's CPU workers (one per device, tensor parallelism) bound to a share of this
+        process's cores each: vLLM's own binding ("auto") wants a NUMA node per worker and refuses to
+        start on a one-node machine. An operator's ``VLLM_CPU_OMP_THREADS_BIND`` is kept."""
+        applied = super().prepare_job(devices)
+        if devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_shares(sorted(os.sched_getaffinity(0)), devices)
+            applied.append("vllm_cpu_threads_bind")
+        return applied
+
+    def in_vllm_process(self) -> None:
+        """vLLM's CPU attention declared for 16-token blocks (`cpu_attention`) in its worker processes too."""
+        from gspo_core.platform import cpu_attention
+
+        cpu_attention.declare()
+
     def after_weight_update(self, model: Any) -> None:
         """On the vLLM releases that skip it (`gspo_core.platform.cpu_moe`), repack MoE experts."""
         from gspo_core.platform import cpu_moe
@@ -46,16 +63,27 @@ class CpuPlatform(Platform):
             cpu_moe.repack_experts(model)
 
     def vllm_engine_args(
-        self, *, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int | None, max_new_tokens: int | None
+        self,
+        *,
+        model_dir: str,
+        dtype: str,
+        max_model_len: int,
+        max_num_seqs: int | None,
+        max_new_tokens: int | None,
+        tensor_parallel_size: int = 1,
     ) -> dict[str, Any]:
         """Eager mode; 16- or 32-token KV blocks (`cpu_kv_block`) and a cache sized to the job
         (`cpu_kv_cache`) when ``max_num_seqs`` is known; no chunked prefill: where a seeded request's
         prefill is split, vLLM rewinds its generator with ``set_offset``, which CPU generators lack."""
-        from gspo_core.platform import cpu_attention
+        from gspo_core.platform import cpu_attention, cpu_moe
 
+        if cpu_moe.has_defect() and (why := cpu_moe.why_updates_fail(model_dir, tensor_parallel_size)):
+            raise ValueError(f"model: {why}")
         cpu_attention.declare()
         block = cpu_kv_block(max_new_tokens, dtype)
         args: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False, "block_size": block}
+        if tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = tensor_parallel_size
         if max_num_seqs:
             args.update(cpu_kv_cache(model_dir, dtype, max_num_seqs, max_model_len, block))
         return args
@@ -101,3 +129,11 @@ def cpu_kv_cache(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: i
         "num_gpu_blocks_override": blocks,
         "kv_cache_memory_bytes": blocks * block * kv_bytes_per_token(model_dir, dtype),
     }
+
+
+def cpu_shares(cpus: list[int], devices: int) -> str:
+    """``cpus`` split into ``devices`` contiguous shares, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` takes them
+    ("0|1"; "0,1|2,3"); a share is never empty (fewer CPUs than devices: CPUs are shared round the list)."""
+    per = max(1, len(cpus) // devices)
+    shares = [cpus[i * per : (i + 1) * per] or [cpus[i % len(cpus)]] for i in range(devices)]
+    return "|".join(",".join(map(str, share)) for share in shares)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 #: vLLM releases with the defect. In them, an update re-runs an MoE layer's weight processing but skips the
@@ -31,3 +32,26 @@ def repack_experts(model: Any) -> int:
             experts.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+def why_updates_fail(model_dir: str, tensor_parallel_size: int) -> str | None:
+    """Why vLLM's CPU backend could not take weight updates into this model at ``tensor_parallel_size``
+    (None: it can). Its CPU experts kernel zero-pads each device's share of the experts' intermediate size to
+    its alignment at load, and vLLM's layer-wise reload then fails copying the padded tensors back (the
+    engine dies mid-update; docs/scaling.md). Checked before the engine starts, on the releases with it."""
+    from transformers import AutoConfig
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts as Experts
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    if not (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+        return None
+    field = "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None) else "intermediate_size"
+    size = int(getattr(config, field))
+    align = math.lcm(Experts.output_alignment, Experts.reduction_alignment)
+    if size % tensor_parallel_size == 0 and (size // tensor_parallel_size) % align == 0:
+        return None
+    return (
+        f"{field} {size} over {tensor_parallel_size} device(s) is not a multiple of {align} per device: "
+        f"vLLM {DEFECT_VERSIONS[0]}x on CPU pads such experts and then cannot load weight updates into them "
+        "(docs/scaling.md); choose a device count that divides it into multiples of it"
+    )

@@ -31,6 +31,7 @@ def _make_vllm(
     plain_sampling: bool,
     max_num_seqs: int | None,
     max_new_tokens: int | None,
+    tensor_parallel_size: int = 1,
     **_: object,
 ) -> RolloutEngine:
     from gspo_core.rollout.vllm_engine import VLLMEngine
@@ -44,6 +45,7 @@ def _make_vllm(
         plain_sampling=plain_sampling,
         max_num_seqs=max_num_seqs,
         max_new_tokens=max_new_tokens,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -83,6 +85,7 @@ def make_engine(
     plain_sampling: bool = False,
     max_num_seqs: int | None = None,
     max_new_tokens: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> RolloutEngine:
     """Build the rollout engine named ``kind`` ("auto" = vllm when installed, else transformers).
 
@@ -93,6 +96,7 @@ def make_engine(
     the most tokens of each: vLLM on CPU sizes its KV cache to exactly that.
     ``max_new_tokens``: the most tokens a call usually samples (None: unknown). vLLM on CPU picks its KV
     block by it (`gspo_core.platform.cpu.cpu_kv_block`); a call may sample more, only not at the speed it chose for.
+    ``tensor_parallel_size``: vLLM's ranks (the job's devices; its workers then run in processes of their own).
     """
     return ENGINES[engine_kind(kind)](
         model_dir=model_dir,
@@ -105,4 +109,5 @@ def make_engine(
         plain_sampling=plain_sampling,
         max_num_seqs=max_num_seqs,
         max_new_tokens=max_new_tokens,
+        tensor_parallel_size=tensor_parallel_size,
     )

@@ -97,6 +97,8 @@ class VLLMEngine:
     (`gspo_core.rollout.weight_push`): in the trainer's process with one rank (what
     `gspo_core.platform.prepare_process` sets up) it hands vLLM the tensors; in multiprocess mode or with
     tensor parallelism it broadcasts them over gloo.
+    ``tensor_parallel_size``: vLLM's ranks; a job at N devices serves with N, its engine core and workers in
+    processes of their own (`gspo_core.platform.Platform.prepare_job`; docs/scaling.md).
     """
 
     name = "vllm"
@@ -113,6 +115,7 @@ class VLLMEngine:
         plain_sampling: bool = False,
         max_num_seqs: int | None = None,
         max_new_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
         platform: Platform | None = None,
     ) -> None:
         _quiet_benign_warnings()  # before vLLM loads: it warns of Triton on import
@@ -146,6 +149,7 @@ class VLLMEngine:
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 max_new_tokens=max_new_tokens,
+                tensor_parallel_size=tensor_parallel_size,
             )
         )
         #: Tokens per KV block where the platform picks it (vLLM's own choice otherwise).

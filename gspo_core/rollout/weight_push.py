@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -80,19 +79,16 @@ class GlooPush:
         self.group: Any = None
 
     def connect(self, llm: LLM) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        with socket.socket() as probe:  # a free loopback port for the rendezvous
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
         world = self.world_size + 1
+        # Hosted here on a port the store binds itself (no probe-then-bind race); workers connect to it.
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=weight_transfer.GLOO_TIMEOUT, wait_for_workers=False
+        )
 
         def join() -> None:
-            self.group = stateless_init_torch_distributed_process_group(
-                "127.0.0.1", port, 0, world, "gloo", timeout=weight_transfer.GLOO_TIMEOUT
-            )
+            self.group = weight_transfer.gloo_group(store, 0, world)
 
-        info = {"host": "127.0.0.1", "port": port, "world_size": world}
+        info = {"host": "127.0.0.1", "port": store.port, "world_size": world}
         _while(lambda: llm.init_weight_transfer_engine({"init_info": info}), join)
 
     def send(self, llm: LLM, weights: Weights) -> None:

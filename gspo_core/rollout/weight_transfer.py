@@ -31,13 +31,28 @@ _HANDOVERS: dict[str, Iterable[tuple[str, torch.Tensor]]] = {}
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: vLLM runs it in every process it starts (API server, engine
-    core, workers), so the workers' factory knows our backends. Safe to run more than once."""
+    core, workers), so the workers' factory knows our backends, and the platform registers what it needs
+    there (`Platform.in_vllm_process`). Safe to run more than once."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from gspo_core.platform import current
+
+    current().in_vllm_process()
 
     for name, cls in ((IN_PROCESS, "InProcessEngine"), (GLOO, "GlooEngine")):
         # Registered already: by the entry point and by VLLMEngine, in one process.
         with contextlib.suppress(ValueError):
             WeightTransferEngineFactory.register_engine(name, __name__, cls)
+
+
+def gloo_group(store: torch.distributed.Store, rank: int, world_size: int) -> Any:
+    """A gloo group of its own over ``store`` (hosted by the trainer, rank 0), in no registry: a stateless
+    group beside any default group either side has. The store is made explicitly, not by a ``tcp://``
+    rendezvous: under torchrun (a trainer rank, and the vLLM workers it starts, inherit its environment)
+    torch turns that rendezvous into a client of torchrun's agent store, and no process would host ours."""
+    from vllm.distributed.utils import init_gloo_process_group
+
+    return init_gloo_process_group(torch.distributed.PrefixStore(GLOO, store), rank, world_size, GLOO_TIMEOUT)
 
 
 def hand_over(weights: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -138,13 +153,12 @@ class GlooEngine(_LayerwiseReload):
     update_info_cls = GlooUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         parallel = self.parallel_config
         rank = 1 + parallel.data_parallel_index * parallel.world_size + parallel.rank
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.host, init_info.port, rank, init_info.world_size, "gloo", timeout=GLOO_TIMEOUT
+        store = torch.distributed.TCPStore(
+            init_info.host, init_info.port, init_info.world_size, is_master=False, timeout=GLOO_TIMEOUT
         )
+        self.group = gloo_group(store, rank, init_info.world_size)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         self._load(self._received(update_info))

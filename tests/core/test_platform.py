@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_core.platform import Platform, RuntimeOptions, current
-from gspo_core.platform.cpu import CPU_KV_BLOCK, CPU_SHORT_KV_BLOCK, CpuPlatform, cpu_kv_cache
+from gspo_core.platform import Platform, RuntimeOptions, current, prepare_job
+from gspo_core.platform.cpu import CPU_KV_BLOCK, CPU_SHORT_KV_BLOCK, CpuPlatform, cpu_kv_cache, cpu_shares
 from gspo_core.platform.cpu_attention import runs_16_token_blocks
 from gspo_core.rollout import vllm_available
 
@@ -49,6 +49,47 @@ def _prepare_in_child(mode: str, **env) -> dict:
         cwd=ROOT,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU")
+def test_prepare_job_puts_vllm_in_its_own_processes_bound_per_device_only_at_n_above_one(monkeypatch):
+    # Both set first, so monkeypatch puts back whatever this process had when the test ends.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "unset")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert prepare_job(1) == [] and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    assert prepare_job(2) == ["vllm_own_processes", "vllm_cpu_threads_bind"]
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cpu_shares(sorted(os.sched_getaffinity(0)), 2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1|0,1")  # the operator's binding is kept
+    assert prepare_job(2) == ["vllm_own_processes"] and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|0,1"
+
+
+def test_cpu_shares_split_the_cpus_per_device():
+    assert cpu_shares([0, 1], 2) == "0|1"
+    assert cpu_shares([0, 1, 2, 3, 4], 2) == "0,1|2,3"
+    assert cpu_shares([5], 2) == "5|5"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("size", "devices", "refused"), [(32, 1, False), (32, 2, True), (64, 2, False)])
+def test_an_moe_whose_experts_vllm_cpu_would_pad_is_refused_before_the_engine_starts(tmp_path, size, devices, refused):
+    """vLLM 0.32 on CPU pads a device's share of the experts' intermediate size to 32 and then cannot take a
+    weight update into them (the engine dies mid-push): such a model and device count is refused up front."""
+    if not vllm_available():
+        pytest.skip("vllm not installed")
+    from transformers import Qwen3MoeConfig
+
+    from gspo_core.platform import cpu_moe
+
+    Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=size, num_experts=4, head_dim=32).save_pretrained(tmp_path)
+    args = {"dtype": "float32", "max_model_len": 64, "max_num_seqs": None, "max_new_tokens": None}
+    if refused and cpu_moe.has_defect():
+        with pytest.raises(ValueError, match=f"model: moe_intermediate_size {size} over {devices} device"):
+            CpuPlatform().vllm_engine_args(model_dir=str(tmp_path), tensor_parallel_size=devices, **args)
+    else:
+        CpuPlatform().vllm_engine_args(model_dir=str(tmp_path), tensor_parallel_size=devices, **args)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="CPU, glibc")
