@@ -1,5 +1,5 @@
 """The trainer as an SPMD program: two real torchrun ranks over gloo train as one process does, with either engine,
-and their sharded checkpoint resumes at one rank and loads in transformers."""
+and their sharded checkpoint resumes at one rank and loads in transformers and in vLLM."""
 
 from __future__ import annotations
 
@@ -89,6 +89,8 @@ def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir, tmp_path, engine,
     if engine == "transformers":  # the resumed step samples with the transformers engine (no vLLM start)
         assert_resumes_at_one_rank(tiny_model_dir, tmp_path, hp, Path(spec.output_dir), want)
     assert_loads_in_transformers(Path(result["checkpoint"]), Path(one.final_checkpoint))
+    if engine == "vllm" and lora:  # the dense export (LoRA merged) served as it is
+        assert_loads_in_vllm(Path(result["checkpoint"]))
 
 
 def max_error(a: dict, b: dict) -> float:
@@ -116,3 +118,18 @@ def assert_loads_in_transformers(two: Path, one: Path) -> None:
     with torch.no_grad():
         got, want = (AutoModelForCausalLM.from_pretrained(path / "model")(ids).logits for path in (two, one))
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def assert_loads_in_vllm(two: Path) -> None:
+    """The 2-rank run's export is what `vllm.LLM` loads as it is: its log-probs are the export's own."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo_core.rollout.vllm_engine import VLLMEngine
+    from tests.core.test_weight_transfer import engine_error
+
+    engine = VLLMEngine(str(two / "model"), max_model_len=64, dtype="float32")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(two / "model").eval()
+        assert engine_error(engine, model, [5, 6, 7, 8]) < 1e-5
+    finally:
+        engine.close()
