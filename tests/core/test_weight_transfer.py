@@ -69,18 +69,24 @@ def build_tiny_mixtral(out_dir, seed: int = 0) -> None:
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+def mixtral_dir(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("moe")
+    build_tiny_mixtral(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def moe(mixtral_dir):
     """The trainer's MoE model (a tiny Mixtral: its vLLM loader reads only per-expert checkpoint names, the
-    strictest case; Qwen3-MoE trains with vLLM in tests/core/test_spmd.py), its tokenizer, and one engine
-    serving it for the whole module."""
+    strictest case; Qwen3-MoE trains with vLLM at 1 and 2 devices in tests/core/test_spmd.py), its tokenizer,
+    and one engine serving it for the whole module."""
     if not vllm_available():
         pytest.skip("vllm not installed")
     from gspo_core.config import GSPOConfig
     from gspo_core.policy import load_policy
     from gspo_core.rollout.vllm_engine import VLLMEngine
 
-    model_dir = tmp_path_factory.mktemp("moe")
-    build_tiny_mixtral(model_dir)
+    model_dir = mixtral_dir
     model, tok = load_policy(str(model_dir), GSPOConfig(), torch.device("cpu"))
     engine = VLLMEngine(str(model_dir), max_model_len=256, dtype="float32")
     yield model, tok, engine
@@ -186,3 +192,33 @@ def test_fused_experts_are_refused_and_pushed_in_checkpoint_names(moe):
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
     engine.load_weights(pushed(model))
     assert engine_error(engine, model, prompt) < 1e-5
+
+
+def test_a_mixtral_trains_with_gspo_on_vllm(moe, mixtral_dir, tmp_path):
+    """Three GSPO steps of the tiny Mixtral (the trainer's own copy) served by the module's vLLM engine (last
+    in this module: it leaves the engine at the job's weights): every step samples from the weights the last
+    push sent, experts included, and the weights move."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tests.core.trainer_support import VLLM_RUNTIME, Recorder, one_torch_thread, toy_spec, train
+
+    _, _, engine = moe
+    engine.load_weights(pushed(load_policy_model(mixtral_dir)))  # back to the checkpoint's weights
+    spec, rec = toy_spec(mixtral_dir, tmp_path, steps=3, learning_rate=1e-2), Recorder()
+    with one_torch_thread():
+        result = train(spec, rec, engine=engine, runtime=VLLM_RUNTIME)
+    assert [step for step, _ in rec.steps] == [1, 2, 3]
+    metrics = [m for _, m in rec.steps]
+    assert max(m["old_logprobs/sampler_err_max"] for m in metrics) < 1e-5
+    got = load_file(str(Path(result.final_checkpoint) / "model" / "model.safetensors"))
+    base = load_file(str(mixtral_dir / "model.safetensors"))
+    assert max(float((got[name] - base[name]).abs().max()) for name in base) > 1e-3
+
+
+def load_policy_model(model_dir):
+    from gspo_core.config import GSPOConfig
+    from gspo_core.policy import load_policy
+
+    return load_policy(str(model_dir), GSPOConfig(), torch.device("cpu"))[0]
