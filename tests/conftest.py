@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.embedded_service import embedded_service  # noqa: F401  (a session fixture: one start-up)
+
 for _k, _v in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
