@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import uuid
+from contextlib import ExitStack
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from gspo_core.toy import build_tiny_model, write_toy_dataset
 from store import jobs
+from store.db import run_migrations
 from store.models import Job
 from store.objects import put_dir
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
 from tests.conftest import empty_database_url
+from tests.worker.conftest import ROOT, wait_for
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -127,3 +135,62 @@ def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_pat
         jobs.record_checkpoint(s, job, 3, prefix, size, True)
         jobs.transition(s, s.get(Job, job_id), "succeeded")
     return job_id
+
+
+# Package-scoped: test_openai_pause.py and test_openai_sdk.py share one pair of processes (each module
+# used to start its own); every test there makes its own files and jobs.
+@pytest.fixture(scope="package")
+def service(tmp_path_factory, tiny_model_dir):
+    """Embedded default (SQLite, local objects, filesystem broker): `gspo api` and `gspo worker` processes of
+    the `openai` SDK tests: ``(url, keys of 3 tenants, data dir)``."""
+    tmp = tmp_path_factory.mktemp("openai")
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+        "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
+    }
+    settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
+    run_migrations(settings.resolved_database_url())
+    from store.db import Database
+
+    db = Database(settings.resolved_database_url())
+    keys = []
+    with db.session() as s:
+        for name in ("acme", "globex", "initech"):
+            keys.append(create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1])
+    db.dispose()
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = [sys.executable, "-m", "gspo_cli.main"]
+    commands = {
+        "api": ["api", "--host", "127.0.0.1", "--port", str(port)],
+        "worker": ["worker", "--loglevel", "WARNING"],
+    }
+    with ExitStack() as stack:
+        procs = [
+            stack.enter_context(
+                subprocess.Popen(
+                    [*cli, *args],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=stack.enter_context(open(tmp / f"{name}.log", "w")),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            for name, args in commands.items()
+        ]
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _up(url), 60, "API up")
+        yield url, keys, tmp
+        for p in procs:
+            p.terminate()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,5 +1,4 @@
-"""Pause, resume and results files through the official `openai` SDK, against the live `gspo api` and worker
-of tests/api/test_openai_sdk.py (its module fixture, started again for this module)."""
+"""Pause, resume and results files through the official `openai` SDK, against the live `gspo api` and worker."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import openai
 import pytest
 
 from gspo_client import ApiError, Client
-from tests.api.test_openai_sdk import rl_method, sdk, service, upload  # noqa: F401 (service: the live fixture)
+from tests.api.test_openai_sdk import rl_method, sdk, upload
 
 STEPS = 8
 
@@ -31,7 +30,7 @@ def _csv(client: openai.OpenAI, job) -> list[dict]:
     return list(csv.DictReader(io.StringIO(client.files.content(f.id).text)))
 
 
-def test_pause_resume_cancel_and_results_files(service):  # noqa: F811
+def test_pause_resume_cancel_and_results_files(service):
     url, keys, tmp = service
     client = sdk(service)
     file_id = upload(client, tmp)

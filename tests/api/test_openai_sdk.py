@@ -12,7 +12,6 @@ import sys
 import tarfile
 import time
 import uuid
-from contextlib import ExitStack
 
 import httpx
 import openai
@@ -20,9 +19,6 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from gspo_core.toy import write_toy_dataset
-from store.db import run_migrations
-from store.settings import Settings
-from store.tenants import create_tenant_and_key
 from tests.worker.conftest import ROOT, wait_for
 
 PY_GRADER = {
@@ -30,62 +26,6 @@ PY_GRADER = {
     "name": "starts",
     "source": "def grade(sample, item):\n    return 1.0 if sample['output_text'].startswith(item['answer']) else 0.0\n",
 }
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory, tiny_model_dir):
-    """Embedded default (SQLite, local objects, filesystem broker): `gspo api` and `gspo worker` processes."""
-    tmp = tmp_path_factory.mktemp("openai")
-    env_vals = {
-        "GSPO_DATA_DIR": str(tmp),
-        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
-        "GSPO_ROLLOUT_ENGINE": "transformers",
-        "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
-    }
-    settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
-    run_migrations(settings.resolved_database_url())
-    from store.db import Database
-
-    db = Database(settings.resolved_database_url())
-    keys = []
-    with db.session() as s:
-        for name in ("acme", "globex", "initech"):
-            keys.append(create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1])
-    db.dispose()
-    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cli = [sys.executable, "-m", "gspo_cli.main"]
-    commands = {
-        "api": ["api", "--host", "127.0.0.1", "--port", str(port)],
-        "worker": ["worker", "--loglevel", "WARNING"],
-    }
-    with ExitStack() as stack:
-        procs = [
-            stack.enter_context(
-                subprocess.Popen(
-                    [*cli, *args],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=stack.enter_context(open(tmp / f"{name}.log", "w")),
-                    stderr=subprocess.STDOUT,
-                )
-            )
-            for name, args in commands.items()
-        ]
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _up(url), 60, "API up")
-        yield url, keys, tmp
-        for p in procs:
-            p.terminate()
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def sdk(service, tenant: int = 0, key: str | None = None) -> openai.OpenAI:

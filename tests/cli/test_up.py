@@ -41,30 +41,21 @@ def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, str, Pa
     return proc, url, key, log
 
 
-def test_gspo_up_serves_api_dashboard_and_worker(tmp_path):
-    proc, url, key, log = start_up(tmp_path)
+def test_gspo_up_serves_api_dashboard_and_worker_and_stopping_it_mid_job_checkpoints_and_requeues(tmp_path):
+    """One `gspo up` (a start costs seconds): it serves the API, the dashboard and a worker on the embedded
+    default; stopped mid-job, the embedded worker's warm shutdown reaches the running job (its pool differs
+    from Redis's, whose case tests/worker/test_worker.py covers): the job checkpoints and is queued again, no
+    worker is left behind, and nothing errs."""
+    from gspo_client import Client
+
+    build_tiny_model(tmp_path / "data" / "models" / "toy")
+    proc, url, key, log = start_up(tmp_path, "--rollout-engine", "transformers")
     try:
         assert httpx.get(url + "/v1/jobs", headers={"Authorization": f"Bearer {key}"}).json()["data"] == []
         assert "GSPO jobs" in httpx.get(url + "/").text
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("celery" in " ".join(c.cmdline()) for c in children), "the worker runs"
         assert (tmp_path / "data" / "gspo.db").exists()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    time.sleep(0.5)
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "no orphaned worker"
-    assert not NOISE.search(log.read_text()), log.read_text()
-
-
-def test_stopping_gspo_up_mid_job_checkpoints_and_requeues_it(tmp_path):
-    """The embedded worker's warm shutdown reaches the running job (its pool differs from Redis's, whose
-    case tests/worker/test_worker.py covers): the job checkpoints and is queued again, and nothing errs."""
-    from gspo_client import Client
-
-    build_tiny_model(tmp_path / "data" / "models" / "toy")
-    proc, url, key, log = start_up(tmp_path, "--rollout-engine", "transformers")
-    try:
         with Client(url, key) as client:
             f = client.upload_file(write_toy_dataset(tmp_path / "toy.jsonl", n=32))
             hp = {"steps": 200, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "save_every": 1000}
@@ -73,6 +64,8 @@ def test_stopping_gspo_up_mid_job_checkpoints_and_requeues_it(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+    time.sleep(0.5)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "no orphaned worker"
     out = log.read_text()
     assert "asked the running job to checkpoint and requeue" in out, out
     assert not NOISE.search(out), out

@@ -76,26 +76,26 @@ def _assert_resumed(rig, job_id: str, steps: int) -> None:
 
 def test_sigkill_mid_job_resumes_from_last_checkpoint(rig):
     w = rig.start_worker()
-    job_id = rig.submit(steps=14, save_every=3)
-    wait_for(lambda: len(rig.steps(job_id)) >= 7, 120, "7 steps")
+    job_id = rig.submit(steps=8, save_every=3)
+    wait_for(lambda: len(rig.steps(job_id)) >= 4, 120, "4 steps")  # past the step-3 checkpoint
     rig.kill_worker(w)  # the whole worker (main process and job process) dies, as with a lost machine
     rig.start_worker()  # its reaper sees the stale lease, requeues, and it takes the job over
-    _assert_resumed(rig, job_id, 14)
+    _assert_resumed(rig, job_id, 8)
 
 
 def test_killed_job_process_is_replaced_and_resumes(rig):
     w = rig.start_worker()
-    job_id = rig.submit(steps=10, save_every=3)
+    job_id = rig.submit(steps=8, save_every=3)
     wait_for(lambda: len(rig.steps(job_id)) >= 4, 120, "4 steps")
     (child,) = psutil.Process(w.pid).children()
     child.kill()  # the kernel's OOM killer picks the big training process, not Celery's main process
-    _assert_resumed(rig, job_id, 10)
+    _assert_resumed(rig, job_id, 8)
     assert w.poll() is None, "the worker itself survived"
 
 
 def test_graceful_sigterm_checkpoints_and_requeues(rig):
     w = rig.start_worker()
-    job_id = rig.submit(steps=12)
+    job_id = rig.submit(steps=8)  # 5 steps left when asked to stop: it stops before the end
     wait_for(lambda: len(rig.steps(job_id)) >= 3, 120, "3 steps")
     w.send_signal(signal.SIGTERM)
     assert w.wait(60) == 0, rig.logs()
@@ -106,7 +106,7 @@ def test_graceful_sigterm_checkpoints_and_requeues(rig):
     assert ckpts and ckpts[-1]["step"] == done
     rig.start_worker()
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=150)
-    assert job["status"] == "succeeded" and rig.steps(job_id) == list(range(1, 13))
+    assert job["status"] == "succeeded" and rig.steps(job_id) == list(range(1, 9))
     assert job["attempts"] == 1, "a graceful stop is not a failed attempt"
 
 
