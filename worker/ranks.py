@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
 
@@ -61,6 +63,28 @@ class _Watch(threading.Thread):
         return RankLost(f"rank {rank} was killed ({signal.Signals(-code).name})")
 
 
+#: billiard releases whose pool child cannot start a multiprocessing child (see `allow_children`).
+BILLIARD_DEFECT = ("4.",)
+
+
+def allow_children() -> None:
+    """Let this job process (Celery's prefork child) start processes with the standard `multiprocessing`, as
+    vLLM at N > 1 does for its engine (spawned on GPU). billiard marks the child daemonic, which
+    multiprocessing refuses children (celery/celery#1709), and puts its own process object in
+    multiprocessing's place, whose authkey the standard library cannot pickle for a spawned child. The job
+    process is one job's alone and reaps what it starts (vLLM closes its engine, the ranks die with it), so
+    it is given a plain identity: not daemonic, a standard authkey. Narrow and version-guarded (billiard 4);
+    tests/worker/test_ranks.py fails when billiard no longer needs it."""
+    import billiard
+
+    current = multiprocessing.process.current_process()
+    if not billiard.__version__.startswith(BILLIARD_DEFECT) or not type(current).__module__.startswith("billiard"):
+        return
+    config = cast(Any, current)._config  # billiard's process object, as multiprocessing's current process
+    config["daemon"] = False
+    config["authkey"] = cast(Any, multiprocessing.process).AuthenticationString(os.urandom(32))
+
+
 def _die_with_parent() -> None:
     """A rank whose rank 0 (this worker's job process) died must not wait in a collective for it."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -101,6 +125,7 @@ def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
         for rank in range(1, world)
     ]
     os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})  # read once, by the trainer's join_group
+    allow_children()
     prepare_job(world)  # rank 0 samples: its vLLM engine runs in processes of its own, over the job's devices
     watch = _Watch(ranks)
     watch.start()
