@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gspo_core.agents.tools import HTTP_TRIES, Tool, ToolResult, ToolSpecError
+from gspo_core.agents.tools import HTTP_TRIES, Tool, ToolResult, ToolSpecError, endpoint
 from gspo_core.rewards.policy import GraderPolicy
 
 FIELDS = {"type", "server_url", "headers", "allowed_tools", "timeout_s"}
@@ -58,19 +58,7 @@ class McpSpec:
 
 def check_mcp_spec(spec: dict, path: str, policy: GraderPolicy) -> McpSpec:
     """The entry's fields, checked without contacting the server (the API's check at submit)."""
-    from gspo_core.egress import EgressPolicy, header_refusal
-
-    url = spec.get("server_url")
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL (the server's streamable HTTP endpoint)")
-    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
-        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
-    headers = spec.get("headers") or {}
-    if not isinstance(headers, dict):
-        raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
-    for key, value in headers.items():
-        if why := header_refusal(key, value):
-            raise ToolSpecError(f"{path}.headers.{key}", why)
+    url, headers = endpoint(spec, path, policy)
     allowed = spec.get("allowed_tools")
     if allowed is not None and (
         not isinstance(allowed, list)

@@ -132,7 +132,7 @@ def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     name = spec.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", name):
         raise ToolSpecError(f"{path}.name", "must be a name of letters, digits, _ or - (at most 64)")
-    url, headers = _endpoint(spec, path, policy)
+    url, headers = endpoint(spec, path, policy)
     params = spec.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise ToolSpecError(f"{path}.parameters", 'must be a JSON schema of {"type": "object"}')
@@ -148,8 +148,9 @@ def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     return Tool(name, schema, tuple(props), {}, caller.call, caller.close)
 
 
-def _endpoint(spec: dict, path: str, policy: GraderPolicy) -> tuple[str, dict]:
-    """``server_url`` (http(s), not refused by the egress policy) and ``headers`` of an http tool or an agent."""
+def endpoint(spec: dict, path: str, policy: GraderPolicy) -> tuple[str, dict]:
+    """``server_url`` (http(s), not refused by the egress policy) and ``headers`` of an http tool, an mcp
+    server or an agent."""
     import re
 
     from gspo_core.egress import EgressPolicy, header_refusal
@@ -183,7 +184,7 @@ def agent_spec(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> dict | N
     spec = specs[0]
     if extra := sorted(set(spec) - {"type", "server_url", "headers", "timeout_s"}):
         raise ToolSpecError(f"tools[0].{extra[0]}", "unknown field")
-    _endpoint(spec, "tools[0]", policy)
+    endpoint(spec, "tools[0]", policy)
     timeout = spec.get("timeout_s", 300)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
         raise ToolSpecError("tools[0].timeout_s", "must be a number of seconds between 1 and 3600")
