@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from standardwebhooks import Webhook
 
 from store.models import Job, WebhookDelivery, WebhookEndpoint, new_id
+from store.usage import as_utc
 
 #: The events an endpoint may subscribe to (OpenAI's names); all of them when a tenant names none.
 EVENTS = ("fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
@@ -80,13 +81,9 @@ def create_endpoint(
 def signing_secrets(ep: WebhookEndpoint, now: datetime) -> tuple[str, ...]:
     """The secrets a delivery is signed with: the endpoint's, and the previous one until it expires."""
     until = ep.previous_secret_until
-    if ep.previous_secret and until is not None and _aware(until) > now:
+    if ep.previous_secret and until is not None and as_utc(until) > now:
         return (ep.secret, ep.previous_secret)
     return (ep.secret,)
-
-
-def _aware(at: datetime) -> datetime:
-    return at if at.tzinfo else at.replace(tzinfo=UTC)  # SQLite hands back naive UTC
 
 
 def signed_headers(msg_id: str, secrets_: tuple[str, ...], payload: str, at: datetime) -> dict[str, str]:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,15 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def embedded_service(tmp_path_factory):
     """Embedded default: SQLite, local objects, filesystem broker, a real worker subprocess, uvicorn."""
-    import uvicorn
-
     from api.app import create_app
     from gspo_client import Client
-    from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
+    from gspo_core.toy import build_tiny_model
     from store.db import run_migrations
     from store.settings import Settings
     from store.tenants import create_tenant_and_key
-    from tests.api.test_openai_sdk import chat_rows
+    from tests.api.live import LiveServer
     from tests.conftest import spawn_logged
 
     tmp = tmp_path_factory.mktemp("dash")
@@ -50,52 +45,53 @@ def embedded_service(tmp_path_factory):
     app = create_app(settings)
     with app.state.db.session() as s:
         _, key = create_tenant_and_key(s, "dash")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with Client(url, key) as c:
-        f = c.upload_file(write_toy_dataset(tmp / "toy.jsonl", n=32))
-        job = c.create_job(
-            model="toy",
-            training_file=f["id"],
-            reward=TOY_REWARD,
-            name="dashboard-demo",
-            hyperparameters={
-                "steps": 12,
-                "prompts_per_step": 4,
-                "group_size": 8,
-                "max_new_tokens": 4,
-                "learning_rate": 3e-3,
-                "save_every": 6,
-            },
-        )
-        second = c.create_job(
-            model="toy",
-            training_file=f["id"],
-            reward=TOY_REWARD,
-            name="second",
-            hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
-        )
-        chat = tmp / "chat.jsonl"
-        chat.write_text("".join(json.dumps(r) + "\n" for r in chat_rows("abcdabcd")))
-        sft = c.create_job(
-            model="toy",
-            training_file=c.upload_file(chat)["id"],
-            name="supervised",
-            hyperparameters={"method": "supervised", "steps": 4, "prompts_per_step": 4, "learning_rate": 3e-3},
-        )
-        for j in (job, second, sft):
-            for _ in c.events(j["id"]):
-                pass
-        for j in (job, sft):
-            assert c.get_job(j["id"])["status"] == "succeeded", (tmp / "worker.log").read_text()[-3000:]
-    yield url, key, job["id"], second["id"], sft["id"]
-    server.should_exit = True
-    th.join(10)
+    with LiveServer(app) as live:
+        with Client(live.url, key) as c:
+            jobs = _train_jobs(c, tmp)
+        yield live.url, key, *jobs
     worker.terminate()
     worker.wait(30)
+
+
+def _train_jobs(c, tmp: Path) -> tuple[str, str, str]:
+    """Three jobs, run to their end: a reinforcement job with checkpoints, a short second one (for the compare
+    page), and a supervised one."""
+    from gspo_core.toy import TOY_REWARD, write_toy_dataset
+    from tests.api.test_openai_sdk import chat_rows
+
+    f = c.upload_file(write_toy_dataset(tmp / "toy.jsonl", n=32))
+    job = c.create_job(
+        model="toy",
+        training_file=f["id"],
+        reward=TOY_REWARD,
+        name="dashboard-demo",
+        hyperparameters={
+            "steps": 12,
+            "prompts_per_step": 4,
+            "group_size": 8,
+            "max_new_tokens": 4,
+            "learning_rate": 3e-3,
+            "save_every": 6,
+        },
+    )
+    second = c.create_job(
+        model="toy",
+        training_file=f["id"],
+        reward=TOY_REWARD,
+        name="second",
+        hyperparameters={"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
+    )
+    chat = tmp / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in chat_rows("abcdabcd")))
+    sft = c.create_job(
+        model="toy",
+        training_file=c.upload_file(chat)["id"],
+        name="supervised",
+        hyperparameters={"method": "supervised", "steps": 4, "prompts_per_step": 4, "learning_rate": 3e-3},
+    )
+    for j in (job, second, sft):
+        for _ in c.events(j["id"]):
+            pass
+    for j in (job, sft):
+        assert c.get_job(j["id"])["status"] == "succeeded", (tmp / "worker.log").read_text()[-3000:]
+    return job["id"], second["id"], sft["id"]
