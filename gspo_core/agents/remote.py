@@ -122,6 +122,10 @@ class AgentEndpoint:
 
 def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        # A connection that sends nothing (or its body slowly) is dropped: an endpoint reachable beyond
+        # loopback (GSPO_AGENT_ENDPOINT_HOST) must not keep a thread per idle socket.
+        timeout = 30
+
         def _reply(self, status: int, obj: dict) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
