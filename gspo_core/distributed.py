@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -59,16 +60,18 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def join_group(device: torch.device) -> Ranks:
+def join_group(device: torch.device, timeout_s: int = 1800) -> Ranks:
     """Join torchrun's process group (NCCL on GPU, gloo on CPU); a process run alone makes a 1-rank group
     (an in-process store, no port), so one program serves every N. A group already made in this process
-    (an earlier job, or an in-process vLLM engine's) is reused: a process has one default group."""
+    (an earlier job, or an in-process vLLM engine's) is reused: a process has one default group.
+    ``timeout_s``: how long a collective waits for a rank (`RuntimeOptions.rank_timeout_s`); past it the
+    collective raises (gloo) or the watchdog ends the process (NCCL), and the attempt is lost, not hung."""
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if launched_by_torchrun():
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return Ranks(dist.get_rank(), dist.get_world_size())

@@ -124,7 +124,7 @@ class Trainer:
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)
         seed_everything(self.cfg.seed)
         self.device = local_device()
-        self.ranks: Ranks = join_group(self.device)
+        self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
         self.rows = load_rows(spec.training_file)
         self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.

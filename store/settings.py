@@ -185,6 +185,14 @@ class Settings(BaseSettings):
         validation_alias=_env("AGENT_ENDPOINT_URL"),
         description="The base URL agents reach it at, e.g. behind a proxy (empty: http://<host>:<port>)",
     )
+    rank_timeout_s: int = Field(
+        1800,
+        ge=5,
+        le=86_400,
+        validation_alias=_env("RANK_TIMEOUT_S"),
+        description="A job on several devices: how long a rank waits in a collective before the attempt is "
+        "lost and retried (above the longest rollout phase, which ranks 1..N-1 wait out)",
+    )
 
     log_level: str = Field(
         "WARNING",
@@ -287,6 +295,7 @@ class Settings(BaseSettings):
             "agent_endpoint_host": self.agent_endpoint_host,
             "agent_endpoint_port": self.agent_endpoint_port,
             "agent_endpoint_url": self.agent_endpoint_url,
+            "rank_timeout_s": self.rank_timeout_s,
         }
 
     def broker_is_embedded(self) -> bool:

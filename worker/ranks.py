@@ -12,13 +12,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
 import yaml
 
 from gspo_core.config import JobSpec
-from gspo_core.platform import prepare_job
+from gspo_core.platform import RuntimeOptions, prepare_job
 
 #: Linux's prctl option that signals a process when its parent dies.
 PR_SET_PDEATHSIG = 1
@@ -28,8 +29,26 @@ DEATH_GRACE_S = 2.0
 
 
 class RankLost(Exception):
-    """A rank other than 0 was killed by a signal (the OOM killer, a lost device or machine): the attempt is
-    lost, not the job's fault, so the job is retried from its last checkpoint (`worker.runner`)."""
+    """A rank other than 0 was killed by a signal (the OOM killer, a lost device or machine), or a collective
+    waited out the group's timeout (a rank hung without dying): the attempt is lost, not the job's fault, so
+    the job is retried from its last checkpoint (`worker.runner`)."""
+
+
+#: How gloo words a collective that waited out the group's timeout: torch 2.13 raises a plain RuntimeError
+#: (tests/worker/test_faults.py stops a rank and reads this). NCCL's watchdog ends the process instead, and
+#: the lease and reaper retry the attempt.
+GLOO_TIMEOUTS = ("Timed out waiting", "Application timeout caused pair closure")
+
+
+def timed_out(exc: BaseException, timeout_s: int) -> RankLost | None:
+    """The attempt lost to a rank that stopped answering, when rank 0's error (or one it came from) is a
+    collective's timeout."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and any(words in str(seen) for words in GLOO_TIMEOUTS):
+            return RankLost(f"a rank stopped answering: a collective waited {timeout_s} s (GSPO_RANK_TIMEOUT_S)")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _Watch(threading.Thread):
@@ -97,11 +116,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
+def other_ranks(spec: JobSpec, resume: bool, work: Path, runtime: RuntimeOptions) -> Iterator[None]:
     """Start ranks 1..N-1 of the job (N = ``spec.resources.devices``) with torchrun's environment (``env://``
-    rendezvous on this machine), and make this process rank 0: it holds the lease, runs the callbacks and
-    samples; the others only train their shards. Nothing to start for N = 1. Stopped on exit: when the job
-    fails, a rank killed meanwhile makes it raise `RankLost`."""
+    rendezvous on this machine) and this machine's runtime options, and make this process rank 0: it holds
+    the lease, runs the callbacks and samples; the others only train their shards. Nothing to start for
+    N = 1. Stopped on exit: when the job fails, a rank killed meanwhile, or a collective that timed out,
+    makes it raise `RankLost`."""
     world = spec.resources.devices
     if world == 1:
         yield
@@ -114,7 +134,7 @@ def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
     }
     job = work / "ranks.yaml"
     # The other ranks neither score nor sample: the reward spec (it may hold credentials) stays here.
-    job.write_text(yaml.safe_dump({**spec.model_dump(mode="json"), "reward": {}}))
+    job.write_text(yaml.safe_dump({**spec.model_dump(mode="json"), "reward": {}, "runtime": asdict(runtime)}))
     cmd = [sys.executable, "-m", "gspo_core", "train", str(job), *(["--resume"] if resume else [])]
     ranks = [
         subprocess.Popen(
@@ -134,7 +154,7 @@ def other_ranks(spec: JobSpec, resume: bool, work: Path) -> Iterator[None]:
         yield
         ended = True
     except Exception as exc:
-        lost = watch.lost()
+        lost = watch.lost() or timed_out(exc, runtime.rank_timeout_s)
         if lost is not None:
             raise lost from exc
         raise

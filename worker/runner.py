@@ -232,7 +232,7 @@ def _train(
         if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
             cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
-            with other_ranks(spec, resume is not None, work):
+            with other_ranks(spec, resume is not None, work, runtime):
                 train(
                     spec,
                     cb,

@@ -44,6 +44,9 @@ class RuntimeOptions:
     ``agent_endpoint_host`` / ``_port`` / ``_url``: where a bring-your-own-agent job's chat endpoint listens
     (port 0: a free one) and the base URL its agents are given ("": ``http://host:port``), for agents that
     run on other machines than the worker (`gspo_core.agents.remote`).
+    ``rank_timeout_s``: how long a rank of a job on several devices waits in a collective before the attempt
+    is given up (a rank that hangs without dying); it must exceed the longest rollout phase, during which
+    ranks 1..N-1 wait for rank 0's samples (docs/scaling.md, Failure handling).
     """
 
     rollout_engine: str = "auto"
@@ -52,6 +55,7 @@ class RuntimeOptions:
     agent_endpoint_host: str = "127.0.0.1"
     agent_endpoint_port: int = 0
     agent_endpoint_url: str = ""
+    rank_timeout_s: int = 1800
 
     def __post_init__(self) -> None:
         if self.rollout_engine not in ENGINE_KINDS:
@@ -64,6 +68,9 @@ class RuntimeOptions:
         port = self.agent_endpoint_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"agent_endpoint_port: {port!r} must be a port number (0: a free one)")
+        t = self.rank_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int) or not 5 <= t <= 86_400:
+            raise ValueError(f"rank_timeout_s: {t!r} must be a whole number of seconds from 5 to 86400")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RuntimeOptions:

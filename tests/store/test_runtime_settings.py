@@ -17,6 +17,7 @@ def test_settings_map_to_runtime_options(monkeypatch):
     monkeypatch.setenv("GSPO_AGENT_ENDPOINT_HOST", "0.0.0.0")
     monkeypatch.setenv("GSPO_AGENT_ENDPOINT_PORT", "8765")
     monkeypatch.setenv("GSPO_AGENT_ENDPOINT_URL", "https://worker-1.example.com/agents")
+    monkeypatch.setenv("GSPO_RANK_TIMEOUT_S", "120")
     assert RuntimeOptions.from_mapping(Settings().runtime_options()) == RuntimeOptions(
         rollout_engine="transformers",
         vllm_gpu_memory_utilization=0.5,
@@ -24,6 +25,7 @@ def test_settings_map_to_runtime_options(monkeypatch):
         agent_endpoint_host="0.0.0.0",
         agent_endpoint_port=8765,
         agent_endpoint_url="https://worker-1.example.com/agents",
+        rank_timeout_s=120,
     )
 
 
@@ -34,4 +36,8 @@ def test_a_bad_runtime_setting_fails_at_start(monkeypatch):
     monkeypatch.delenv("GSPO_ROLLOUT_ENGINE")
     monkeypatch.setenv("GSPO_AGENT_ENDPOINT_URL", "worker-1:8765")  # not a URL
     with pytest.raises(ValidationError, match="AGENT_ENDPOINT_URL"):
+        Settings()
+    monkeypatch.delenv("GSPO_AGENT_ENDPOINT_URL")
+    monkeypatch.setenv("GSPO_RANK_TIMEOUT_S", "0")
+    with pytest.raises(ValidationError, match="RANK_TIMEOUT_S"):
         Settings()

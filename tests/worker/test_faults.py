@@ -1,5 +1,5 @@
 """Infrastructure faults for real: a Redis restart and a PostgreSQL restart in the middle of a job, and a rank of
-a 2-device job killed."""
+a 2-device job hung, then killed."""
 
 from __future__ import annotations
 
@@ -156,11 +156,12 @@ def processes_running(arg: str) -> list[int]:
     return pids
 
 
-def test_a_killed_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
-    """SIGKILL to rank 1 of a 2-device job (what the OOM killer does): rank 0 notices at its next collective,
-    no rank is left behind, and the attempt is lost rather than the job: retried from its last checkpoint,
-    it succeeds with each step's metrics once."""
-    rig = make_rig(GSPO_WORKER_DEVICES="2", GSPO_MAX_JOB_DEVICES="2")
+def test_a_lost_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
+    """Rank 1 of a 2-device job is lost twice: first stopped (SIGSTOP: it hangs without dying), so rank 0's
+    collective waits out the group's timeout; then, on the retry, SIGKILLed (what the OOM killer does), which
+    rank 0 notices at its next collective. Each time no rank is left behind and the attempt is lost rather
+    than the job: retried from its last checkpoint, it succeeds with each step's metrics once."""
+    rig = make_rig(GSPO_WORKER_DEVICES="2", GSPO_MAX_JOB_DEVICES="2", GSPO_RANK_TIMEOUT_S="20")
     rig.start_worker(OMP_NUM_THREADS="1")  # two ranks on two cores
     job_id = rig.submit(steps=4, slow=False, save_every=1, job={"resources": {"devices": 2}})
 
@@ -168,18 +169,23 @@ def test_a_killed_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
         with rig.app.state.db.session() as s:
             return list(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
 
-    wait_for(lambda: 1 in checkpoints(), 120, "step 1's checkpoint")
     ranks = str(tmp_path / "work" / job_id / "ranks.yaml")  # the job file of ranks 1..N-1 (worker/ranks.py)
+    wait_for(lambda: 1 in checkpoints(), 120, "step 1's checkpoint")
+    (hung,) = processes_running(ranks)
+    os.kill(hung, signal.SIGSTOP)
+    wait_for(lambda: 2 in checkpoints() and processes_running(ranks) not in ([], [hung]), 120, "the retry's step 2")
+    assert hung not in processes_running(ranks), "the hung rank was ended"
     (rank_1,) = processes_running(ranks)
     os.kill(rank_1, signal.SIGKILL)
     job = rig.wait_status(job_id, {"succeeded", "failed"}, timeout=120)
     assert job["status"] == "succeeded", rig.logs()
     assert rig.steps(job_id) == [1, 2, 3, 4]
-    assert rig.db_job(job_id).attempts == 2
+    assert rig.db_job(job_id).attempts == 3
     with rig.app.state.db.session() as s:
         events = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
+    assert any(m.startswith("a rank stopped answering: a collective waited 20 s") for m in events), events
     assert any(m.startswith("rank 1 was killed (SIGKILL): this attempt is lost") for m in events), events
-    assert any(m.startswith("resumed from step-00000") for m in events), events
+    assert sum(m.startswith("resumed from step-00000") for m in events) == 2, events
     stored = [key for key, _ in get_object_store(rig.settings).list(f"jobs/{job_id}/checkpoints")]
     assert any(key.endswith("/trainer/__1_0.distcp") for key in stored), "rank 1's shards are stored too"
     assert not processes_running(ranks), "no rank outlives its job"
