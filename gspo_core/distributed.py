@@ -161,12 +161,13 @@ def full_weights(root: ShardedPolicy) -> Iterator[None]:
             unit.set_reshard_after_forward(True, recurse=False)
 
 
-def gather_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
+def gather_state_dict(policy: Policy, everywhere: bool = False) -> dict[str, torch.Tensor]:
     """The policy's full state dict (its own names) on rank 0's CPU, a tensor at a time; empty on the other
-    ranks. A collective: every rank calls it. Unsharded (one rank): the live tensors, as they are."""
+    ranks. ``everywhere``: on every rank, on its own device (a push each rank takes part in). A collective:
+    every rank calls it. Unsharded (one rank): the live tensors, as they are."""
     if not units(policy):
         return policy.state_dict()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     return cast(dict[str, torch.Tensor], get_model_state_dict(policy, options=options))
 
 

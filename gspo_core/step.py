@@ -50,7 +50,7 @@ from gspo_core.packing import PackedBatch, SharedPrefixBatch
 from gspo_core.policy import Policy, checkpoint_weights, completion_logprobs, export_weights
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import sample_for, transcript_sample
-from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec, WeightSink
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -511,9 +511,9 @@ def _sampler_gap(logp_BT: torch.Tensor, completions: list[Completion], mask_BT: 
 # --- 6. weight sync, and what a step reports ----------------------------------------------------------------
 
 
-def push_weights(model: Policy, engine: RolloutEngine, state: dict[str, torch.Tensor] | None = None) -> None:
+def push_weights(model: Policy, engine: WeightSink, state: dict[str, torch.Tensor] | None = None) -> None:
     """Hand the new weights (``state``: the model's full state dict, default its own) to an engine that keeps
-    its own copy (vLLM); no-op otherwise."""
+    its own copy (vLLM), or to a rank's side of a push every rank takes part in; no-op otherwise."""
     if not engine.shares_weights:
         engine.load_weights(checkpoint_weights(model, export_weights(model, state)))
 

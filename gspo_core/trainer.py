@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.agents.remote import AgentEndpoint
+    from gspo_core.rollout.weight_push import Push
 
 
 @dataclass
@@ -148,6 +149,9 @@ class Trainer:
             self.engine_shares_weights: bool = broadcast(
                 self.engine.shares_weights if self.engine is not None else None, self.ranks
             )
+            #: How rank 0's engine is pushed to ("": it is not), and ranks 1..N-1's side of those pushes.
+            self.push_backend: str = broadcast(self.engine.push_backend if self.engine else None, self.ranks)
+            self.peer_push = self._peer_push()
             parser = pick_format(self.cfg.tool_format, tokenizer)
             agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
             if agent is not None:
@@ -172,6 +176,18 @@ class Trainer:
         self.step = 0
         self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
+
+    def _peer_push(self) -> Push | None:
+        """On ranks 1..N-1, where the transport takes every rank's copy of the weights (CUDA IPC): their side
+        of rank 0's pushes, through the same trainer-side engine. Elsewhere rank 0 sends what was gathered
+        to it, and the other ranks have no part beyond the gather."""
+        if self.ranks.main or not self.push_backend:
+            return None
+        from gspo_core.rollout.weight_push import NoEngine, Push, every_rank_sends
+
+        if not every_rank_sends(self.push_backend):
+            return None
+        return Push(self.push_backend, self.ranks.rank, self.ranks.world, NoEngine())
 
     def _check_row_tools(self) -> None:
         names = set(self.toolbox.tools) if self.toolbox else set()
@@ -253,12 +269,18 @@ class Trainer:
             self.callbacks.on_log(message)
 
     def push_weights(self) -> None:
-        """The new weights into rank 0's engine, gathered from every rank's shards (a collective); nothing
-        to do for an engine that samples with the trainer's own weights."""
-        state = None if self.engine_shares_weights else gather_state_dict(self.model)
-        if self.engine is not None:
-            self.engine.wake()
-            phases.push_weights(self.model, self.engine, state)
+        """The new weights into rank 0's engine, gathered from every rank's shards (a collective: to rank 0,
+        or to every rank where each sends its copy); nothing to do for an engine that samples with the
+        trainer's own weights."""
+        if self.engine_shares_weights:
+            return
+        from gspo_core.rollout.weight_push import every_rank_sends
+
+        state = gather_state_dict(self.model, everywhere=every_rank_sends(self.push_backend))
+        sink = self.engine or self.peer_push
+        if sink is not None:
+            sink.wake()
+            phases.push_weights(self.model, sink, state)
 
     def sample(self, rows: list[dict], seed: int, n: int | None = None, logprobs: bool = True) -> phases.Rollout:
         """Rank 0 samples ``rows``' prompts with its engine (the whole policy gathered on every rank while it
@@ -390,6 +412,8 @@ class Trainer:
         self.close_graders()
         if engine and self.engine is not None:
             self.engine.close()
+        if self.peer_push is not None:
+            self.peer_push.close()
 
 
 def _loop(trainer: Trainer) -> TrainResult:

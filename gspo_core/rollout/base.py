@@ -77,27 +77,35 @@ class Completion:
         return sum(self.mask) if self.mask else len(self.completion_ids)
 
 
-class RolloutEngine(Protocol):
-    """A sampler whose weights the trainer can replace in place after each optimizer step."""
+class WeightSink(Protocol):
+    """What the trainer pushes its new weights to after each optimizer step: rank 0's engine, or another
+    rank's side of a push every rank takes part in (`gspo_core.rollout.weight_push.Push`)."""
 
-    name: str
     #: True when the engine samples with the trainer's own parameters (nothing to push).
     shares_weights: bool
-
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
-        """Return ``sampling.n`` completions for each prompt, in prompt order."""
-        ...
+    #: The weight-transfer backend its pushes use (`gspo_core.rollout.weight_push`); "" when nothing is pushed.
+    push_backend: str
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights with HF-named tensors (no restart, no disk) and drop caches."""
         ...
 
-    def sleep(self) -> None:
-        """Free accelerator memory during the update where the platform supports it (else no-op)."""
+    def wake(self) -> None:
+        """Undo :meth:`RolloutEngine.sleep`."""
         ...
 
-    def wake(self) -> None:
-        """Undo :meth:`sleep`."""
+
+class RolloutEngine(WeightSink, Protocol):
+    """A sampler whose weights the trainer can replace in place after each optimizer step."""
+
+    name: str
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        """Return ``sampling.n`` completions for each prompt, in prompt order."""
+        ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory during the update where the platform supports it (else no-op)."""
         ...
 
     def close(self) -> None:

@@ -100,6 +100,7 @@ class TransformersEngine:
 
     name = "transformers"
     shares_weights = True
+    push_backend = ""
 
     def __init__(
         self,

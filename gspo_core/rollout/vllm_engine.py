@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -93,10 +94,10 @@ class VLLMEngine:
     (`gspo_core.platform.cpu.cpu_kv_cache`) instead of by ``VLLM_CPU_KVCACHE_SPACE`` or a share of host
     memory. On GPU the cache takes ``gpu_memory_utilization``, and sleep mode frees it during the update.
     ``platform``: where the platform-specific arguments come from (default: this process's).
-    The push goes through vLLM's RL API with a transport chosen by topology
-    (`gspo_core.rollout.weight_push`): in the trainer's process with one rank (what
-    `gspo_core.platform.prepare_process` sets up) it hands vLLM the tensors; in multiprocess mode or with
-    tensor parallelism it broadcasts them over gloo.
+    The push goes through vLLM's RL API, worker and trainer side, with a transport chosen by topology
+    (`gspo_core.rollout.weight_push.backend_for`): in the trainer's process with one rank (what
+    `gspo_core.platform.prepare_process` sets up) it hands vLLM the tensors; in processes of its own it
+    broadcasts them over gloo (CPU) or shares them by CUDA IPC (GPU: every trainer rank takes part).
     ``tensor_parallel_size``: vLLM's ranks; a job at N devices serves with N, its engine core and workers in
     processes of their own (`gspo_core.platform.Platform.prepare_job`; docs/scaling.md).
     """
@@ -159,9 +160,15 @@ class VLLMEngine:
         kwargs["use_tqdm_on_load"] = logging.getLogger("vllm").isEnabledFor(logging.INFO)
         world_size = int(kwargs.get("tensor_parallel_size", 1))
         backend = weight_push.backend_for(
-            multiprocess=bool(vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING), world_size=world_size
+            device_type="cuda" if torch.cuda.is_available() else "cpu",
+            multiprocess=bool(vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING),
+            world_size=world_size,
         )
         kwargs["weight_transfer_config"] = {"backend": backend}
+        if backend == weight_push.IPC:
+            # The IPC handles reach the workers pickled (`weight_push.LLMClient`): allowed for this engine's
+            # own processes, whose sockets are private to the job (read when vLLM starts them).
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         with warnings.catch_warnings():
             # vLLM's kernel dispatcher reads every attribute of every loaded module, torch's deprecated
             # `torch.distributed.reduce_op` included: torch's deprecation notice, for an attribute nobody uses.
@@ -173,10 +180,9 @@ class VLLMEngine:
         self.llm: LLM | None = llm
         self.max_model_len = max_model_len
         self._asleep = False
-        self._push = (
-            weight_push.InProcessPush() if backend == weight_transfer.IN_PROCESS else weight_push.GlooPush(world_size)
-        )
-        self._push.connect(llm)
+        self.push_backend = backend
+        #: This rank's side of the pushes (rank 0's: it drives the engine).
+        self.push = weight_push.Push(backend, 0, world_size, weight_push.LLMClient(llm))
         #: The checkpoint names the engine's model knows: a push is checked against them before it starts.
         self._known_names = weight_push.checkpoint_names(str(model_dir))
         self._tied_embeddings = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -283,11 +289,7 @@ class VLLMEngine:
             raise ValueError(f"the engine's model has no weight named {', '.join(bad[:5])}{more}: nothing was pushed")
         if llm.llm_engine.has_unfinished_requests():
             raise RuntimeError("weights pushed while the engine has requests in flight")
-        llm.start_weight_update()
-        try:
-            self._push.send(llm, weights)
-        finally:
-            llm.finish_weight_update()
+        self.push.send(weights)
 
     def sleep(self) -> None:
         """Offload weights and drop the KV cache during the update (GPU); a no-op where unsupported."""
@@ -305,6 +307,7 @@ class VLLMEngine:
         llm, self.llm = self.llm, None
         if llm is None:
             return
+        self.push.close()
         shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,42 @@ def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir, tmp_path, engine,
     assert_loads_in_transformers(Path(result["checkpoint"]), Path(one.final_checkpoint))
     if engine == "vllm" and lora:  # the dense export (LoRA merged) served as it is
         assert_loads_in_vllm(Path(result["checkpoint"]))
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_a_mixtral_of_one_rank_resumes_at_two(tmp_path):
+    """A Mixtral (vLLM's loader reads per-expert checkpoint names only) trains with GSPO on vLLM at one rank;
+    its step-1 checkpoint resumes at two (DCP reshards; vLLM serves with tensor parallelism over both), and
+    steps 2-3 there sample from the weights each push sent to both vLLM ranks and end at the one-rank run's
+    weights."""
+    if not vllm_available():
+        pytest.skip("vllm not installed")
+    from tests.core.test_weight_transfer import build_tiny_mixtral
+
+    model_dir = tmp_path / "mixtral"
+    build_tiny_mixtral(model_dir, intermediate_size=64)
+    hp = {"steps": 3, "learning_rate": 3e-3, "save_every": 1}
+    with one_torch_thread():
+        one = train(toy_spec(model_dir, tmp_path / "one", **hp), runtime=VLLM_RUNTIME)
+    spec = toy_spec(model_dir, tmp_path / "two", **hp)
+    shutil.copytree(Path(one.final_checkpoint).parent, Path(spec.output_dir) / "checkpoints")
+    for later in ("step-000002", "step-000003"):
+        shutil.rmtree(Path(spec.output_dir) / "checkpoints" / later)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    env = {**os.environ, **THREAD_ENV, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "gspo_core", "train", str(job), "--devices", "2", "--rollout-engine", "vllm"]
+    run = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    metrics = [json.loads(line) for line in (Path(spec.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 3]
+    assert max(m["old_logprobs/sampler_err_max"] for m in metrics) < 1e-5
+    assert result["reward/mean"] == one.metrics["reward/mean"], "the same samples at one rank and two"
+    want = weights(one.final_checkpoint)
+    moved = max_error(want, load_file(str(model_dir / "model.safetensors")))
+    assert moved > 1e-3 and max_error(weights(result["checkpoint"]), want) < 1e-4
 
 
 def max_error(a: dict, b: dict) -> float:

