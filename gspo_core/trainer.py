@@ -272,11 +272,11 @@ class Trainer:
         """The new weights into rank 0's engine, gathered from every rank's shards (a collective: to rank 0,
         or to every rank where each sends its copy); nothing to do for an engine that samples with the
         trainer's own weights."""
-        if self.engine_shares_weights:
-            return
-        from gspo_core.rollout.weight_push import every_rank_sends
+        state = None
+        if not self.engine_shares_weights:
+            from gspo_core.rollout.weight_push import every_rank_sends
 
-        state = gather_state_dict(self.model, everywhere=every_rank_sends(self.push_backend))
+            state = gather_state_dict(self.model, everywhere=every_rank_sends(self.push_backend))
         sink = self.engine or self.peer_push
         if sink is not None:
             sink.wake()

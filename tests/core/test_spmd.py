@@ -97,10 +97,10 @@ def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir, tmp_path, engine,
 @pytest.mark.vllm
 @pytest.mark.multiprocess
 def test_a_mixtral_of_one_rank_resumes_at_two(tmp_path):
-    """A Mixtral (vLLM's loader reads per-expert checkpoint names only) trains with GSPO on vLLM at one rank;
-    its step-1 checkpoint resumes at two (DCP reshards; vLLM serves with tensor parallelism over both), and
-    steps 2-3 there sample from the weights each push sent to both vLLM ranks and end at the one-rank run's
-    weights."""
+    """A Mixtral (vLLM's loader reads per-expert checkpoint names only) trains with GSPO on vLLM at one rank,
+    every step sampling from the weights the last push sent; its step-1 checkpoint resumes at two (DCP
+    reshards; vLLM serves with tensor parallelism over both), and steps 2-3 there sample from the weights
+    each push sent to both vLLM ranks and end at the one-rank run's weights."""
     if not vllm_available():
         pytest.skip("vllm not installed")
     from tests.core.test_weight_transfer import build_tiny_mixtral
@@ -108,8 +108,10 @@ def test_a_mixtral_of_one_rank_resumes_at_two(tmp_path):
     model_dir = tmp_path / "mixtral"
     build_tiny_mixtral(model_dir, intermediate_size=64)
     hp = {"steps": 3, "learning_rate": 3e-3, "save_every": 1}
+    rec = Recorder()
     with one_torch_thread():
-        one = train(toy_spec(model_dir, tmp_path / "one", **hp), runtime=VLLM_RUNTIME)
+        one = train(toy_spec(model_dir, tmp_path / "one", **hp), rec, runtime=VLLM_RUNTIME)
+    assert max(m["old_logprobs/sampler_err_max"] for _, m in rec.steps) < 1e-5, "each push reached vLLM whole"
     spec = toy_spec(model_dir, tmp_path / "two", **hp)
     shutil.copytree(Path(one.final_checkpoint).parent, Path(spec.output_dir) / "checkpoints")
     for later in ("step-000002", "step-000003"):

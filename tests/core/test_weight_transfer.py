@@ -195,29 +195,6 @@ def test_fused_experts_are_refused_and_pushed_in_checkpoint_names(moe):
     assert engine_error(engine, model, prompt) < 1e-5
 
 
-def test_a_mixtral_trains_with_gspo_on_vllm(moe, mixtral_dir, tmp_path):
-    """Three GSPO steps of the tiny Mixtral (the trainer's own copy) served by the module's vLLM engine (last
-    in this module: it leaves the engine at the job's weights): every step samples from the weights the last
-    push sent, experts included, and the weights move."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from tests.core.trainer_support import VLLM_RUNTIME, Recorder, one_torch_thread, toy_spec, train
-
-    _, _, engine = moe
-    engine.load_weights(pushed(load_policy_model(mixtral_dir)))  # back to the checkpoint's weights
-    spec, rec = toy_spec(mixtral_dir, tmp_path, steps=3, learning_rate=1e-2), Recorder()
-    with one_torch_thread():
-        result = train(spec, rec, engine=engine, runtime=VLLM_RUNTIME)
-    assert [step for step, _ in rec.steps] == [1, 2, 3]
-    metrics = [m for _, m in rec.steps]
-    assert max(m["old_logprobs/sampler_err_max"] for m in metrics) < 1e-5
-    got = load_file(str(Path(result.final_checkpoint) / "model" / "model.safetensors"))
-    base = load_file(str(mixtral_dir / "model.safetensors"))
-    assert max(float((got[name] - base[name]).abs().max()) for name in base) > 1e-3
-
-
 def load_policy_model(model_dir):
     from gspo_core.config import GSPOConfig
     from gspo_core.policy import load_policy
