@@ -51,7 +51,7 @@ def _role(pid: int) -> str | None:
     if "gspo_core train" in cmd and "torch.distributed.run" not in cmd:
         return f"trainer rank {env.get('RANK', '0')}"
     if "spawn_main" in cmd:
-        return "vLLM process"
+        return "vLLM process"  # its engine core and TP workers (at N = 1 vLLM runs in the trainer's process)
     return None
 
 
@@ -77,7 +77,8 @@ def run_job(shape: str, steps: int, engine: str, devices: int, out_dir: Path) ->
     peaks: dict[int, tuple[str, int]] = {}
     while proc.poll() is None:
         for pid in _tree(proc.pid):
-            role = peaks[pid][0] if pid in peaks else _role(pid)
+            # At N > 1 the command itself only launches torchrun (its ranks are the trainers).
+            role = "launcher" if pid == proc.pid and devices > 1 else peaks[pid][0] if pid in peaks else _role(pid)
             if role is not None:
                 peaks[pid] = (role, max(_peak_kb(pid), peaks.get(pid, (role, 0))[1]))
         time.sleep(0.5)
