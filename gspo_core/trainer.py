@@ -145,12 +145,11 @@ class Trainer:
                 model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
             )
             self.engine: RolloutEngine | None = (engine or self._make_engine()) if self.ranks.main else None
-            #: The engine samples with the trainer's own (gathered) weights: nothing to push.
-            self.engine_shares_weights: bool = broadcast(
-                self.engine.shares_weights if self.engine is not None else None, self.ranks
-            )
-            #: How rank 0's engine is pushed to ("": it is not), and ranks 1..N-1's side of those pushes.
-            self.push_backend: str = broadcast(self.engine.push_backend if self.engine else None, self.ranks)
+            # Rank 0's engine, as every rank needs to know it (one collective): whether it samples with the
+            # trainer's own (gathered) weights, so nothing is pushed, and else how it is pushed to.
+            engine_facts = (self.engine.shares_weights, self.engine.push_backend) if self.engine is not None else None
+            self.engine_shares_weights, self.push_backend = broadcast(engine_facts, self.ranks)
+            #: Ranks 1..N-1's side of rank 0's pushes, where the transport takes every rank's copy.
             self.peer_push = self._peer_push()
             parser = pick_format(self.cfg.tool_format, tokenizer)
             agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None

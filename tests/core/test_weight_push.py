@@ -32,15 +32,21 @@ def test_the_transport_follows_the_topology(device_type, multiprocess, world_siz
 
 
 def test_every_backend_has_a_trainer_engine_in_vllms_factory():
-    """Each backend's trainer-side init info names an engine vLLM's trainer factory can build (vLLM's own
-    for CUDA IPC, ours for the others)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    """Each backend's trainer-side init info is vLLM's own (CUDA IPC) or names one of ours, which vLLM's public
+    trainer factory builds: at a rank other than 0 it sends nothing and never drives vLLM (its client
+    refuses to)."""
+    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-    weight_push.register()
-    for backend in (weight_transfer.IN_PROCESS, weight_transfer.GLOO, weight_push.IPC):
-        info = weight_push.trainer_init_info(backend, rank=1, vllm_ranks=2)
-        assert info.backend == backend and not info.is_sender
-        assert info.backend in WeightTransferTrainerFactory._registry
+    ipc = weight_push.trainer_init_info(weight_push.IPC, rank=1, vllm_ranks=2)
+    assert isinstance(ipc, IPCTrainerInitInfo) and ipc.packed and not ipc.is_sender
+    for backend in (weight_transfer.IN_PROCESS, weight_transfer.GLOO):
+        push = weight_push.Push(backend, rank=1, vllm_ranks=2, client=weight_push.NoEngine())
+        assert isinstance(push.engine, TrainerWeightTransferEngine) and not push.engine.is_sender
+        push.send([("w", torch.zeros(2))])
+        push.close()
+    with pytest.raises(RuntimeError, match="only trainer rank 0"):
+        weight_push.NoEngine().start_weight_update()
 
 
 def test_ipc_handles_reach_vllms_worker_engine_as_it_reads_them(monkeypatch):
