@@ -3,10 +3,11 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 # The grader environment (requirements-graders.txt) that `python` graders run in, inside the sandbox: built
-# from an interpreter the sandbox's unprivileged uid can read (not one under a home directory).
+# from an interpreter the sandbox's unprivileged uid can read (not one under a home directory), and (as
+# root) placed where that uid can read it wherever the checkout lives (scripts/grader-env.sh). The service
+# finds it beside its own venv, as `.venv/bin/gspo up` does (Settings.grader_python): nothing is exported.
 GRADER_PY ?= /usr/bin/python3
 GRADER_VENV ?= .venv-graders
-export GSPO_GRADER_PYTHON ?= $(abspath $(GRADER_VENV))/bin/python
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_HOST_IP ?= 127.0.0.1
 export VLLM_NO_USAGE_STATS ?= 1
@@ -24,10 +25,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-$(GRADER_VENV)/.installed: requirements-graders.txt | system-deps
-	test -x $(GRADER_VENV)/bin/python || $(GRADER_PY) -m venv $(GRADER_VENV)
-	$(GRADER_VENV)/bin/pip install -q -r requirements-graders.txt
-	touch $@
+$(GRADER_VENV)/.installed: requirements-graders.txt scripts/grader-env.sh | system-deps
+	bash scripts/grader-env.sh $(GRADER_PY) $(GRADER_VENV)
 
 # Debian packages (bubblewrap, python3-venv), only those missing.
 system-deps:

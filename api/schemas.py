@@ -62,12 +62,18 @@ class HealthOut(BaseModel):
 
 
 class ReadyOut(BaseModel):
-    """``GET /readyz``: 200 when the database and the broker answer, else 503 with the same body."""
+    """``GET /readyz``: 200 when the database and the broker answer, else 503 with the same body. A missing
+    worker is reported, not a 503: the API still serves (jobs wait), and an API deployed apart from its
+    workers must stay in its load balancer."""
 
     database: Literal["ok", "unreachable"]
     broker: Literal["ok", "unreachable"]
     sandbox: str = Field(description="How python graders run: bubblewrap (isolated), weak (rlimits only) or refused")
     sandbox_reason: str | None = Field(None, description="Why python graders are not isolated by bubblewrap")
+    worker: Literal["ok", "missing"] = Field(
+        "ok", description="Whether a worker is alive to run jobs (missing: queued jobs wait until one starts)"
+    )
+    workers: int = Field(0, description="Workers whose beat is recent")
 
 
 class Page(BaseModel, Generic[T]):

@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
+
+log = logging.getLogger("gspo.up")
 
 
 def _settings():
@@ -68,17 +74,22 @@ def worker_command(loglevel: str = "INFO", name: str | None = None, queue: str |
     ]
 
 
-def start_worker(loglevel: str = "WARNING", rollout_engine: str | None = None) -> subprocess.Popen:
+def start_worker(
+    loglevel: str = "WARNING", rollout_engine: str | None = None, name: str | None = None
+) -> subprocess.Popen:
     """The embedded worker in its own process group, so a forced stop reaches its pool child too;
     ``rollout_engine`` (the operator's setting, `Settings.rollout_engine`) overrides GSPO_ROLLOUT_ENGINE for it."""
     env = {**os.environ, **({"GSPO_ROLLOUT_ENGINE": rollout_engine} if rollout_engine else {})}
-    cmd = worker_command(loglevel)
-    if logging.getLevelName(loglevel.upper()) > logging.INFO:
+    cmd = worker_command(loglevel, name=name)
+    quiet = logging.getLevelName(loglevel.upper()) > logging.INFO
+    if quiet:
         # Celery warns of any worker run as root. Its danger, a pickled message running code as root, is one
         # Celery refuses itself here (the worker accepts JSON only), and the embedded worker runs as whoever
         # started `gspo up` on their machine: theirs to choose, so the warning shows at --verbose only.
         cmd[1:1] = ["-W", "ignore:You're running the worker with superuser privileges"]
-    return subprocess.Popen(cmd, env=env, start_new_session=True)
+    # Celery prints its "worker: Warm shutdown (MainProcess)" to stdout whatever the log level; its logs
+    # (ours among them) go to stderr, so a quiet start keeps stdout for the service's own lines.
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL if quiet else None)
 
 
 def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -90,6 +101,85 @@ def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class SupervisedWorker:
+    """`gspo up`'s worker, restarted when it dies: its process group is killed (a pool child left running a
+    job would hold the job's lease), its beat cleared at once (/readyz reports it missing until the new
+    one is ready), and a new one started after a back-off that doubles while restarts keep failing."""
+
+    POLL_S = 0.5
+
+    def __init__(self, loglevel: str, rollout_engine: str | None) -> None:
+        self.loglevel, self.rollout_engine = loglevel, rollout_engine
+        self.name = f"gspo-{os.getpid()}@{socket.gethostname()}"
+        self.restarts = 0
+        self._stop = threading.Event()
+        self.proc = start_worker(loglevel, rollout_engine, self.name)
+        self._thread = threading.Thread(target=self._watch, name="gspo-worker-supervisor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        from store import workers
+
+        delay = 1.0
+        while not self._stop.wait(self.POLL_S):
+            code = self.proc.poll()
+            if code is None:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                workers.forget(_settings(), self.name)
+            except Exception as exc:  # Redis down: the beat runs out instead
+                log.warning("could not clear the dead worker's beat: %s", exc)
+            log.warning("the worker exited (code %s): restarting it in %.0f s", code, delay)
+            if self._stop.wait(delay):
+                return
+            self.proc = start_worker(self.loglevel, self.rollout_engine, self.name)
+            self.restarts += 1
+            delay = min(delay * 2, 60.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        stop_worker(self.proc)
+
+
+def sandbox_line() -> str:
+    """Which isolation python graders get on this host, and why (the line `gspo up` prints at start)."""
+    from gspo_core.rewards import GraderPolicy
+    from gspo_core.rewards.isolation import BUBBLEWRAP, isolation_for
+
+    iso = isolation_for(GraderPolicy.from_mapping(_settings().grader_policy()))
+    if iso.mode == BUBBLEWRAP:
+        env = os.path.dirname(os.path.dirname(iso.python))
+        return f"python graders: bubblewrap isolation (grader environment {env})"
+    return f"python graders: {iso.mode} ({iso.reason})"
+
+
+def up_key(tenant: str) -> str:
+    """The key `gspo up` prints for ``tenant``: the one an earlier `gspo up` on this data directory minted,
+    while it is not revoked, else a new one, kept in the (private) data directory for the next start."""
+    from store.db import Database
+    from store.private import open_private, private_dir
+    from store.tenants import authenticate
+
+    path = private_dir(_settings().data_dir) / f"up-key-{re.sub(r'[^A-Za-z0-9_.-]', '_', tenant)}"
+    if path.exists():
+        key = path.read_text().strip()
+        db = Database(_settings().resolved_database_url())
+        try:
+            with db.session() as s:
+                owner = authenticate(s, key)
+                if owner is not None and owner.name == tenant:
+                    return key
+        finally:
+            db.dispose()
+    key = create_key(tenant)
+    with open_private(path) as fh:
+        fh.write(key.encode())
+    return key
 
 
 def run_api(host: str, port: int, workers: int = 1, log_level: str = "warning") -> None:
@@ -121,17 +211,18 @@ def up(args) -> int:
     level = logs.level_of(args.verbose)
     logs.configure(level)
     migrate()
-    key = create_key(args.tenant)
-    proc = start_worker(logging.getLevelName(level), rollout_engine=args.rollout_engine)
+    key = up_key(args.tenant)
+    worker = SupervisedWorker(logging.getLevelName(level), args.rollout_engine)
     print(f"GSPO service on http://{args.host}:{args.port}  (dashboard: /, API docs: /docs)")
     print(f"API key for tenant {args.tenant!r}: {key}")
     print(f"data directory: {_settings().data_dir.resolve()}")
+    print(sandbox_line(), flush=True)
     # uvicorn re-raises SIGTERM after its shutdown; turn it into SystemExit so the worker is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         run_api(args.host, args.port, log_level=logs.uvicorn_level(level))
     finally:
-        stop_worker(proc)
+        worker.stop()
     return 0
 
 

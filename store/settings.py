@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -91,7 +92,8 @@ class Settings(BaseSettings):
     grader_python: str | None = Field(
         None,
         validation_alias=_env("GRADER_PYTHON"),
-        description="Interpreter of the grader environment; default the service's",
+        description="Interpreter of the grader environment; default the .venv-graders that `make install` built "
+        "beside the service's venv, else the service's own interpreter",
     )
     allow_weak_sandbox: bool = Field(
         False,
@@ -264,6 +266,8 @@ class Settings(BaseSettings):
         # An unset models_dir follows data_dir, so GSPO_DATA_DIR alone relocates everything.
         if "models_dir" not in self.model_fields_set:
             self.models_dir = self.data_dir / "models"
+        if self.grader_python is None:
+            self.grader_python = installed_grader_python()
         return self
 
     def resolved_database_url(self) -> str:
@@ -300,6 +304,16 @@ class Settings(BaseSettings):
 
     def broker_is_embedded(self) -> bool:
         return not self.redis_url
+
+
+def installed_grader_python() -> str | None:
+    """The grader environment's interpreter that the install step built beside the running venv
+    (``<checkout>/.venv-graders`` next to ``<checkout>/.venv``), so a service started as the README says
+    (``.venv/bin/gspo up``) finds it as one started by ``make`` does; None outside a venv or without one."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    python = Path(sys.prefix).parent / ".venv-graders" / "bin" / "python"
+    return str(python) if python.exists() else None
 
 
 @lru_cache(maxsize=1)

@@ -77,11 +77,27 @@ def _start_reaper(sender=None, **_):
     # The main process of every worker reaps: a busy worker's queue cannot carry the reap task
     # (concurrency 1), and the row locks in store.jobs.reap make concurrent reapers safe.
     # Webhook deliveries are sent from here too, for the same reason (worker/webhooks.py).
-    from worker.reaper import start_reaper_thread
+    from worker.reaper import start_beat_thread, start_reaper_thread
     from worker.webhooks import start_sender_thread
 
     start_reaper_thread(get_settings())
     start_sender_thread(get_settings())
+    global _BEAT
+    _BEAT = (start_beat_thread(get_settings(), sender.hostname), sender.hostname)
+
+
+_BEAT: tuple | None = None  # the beat thread's stop event and this worker's name, once ready
+
+
+@signals.worker_shutdown.connect
+def _stop_beat(**_):
+    """A clean stop says so at once (a killed worker's beat runs out instead)."""
+    from store import workers
+
+    if _BEAT is not None:
+        _BEAT[0].set()
+        with contextlib.suppress(Exception):
+            workers.forget(get_settings(), _BEAT[1])
 
 
 @signals.worker_process_init.connect

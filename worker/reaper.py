@@ -73,3 +73,22 @@ def start_reaper_thread(settings: Settings, stop: threading.Event | None = None)
     th = threading.Thread(target=loop, name="gspo-reaper", daemon=True)
     th.start()
     return th
+
+
+def start_beat_thread(settings: Settings, name: str) -> threading.Event:
+    """This worker's beat (store.workers) every heartbeat interval, until the returned event is set."""
+    from store import workers
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while True:
+            try:
+                workers.beat(settings, name)
+            except Exception as exc:  # Redis down: the beat resumes with it
+                log.warning("worker beat: %s", exc)
+            if stop.wait(settings.heartbeat_seconds):
+                return
+
+    threading.Thread(target=loop, name="gspo-worker-beat", daemon=True).start()
+    return stop

@@ -1,4 +1,4 @@
-"""Readiness (database and broker reachable, which sandbox isolates python graders) and the Prometheus scrape."""
+"""Readiness (database, broker, the sandbox of python graders, live workers) and the Prometheus scrape."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ from sqlalchemy import func, select, text
 from api.schemas import JobStatus, ReadyOut
 from gspo_core.rewards import GraderPolicy
 from gspo_core.rewards.isolation import isolation_for
+from store import workers
 from store.db import Database
 from store.models import Job
 from store.queue import broker_reachable
 from store.settings import Settings
+
+
+def _workers_alive(settings: Settings) -> int:
+    try:
+        return len(workers.alive(settings))
+    except Exception:  # Redis down: the broker check says so
+        return 0
 
 
 def _database_ok(db: Database) -> bool:
@@ -29,10 +37,11 @@ def _database_ok(db: Database) -> bool:
 
 async def readiness(db: Database, settings: Settings) -> tuple[ReadyOut, bool]:
     """What each dependency answers, and whether the API can serve (database and broker reachable)."""
-    db_ok, broker_ok, iso = await asyncio.gather(
+    db_ok, broker_ok, iso, n_workers = await asyncio.gather(
         asyncio.to_thread(_database_ok, db),
         asyncio.to_thread(broker_reachable, settings),
         asyncio.to_thread(isolation_for, GraderPolicy.from_mapping(settings.grader_policy())),
+        asyncio.to_thread(_workers_alive, settings),
     )
     # Python graders: "bubblewrap" (isolated), "weak" (the operator allowed rlimits only) or "refused".
     out = ReadyOut(
@@ -40,6 +49,8 @@ async def readiness(db: Database, settings: Settings) -> tuple[ReadyOut, bool]:
         broker="ok" if broker_ok else "unreachable",
         sandbox=iso.mode,
         sandbox_reason=iso.summary if iso.reason else None,
+        worker="ok" if n_workers else "missing",
+        workers=n_workers,
     )
     return out, db_ok and broker_ok
 

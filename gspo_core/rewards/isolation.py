@@ -272,6 +272,9 @@ def isolation_for(policy) -> Isolation:
 
 
 def _probe(python: str, bwrap_name: str, allow_weak: bool) -> Isolation:
+    # The environment's directory resolved (a `.venv-graders` link to where the install step built it, see
+    # scripts/grader-env.sh), the interpreter's own link kept: it is what makes that directory the prefix.
+    python = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(python))), os.path.basename(python))
     iso, why = _probe_bwrap(python, bwrap_name)
     if iso is not None:
         return iso
@@ -296,6 +299,21 @@ def _interpreter_dirs(python: str) -> tuple[list[str] | None, str]:
     if "/" in dirs:
         return None, f"the grader environment has no directory of its own: {python} has / as its prefix"
     return dirs, ""
+
+
+def _private_dir(paths: tuple[str, ...]) -> str | None:
+    """The first directory on the way to ``paths`` that other users cannot pass through (no o+x): as root
+    the sandbox starts bwrap under a throw-away uid, which cannot reach what lies below it."""
+    for path in paths:
+        parts = path.strip("/").split("/")
+        for depth in range(1, len(parts) + 1):
+            d = "/" + "/".join(parts[:depth])
+            try:
+                if not os.stat(d).st_mode & 0o001:
+                    return d
+            except OSError:
+                return d
+    return None
 
 
 def _binds(prefixes: list[str]) -> tuple[str, ...]:
@@ -325,6 +343,13 @@ def _probe_bwrap(python: str, bwrap_name: str) -> tuple[Isolation | None, str]:
     if prefixes is None:
         return None, why
     iso = Isolation(BUBBLEWRAP, "", python, bwrap, _binds(prefixes))
+    private = _private_dir(iso.binds) if IS_ROOT else None
+    if private is not None:
+        return None, (
+            f"the grader environment is in a private directory: {private} (of {python}) does not let the "
+            "sandbox's unprivileged uid through; build it where every uid can read it (`make install` does, "
+            "see docs/rewards.md)"
+        )
     limits = SandboxLimits(timeout_s=30.0, memory_mb=1024)
     uid = uid_slots().take() if IS_ROOT else None
     try:

@@ -43,9 +43,10 @@ def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, str, Pa
 
 def test_gspo_up_serves_api_dashboard_and_worker_and_stopping_it_mid_job_checkpoints_and_requeues(tmp_path):
     """One `gspo up` (a start costs seconds): it serves the API, the dashboard and a worker on the embedded
-    default; stopped mid-job, the embedded worker's warm shutdown reaches the running job (its pool differs
-    from Redis's, whose case tests/worker/test_worker.py covers): the job checkpoints and is queued again, no
-    worker is left behind, and nothing errs."""
+    default, says which sandbox python graders get, and restarts its worker when it is killed (/readyz says
+    it is missing meanwhile); stopped mid-job, the embedded worker's warm shutdown reaches the running job
+    (its pool differs from Redis's, whose case tests/worker/test_worker.py covers): the job checkpoints and is
+    queued again, no worker is left behind, and nothing errs. Its key is the one it prints at the next start."""
     from gspo_client import Client
 
     build_tiny_model(tmp_path / "data" / "models" / "toy")
@@ -53,9 +54,15 @@ def test_gspo_up_serves_api_dashboard_and_worker_and_stopping_it_mid_job_checkpo
     try:
         assert httpx.get(url + "/v1/jobs", headers={"Authorization": f"Bearer {key}"}).json()["data"] == []
         assert "GSPO jobs" in httpx.get(url + "/").text
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert any("celery" in " ".join(c.cmdline()) for c in children), "the worker runs"
+        assert "python graders: bubblewrap isolation" in log.read_text()
         assert (tmp_path / "data" / "gspo.db").exists()
+        wait_for(lambda: _ready(url)["worker"] == "ok", 90, "the worker's first beat")
+        worker = _worker(proc)
+        os.kill(worker.pid, signal.SIGKILL)
+        wait_for(lambda: _ready(url)["worker"] == "missing", 10, "/readyz reporting the killed worker", every=0.05)
+        wait_for(lambda: _ready(url)["worker"] == "ok", 90, "the worker restarted")
+        assert _worker(proc).pid != worker.pid
+        children = psutil.Process(proc.pid).children(recursive=True)
         with Client(url, key) as client:
             f = client.upload_file(write_toy_dataset(tmp_path / "toy.jsonl", n=32))
             hp = {"steps": 200, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "save_every": 1000}
@@ -80,6 +87,33 @@ def test_gspo_up_serves_api_dashboard_and_worker_and_stopping_it_mid_job_checkpo
     db.dispose()
     assert job.status == "queued" and job.attempts == 0, (job.status, job.attempts, messages)
     assert "worker shutting down: checkpointed and requeued" in messages, messages
+    # The next start prints the same key (none is minted per start), and a new one once it is revoked.
+    assert _up_key(tmp_path) == key
+    from store.tenants import revoke_key
+
+    with db.session() as s:
+        assert revoke_key(s, key)
+    db.dispose()
+    assert _up_key(tmp_path) not in (key, "")
+
+
+def _up_key(tmp_path: Path) -> str:
+    code = "from gspo_cli.service_cmd import up_key; print(up_key('default'))"
+    env = {**os.environ, "GSPO_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)}
+    env.pop("DATABASE_URL", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def _worker(proc: subprocess.Popen) -> psutil.Process:
+    """The worker's main process (a child of `gspo up`)."""
+    workers = [c for c in psutil.Process(proc.pid).children() if "celery" in " ".join(c.cmdline())]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def _ready(url: str) -> dict:
+    return httpx.get(url + "/readyz", timeout=10).json()
 
 
 def _ok(url: str) -> bool:
