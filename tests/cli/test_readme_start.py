@@ -34,7 +34,8 @@ def _install(clone: Path) -> None:
     the clone's own, its dependencies those this suite runs with (a .pth line), the clone's code installed
     editable. The rest (the system packages and the grader environment) is `make install` itself."""
     py = clone / ".venv" / "bin" / "python"
-    subprocess.run([sys._base_executable, "-m", "venv", str(clone / ".venv")], check=True)
+    # No pip or setuptools of its own: the suite's (through the .pth line) build the editable install.
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(clone / ".venv")], check=True)
     own_site = subprocess.run(
         [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
     ).stdout.strip()
