@@ -42,7 +42,7 @@ def _install(clone: Path) -> None:
     Path(own_site, "gspo-test-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     pip = [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."]
     subprocess.run(pip, cwd=clone, check=True)
-    (clone / ".venv" / ".installed").touch()
+    (clone / ".venv" / "bin" / ".installed").touch()  # the Makefile's mark of that step
     env = {k: v for k, v in os.environ.items() if not k.startswith("GSPO_")}
     subprocess.run(["make", "install"], cwd=clone, env=env, check=True, stdout=subprocess.DEVNULL)
 
