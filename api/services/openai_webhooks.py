@@ -110,7 +110,8 @@ def rotate_secret(s: Session, ep: Row, req: WebhookRotateSecret) -> WebhookEndpo
 
 def test(settings: Settings, ep: Row, req: WebhookTest) -> WebhookEndpointTestResult:
     """Sends a sample event (``data.id`` ``ftjob_test``) signed like a real delivery, once, now, through the
-    egress policy; the receiver's status code comes back (0 and ``error`` when it gave none). Not stored."""
+    egress policy; the receiver's status code comes back (0 and ``error`` when it gave none), ``success`` only for
+    a 2xx. Not stored."""
     _check_events([req.event_type], "event_type")
     with _testing_lock:
         if ep.tenant_id in _testing:
@@ -128,5 +129,5 @@ def test(settings: Settings, ep: Row, req: WebhookTest) -> WebhookEndpointTestRe
         with _testing_lock:
             _testing.discard(ep.tenant_id)
     return WebhookEndpointTestResult(
-        webhook_endpoint_id=ep.id, event_type=req.event_type, status_code=code or 0, error=error
+        webhook_endpoint_id=ep.id, event_type=req.event_type, status_code=code or 0, success=error is None, error=error
     )
