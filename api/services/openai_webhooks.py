@@ -24,6 +24,7 @@ from api.schemas import WebhookCreate, as_utc
 from api.services import webhooks as native
 from gspo_core.delivery import make_client, post
 from gspo_core.egress import EgressPolicy
+from gspo_core.urls import redact_userinfo
 from store import webhooks as store
 from store.models import Tenant, new_id
 from store.models import WebhookEndpoint as Row
@@ -42,7 +43,7 @@ def to_openai(ep: Row) -> WebhookEndpoint:
         updated_at=int(as_utc(ep.updated_at).timestamp()) if ep.updated_at else created,
         event_types=ep.events,
         name=ep.name or "",
-        url=ep.url,
+        url=redact_userinfo(ep.url),
         signing_secret_hint="whsec_..." + ep.secret[-4:],
     )
 

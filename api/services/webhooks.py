@@ -19,6 +19,7 @@ from api.schemas import (
     as_utc,
 )
 from gspo_core.egress import EgressPolicy
+from gspo_core.urls import redact_userinfo
 from store import webhooks as store
 from store.models import Tenant, WebhookDelivery, WebhookEndpoint
 from store.settings import Settings
@@ -43,7 +44,9 @@ def check_url(settings: Settings, url: str) -> str:
 
 
 def to_out(ep: WebhookEndpoint) -> WebhookOut:
-    return WebhookOut(id=ep.id, url=ep.url, name=ep.name, events=ep.events, created_at=_unix(ep.created_at) or 0)
+    return WebhookOut(
+        id=ep.id, url=redact_userinfo(ep.url), name=ep.name, events=ep.events, created_at=_unix(ep.created_at) or 0
+    )
 
 
 def create(s: Session, settings: Settings, tenant: Tenant, req: WebhookCreate) -> WebhookCreated:
