@@ -21,6 +21,7 @@ from api.schemas import (
 from gspo_core.egress import EgressPolicy
 from gspo_core.urls import redact_userinfo
 from store import webhooks as store
+from store.db import checkpoint_wal
 from store.models import Tenant, WebhookDelivery, WebhookEndpoint
 from store.settings import Settings
 
@@ -69,6 +70,7 @@ def list_all(s: Session, tenant: Tenant) -> WebhookList:
 def delete(s: Session, ep: WebhookEndpoint) -> None:
     store.delete_endpoint(s, ep.id)
     s.commit()
+    checkpoint_wal(s.get_bind().engine)  # the signing secret leaves SQLite's WAL file
 
 
 def delivery_out(d: WebhookDelivery) -> WebhookDeliveryOut:
