@@ -241,7 +241,7 @@ class WebhookEndpointTestResult(BaseModel):
     webhook_endpoint_id: str
     event_type: str
     status_code: int = Field(description="The endpoint's answer (0: no answer, see `error`)")
-    success: Literal[True] = True
+    success: bool = Field(description="Whether the endpoint answered with a 2xx")
     error: str | None = Field(None, description="Why there was no 2xx (an extension of OpenAI's object)")
 
 

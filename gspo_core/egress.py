@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import httpcore
 import httpx
 
+from gspo_core.urls import redact_userinfo
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: ``resolver(host, port) -> [address, ...]`` (the default asks the system's resolver).
 Resolver = Callable[[str, int], Sequence[str]]
@@ -77,7 +79,7 @@ class EgressError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
-        super().__init__(message)
+        super().__init__(redact_userinfo(message))  # a redirect's message quotes the URL
 
 
 def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:

@@ -13,11 +13,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from store.private import private_dir, private_file
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+SQLITE_BUSY_MS = 30_000
 
 
 def make_engine(url: str) -> Engine:
-    """An engine; SQLite gets WAL + a busy timeout so the API and the worker can share it, and a file
-    only this user reads (SQLite gives its -wal and -shm files the database file's permissions)."""
+    """An engine; SQLite gets WAL + a busy timeout so the API and the worker can share it, a file only this
+    user reads (SQLite gives its -wal and -shm files the database file's permissions), and deleted content
+    overwritten with zeros (``secure_delete``: not every build has it on by default)."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:" and not path.startswith("file:"):
@@ -30,13 +32,30 @@ def make_engine(url: str) -> Engine:
             cur = conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
+            cur.execute("PRAGMA secure_delete=ON")
             cur.close()
 
         return engine
     # More connections than the API's 40 worker threads: a request whose dependency cleanup waits for a
     # thread while every thread waits for a connection would otherwise deadlock the pool.
     return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=40, pool_timeout=10, pool_recycle=1800)
+
+
+def checkpoint_wal(engine: Engine, busy_ms: int = 2000) -> bool:
+    """After a deletion on SQLite: copy the WAL into the database and truncate it to nothing, so deleted rows
+    do not stay on disk in the -wal file's older frames. True when done; a reader holding an older snapshot
+    for more than ``busy_ms`` leaves it to the next deletion's checkpoint (a request must not wait on a
+    reader). Nothing to do on other databases."""
+    if engine.dialect.name != "sqlite":
+        return True
+    with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        conn.exec_driver_sql(f"PRAGMA busy_timeout={int(busy_ms)}")
+        try:
+            busy = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()[0]
+        finally:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
+    return not busy
 
 
 class Database:
@@ -72,6 +91,9 @@ class Database:
         each statement's own snapshot, and closing it sends nothing to the server, so it may be
         closed on an event loop."""
         return self._read_factory()
+
+    def checkpoint_wal(self) -> bool:
+        return checkpoint_wal(self.engine)
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -41,6 +41,7 @@ API_CORE_PREFIXES = (
     "gspo_core.egress",
     "gspo_core.delivery",  # a webhook endpoint's test delivery, sent as the worker sends them
     "gspo_core.agents.tools",  # validates a job's tools (no torch: see gspo_core/agents/__init__.py)
+    "gspo_core.urls",  # a URL's credentials redacted where the API shows it (webhooks)
 )
 
 

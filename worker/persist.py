@@ -176,6 +176,7 @@ class PersistCallbacks(Callbacks):
                     retention.remove_objects(s, self.objects, dropped)
             except Exception as exc:  # recorded as pending deletions: the API's purge removes them later
                 log.warning("checkpoint retention: could not delete %s yet (%s)", dropped, exc)
+            self.db.checkpoint_wal()  # the deleted rows leave SQLite's WAL file
 
     def on_log(self, message):
         self._tx(lambda s: jobs.add_event(s, self.job_id, "log", message), "logging")

@@ -16,6 +16,7 @@ from gspo_core.config import GSPOConfig, JobSpec, Resources
 from gspo_core.data import DataError
 from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
+from gspo_core.urls import redact_userinfo
 from store import jobs, results
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
@@ -150,6 +151,8 @@ def _outcome(s, job: Job, reason: str | None, cb: PersistCallbacks) -> str:
 
 
 def _fail(db, objects: ObjectStore, job_id: str, worker_id: str, message: str, usage: RunUsage | None = None) -> str:
+    message = redact_userinfo(message)  # an exception's text may quote a tenant's URL with its credentials
+
     def run():
         with db.session() as s:
             jobs.hold(s, job_id, worker_id)

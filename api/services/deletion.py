@@ -127,8 +127,9 @@ def delete_file(s: Session, f: File, db: Database, objects: ObjectStore) -> None
 
 
 def purge(db: Database, objects: ObjectStore, limit: int = 50) -> int:
-    """Remove the objects of up to ``limit`` pending deletions, oldest first; returns how many went.
-    Deleting an object twice is harmless, so concurrent purges need no coordination."""
+    """Remove the objects of up to ``limit`` pending deletions, oldest first, and checkpoint SQLite's WAL (the
+    deleted rows leave the disk); returns how many went. Deleting an object twice is harmless, so
+    concurrent purges need no coordination."""
     with db.session() as s:
         pending = s.execute(
             select(PendingDeletion.id, PendingDeletion.prefix).order_by(PendingDeletion.id).limit(limit)
@@ -143,4 +144,6 @@ def purge(db: Database, objects: ObjectStore, limit: int = 50) -> int:
         with db.session() as s:
             s.execute(delete(PendingDeletion).where(PendingDeletion.id == pid))
         done += 1
+    if not db.checkpoint_wal():
+        log.info("SQLite's WAL is still read by an older snapshot: the next deletion checkpoints it")
     return done

@@ -24,6 +24,7 @@ from api.schemas import WebhookCreate, as_utc
 from api.services import webhooks as native
 from gspo_core.delivery import make_client, post
 from gspo_core.egress import EgressPolicy
+from gspo_core.urls import redact_userinfo
 from store import webhooks as store
 from store.models import Tenant, new_id
 from store.models import WebhookEndpoint as Row
@@ -42,7 +43,7 @@ def to_openai(ep: Row) -> WebhookEndpoint:
         updated_at=int(as_utc(ep.updated_at).timestamp()) if ep.updated_at else created,
         event_types=ep.events,
         name=ep.name or "",
-        url=ep.url,
+        url=redact_userinfo(ep.url),
         signing_secret_hint="whsec_..." + ep.secret[-4:],
     )
 
@@ -110,7 +111,8 @@ def rotate_secret(s: Session, ep: Row, req: WebhookRotateSecret) -> WebhookEndpo
 
 def test(settings: Settings, ep: Row, req: WebhookTest) -> WebhookEndpointTestResult:
     """Sends a sample event (``data.id`` ``ftjob_test``) signed like a real delivery, once, now, through the
-    egress policy; the receiver's status code comes back (0 and ``error`` when it gave none). Not stored."""
+    egress policy; the receiver's status code comes back (0 and ``error`` when it gave none), ``success`` only for
+    a 2xx. Not stored."""
     _check_events([req.event_type], "event_type")
     with _testing_lock:
         if ep.tenant_id in _testing:
@@ -128,5 +130,5 @@ def test(settings: Settings, ep: Row, req: WebhookTest) -> WebhookEndpointTestRe
         with _testing_lock:
             _testing.discard(ep.tenant_id)
     return WebhookEndpointTestResult(
-        webhook_endpoint_id=ep.id, event_type=req.event_type, status_code=code or 0, error=error
+        webhook_endpoint_id=ep.id, event_type=req.event_type, status_code=code or 0, success=error is None, error=error
     )

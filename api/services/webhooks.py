@@ -19,7 +19,9 @@ from api.schemas import (
     as_utc,
 )
 from gspo_core.egress import EgressPolicy
+from gspo_core.urls import redact_userinfo
 from store import webhooks as store
+from store.db import checkpoint_wal
 from store.models import Tenant, WebhookDelivery, WebhookEndpoint
 from store.settings import Settings
 
@@ -43,7 +45,9 @@ def check_url(settings: Settings, url: str) -> str:
 
 
 def to_out(ep: WebhookEndpoint) -> WebhookOut:
-    return WebhookOut(id=ep.id, url=ep.url, name=ep.name, events=ep.events, created_at=_unix(ep.created_at) or 0)
+    return WebhookOut(
+        id=ep.id, url=redact_userinfo(ep.url), name=ep.name, events=ep.events, created_at=_unix(ep.created_at) or 0
+    )
 
 
 def create(s: Session, settings: Settings, tenant: Tenant, req: WebhookCreate) -> WebhookCreated:
@@ -66,6 +70,7 @@ def list_all(s: Session, tenant: Tenant) -> WebhookList:
 def delete(s: Session, ep: WebhookEndpoint) -> None:
     store.delete_endpoint(s, ep.id)
     s.commit()
+    checkpoint_wal(s.get_bind().engine)  # the signing secret leaves SQLite's WAL file
 
 
 def delivery_out(d: WebhookDelivery) -> WebhookDeliveryOut:

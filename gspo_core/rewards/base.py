@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+from gspo_core.urls import redact_userinfo
 
 TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
 #: What a sample carries (OpenAI's grader sample, plus the token count and finish reason): ``output_text`` is
@@ -29,8 +30,8 @@ class RewardSpecError(ValueError):
     """An invalid reward spec; ``field`` is the dotted path of the bad key."""
 
     def __init__(self, field: str, message: str) -> None:
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, redact_userinfo(message)  # it may quote a URL (an MCP server's)
+        super().__init__(f"{field}: {self.message}")
 
 
 class GraderError(Exception):
@@ -39,7 +40,7 @@ class GraderError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
-        super().__init__(message)
+        super().__init__(redact_userinfo(message))  # recorded and shown: a URL's credentials never are
 
 
 @dataclass
@@ -322,9 +323,12 @@ REDACTED = "[redacted]"
 
 
 def redact_secrets(spec: Any) -> Any:
-    """A copy of a reward spec with credentials replaced by ``REDACTED``, at any nesting depth."""
+    """A copy of a reward spec with credentials replaced by ``REDACTED``, at any nesting depth: those under
+    :data:`SECRET_KEYS` and :data:`SECRET_MAPS`, and the userinfo of every URL in a string."""
     if isinstance(spec, list):
         return [redact_secrets(v) for v in spec]
+    if isinstance(spec, str):
+        return redact_userinfo(spec)
     if not isinstance(spec, dict):
         return spec
     out: dict[str, Any] = {}

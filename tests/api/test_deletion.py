@@ -5,7 +5,10 @@ still in use is a 409 naming why."""
 from __future__ import annotations
 
 import time
+import uuid
+from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
@@ -194,3 +197,25 @@ def test_a_job_created_while_its_file_is_deleted_is_a_404(client, app, settings,
     assert sqlite_busy or (r.status_code == 404 and r.json()["error"]["field"] == "training_file"), r.text
     with app.state.db.session() as s2:
         assert s2.scalar(select(func.count()).select_from(Job)) == 0
+
+
+@pytest.mark.parametrize("settings", ["sqlite"], indirect=True)
+def test_deleted_rows_do_not_stay_in_sqlites_wal(client, settings, auth, uploaded, model_name):
+    """A deleted job's credentials and a deleted webhook's signing secret leave the disk at once: the WAL is
+    checkpointed and truncated after a deletion, and the freed space is zeroed (``secure_delete``)."""
+    token = f"wal-secret-{uuid.uuid4().hex}"
+    hook = {"type": "http", "url": "http://rm.invalid/score", "headers": {"Authorization": f"Bearer {token}"}}
+    job = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": hook}, headers=auth).json()["id"]
+    assert client.post(f"/v1/jobs/{job}/cancel", headers=auth).json()["status"] == "cancelled"
+    ep = client.post("/v1/webhooks", json={"url": "https://example.com/h"}, headers=auth).json()
+    db = Path(settings.database_url.split("///", 1)[1])
+    wal = db.with_name(db.name + "-wal")
+
+    def on_disk(secret: str) -> list[str]:
+        return [p.name for p in (db, wal) if p.exists() and secret.encode() in p.read_bytes()]
+
+    assert on_disk(token) and on_disk(ep["secret"])  # written, so the check below can fail
+    assert client.delete(f"/v1/jobs/{job}", headers=auth).status_code == 204
+    assert client.delete(f"/v1/webhooks/{ep['id']}", headers=auth).status_code == 204
+    assert on_disk(token) == [] and on_disk(ep["secret"]) == []
+    assert not wal.exists() or wal.stat().st_size == 0

@@ -125,6 +125,39 @@ def test_grader_credentials_are_never_read_back(client, app, auth, uploaded, mod
     assert "tok-5678" not in r.text and r.json()["tools"][0]["headers"]["Authorization"] == "[redacted]"
 
 
+def test_url_userinfo_is_never_read_back(client, app, auth, uploaded, model_name):
+    """Credentials in a URL's userinfo (graders, judges, tools, webhooks) are redacted wherever the URL is
+    shown back, native and OpenAI views alike; the worker still gets them."""
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "base_url": "http://judge-user:pw-judge-1@judge.invalid/v1",
+        "model": "m",
+        "input": [{"role": "user", "content": "{{sample.output_text}}"}],
+    }
+    hook = {"type": "http", "name": "hook", "url": "https://hook-user:pw-hook-2@rm.invalid/score"}
+    spec = {"type": "multi", "graders": {"judge": judge, "hook": hook}, "calculate_output": "judge + hook"}
+    tool = {"type": "http", "name": "t", "server_url": "https://tool:pw-tool-3@tool.invalid/f"}
+    tool["parameters"] = {"type": "object"}
+    r = client.post("/v1/jobs", json={**job_body(uploaded["id"]), "reward": spec, "tools": [tool]}, headers=auth)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    hooked = client.post("/v1/webhooks", json={"url": "https://wh-user:pw-hook-4@example.com/h"}, headers=auth)
+    assert hooked.status_code == 201, hooked.text
+    shown = [r.text, hooked.text]
+    for path in (f"/v1/jobs/{job_id}", "/v1/jobs", f"/v1/fine_tuning/jobs/{job_id}", "/v1/webhooks"):
+        shown.append(client.get(path, headers=auth).text)
+    shown.append(client.get("/v1/webhook_endpoints", headers=auth).text)
+    for body in shown:
+        assert "pw-" not in body and "-user" not in body, body
+    got = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+    assert got["reward"]["graders"]["judge"]["base_url"] == "http://[redacted]@judge.invalid/v1"
+    assert got["tools"][0]["server_url"] == "https://[redacted]@tool.invalid/f"
+    assert client.get("/v1/webhooks", headers=auth).json()["data"][0]["url"] == "https://[redacted]@example.com/h"
+    with app.state.db.session() as s:
+        assert s.get(Job, job_id).reward["graders"]["hook"]["url"] == hook["url"]
+
+
 @pytest.mark.parametrize(
     "patch,field",
     [

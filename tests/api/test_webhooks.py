@@ -248,3 +248,24 @@ def test_openai_sdk_updates_rotates_and_tests_endpoints(app, auth, other_auth):
             with pytest.raises(Exception, match="signature"):
                 Webhook(secret).verify(rx.hits[-1][1], rx.hits[-1][0])
         assert len(rx.hits) == 3
+
+
+def test_openai_test_delivery_reports_its_real_outcome(client, auth):
+    """`POST /v1/webhook_endpoints/{id}/test` says ``success`` only for a 2xx: a real receiver's 500 and an
+    unreachable one (nothing listens on its port any more) are failures with their status code and error."""
+    event = {"event_type": "fine_tuning.job.failed"}
+    with Receiver((200, 500)) as rx:
+        ep = client.post(
+            "/v1/webhook_endpoints", json={"url": rx.url, "event_types": ALL, "name": "t"}, headers=auth
+        ).json()
+        test_url = f"/v1/webhook_endpoints/{ep['id']}/test"
+        ok = client.post(test_url, json=event, headers=auth).json()
+        assert (ok["success"], ok["status_code"], ok["error"]) == (True, 200, None)
+        failed = client.post(test_url, json=event, headers=auth).json()
+        assert (failed["success"], failed["status_code"], failed["error"]) == (False, 500, "HTTP 500")
+        assert len(rx.hits) == 2
+    unreachable = client.post(test_url, json=event, headers=auth)
+    assert unreachable.status_code == 200, unreachable.text
+    got = unreachable.json()
+    assert (got["success"], got["status_code"]) == (False, 0)
+    assert got["error"] == "could not get an answer (connection or protocol error)"

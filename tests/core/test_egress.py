@@ -13,6 +13,7 @@ import pytest
 
 from gspo_core.egress import EgressClient, EgressError, EgressPolicy, EgressRefused
 from gspo_core.rewards import GraderPolicy, RewardSpecError, build_reward
+from gspo_core.urls import redact_userinfo
 from tests.core.net_support import Listener, Server, loopback_name
 
 
@@ -382,3 +383,20 @@ def test_header_values_and_api_keys_cannot_inject_lines():
     build_reward(
         {"type": "http", "url": "https://rm.example/score", "headers": {"Authorization": "Bearer t", "X-Api-Key": "k"}}
     ).close()
+
+
+@pytest.mark.parametrize(
+    "text,shown",
+    [
+        ("https://user:pass@host/x", "https://[redacted]@host/x"),
+        ("http://u:p@ss@h:80/p?q=a@b", "http://[redacted]@h:80/p?q=a@b"),  # an unencoded @ in the password
+        (
+            "HTTP 500 from https://tok@h/a and mcp+http://x@y",
+            "HTTP 500 from https://[redacted]@h/a and mcp+http://[redacted]@y",
+        ),
+        ("https://host/a@b?c=d@e#f@g", "https://host/a@b?c=d@e#f@g"),  # no userinfo: unchanged
+        ("mailto:a@b.c, user@example.com", "mailto:a@b.c, user@example.com"),
+    ],
+)
+def test_url_userinfo_is_redacted_in_any_text(text, shown):
+    assert redact_userinfo(text) == shown

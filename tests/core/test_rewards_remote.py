@@ -123,6 +123,19 @@ def test_http_grader_timeout_4xx_bad_output_and_refused(server):
     assert r.reward == 0.0 and r.errors["h"].startswith("http_error")
 
 
+def test_url_credentials_are_redacted_in_recorded_errors(server):
+    """A URL's userinfo is sent (as Basic auth) but never recorded: an http grader's and a judge's errors
+    quote their URL with ``[redacted]`` in its place."""
+    creds = server.replace("http://", "http://grader-user:pw-s3cr3t@")
+    _Handler.fail_first = 10
+    r = score({"type": "http", "name": "h", "url": creds + "/score", "retries": 0}, "abcd")
+    assert _Handler.calls[-1][2]["Authorization"].startswith("Basic ")
+    judge = score(judge_spec(creds, retries=0), "good", {"question": "q"})
+    for error in (r.errors["h"], judge.errors["judge"]):
+        assert "HTTP 500" in error and "pw-s3cr3t" not in error and "grader-user" not in error, error
+        assert "http://[redacted]@127.0.0.1:" in error
+
+
 def judge_spec(server, **extra):
     return {
         "type": "score_model",
