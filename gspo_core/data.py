@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -195,19 +195,26 @@ def check_row_tools(rows: Iterable[tuple[int, dict]], names: set[str]) -> None:
                 )
 
 
-def rows_with_tools(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
-    """``(line, row)`` of the rows that carry ``tools`` in a stored JSONL file (validated at upload) read as
-    byte chunks; memory holds one line at a time, and only the lines that mention ``"tools"`` are parsed."""
+def stored_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """``(line, bytes)`` of a stored JSONL file (validated at upload, so each line is at most the upload's
+    row limit) read as byte chunks of any size: memory holds one chunk and one line at a time."""
     line, rest = 0, b""
     for chunk in itertools.chain(chunks, [b"\n"]):  # the last line may lack its newline
         *lines, rest = (rest + chunk).split(b"\n")
         for raw in lines:
             line += 1
-            if b'"tools"' not in raw:
-                continue
-            row = loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
-            if isinstance(row, dict) and "tools" in row:
-                yield line, row
+            yield line, raw
+
+
+def rows_with_tools(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
+    """``(line, row)`` of the rows that carry ``tools`` in a stored JSONL file read as byte chunks
+    (:func:`stored_lines`); only the lines that mention ``"tools"`` are parsed."""
+    for line, raw in stored_lines(chunks):
+        if b'"tools"' not in raw:
+            continue
+        row = loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
+        if isinstance(row, dict) and "tools" in row:
+            yield line, row
 
 
 def _check_row(row: Any, line: int) -> dict:
@@ -260,10 +267,11 @@ def check_sft_row(row: Any, line: int) -> None:
         raise DataError(line, "messages", "no assistant message to train on (none, or all have weight 0)")
 
 
-def check_sft_file(f: IO[bytes]) -> int:
-    """Check every row of a JSONL stream (already parsed once at upload) as a supervised row; returns the rows."""
+def check_sft_file(chunks: Iterable[bytes]) -> int:
+    """Check every row of a stored JSONL file (already parsed once at upload), read as byte chunks (an object
+    store's stream, or a binary file's lines) one line at a time, as a supervised row; returns the rows."""
     rows = 0
-    for line, raw in enumerate(f, 1):
+    for line, raw in stored_lines(chunks):
         if raw.strip():
             check_sft_row(loads_strict(raw.decode("utf-8-sig" if line == 1 else "utf-8")), line)
             rows += 1

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import time
+import weakref
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -32,12 +35,10 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], prompt: bo
     return cast(str, text)  # tokenize=False: the rendered text
 
 
-def chat_pieces(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int]]:
-    """The rendered conversation as ``(text, weight)`` pieces: each assistant message's own text (weight 1,
-    or its ``weight``) between the template's other text (weight 0). An assistant piece is what rendering
-    the conversation up to it adds to the rendering up to its generation prompt, so the mask is exactly the
-    tokens the model generates there (its end-of-turn token included). Refuses a template that does not
-    render a conversation prefix by prefix (then no exact mask exists)."""
+def prefix_pieces(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int]]:
+    """The definition of :func:`chat_pieces`, rendering every prefix (time quadratic in the turns): an assistant
+    piece is what rendering the conversation up to it adds to the rendering up to its generation prompt.
+    Refuses a template that does not render a conversation prefix by prefix (then no exact mask exists)."""
     pieces: list[tuple[str, int]] = []
     done = ""
     for i, message in enumerate(messages):
@@ -56,16 +57,89 @@ def chat_pieces(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> lis
     return [*pieces, (whole[len(done) :], 0)]
 
 
+#: An assistant message's generated text as the template frames it: ``before`` + content + ``after`` (ChatML:
+#: "" and "<|im_end|>\n"), learnt once per tokenizer from a probe conversation by :func:`prefix_pieces`.
+_FRAMES: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[object, tuple[str, str] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_PROBE = "gspo probe answer"
+#: Stand-ins for assistant contents in the one marked render (private-use characters: no template spells them).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+
+def _frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str] | None:
+    template = tokenizer.chat_template  # may be set on a loaded tokenizer: the frame is the template's
+    known = _FRAMES.get(tokenizer)
+    if known is None or known[0] != template:
+        probe = [{"role": "user", "content": "gspo probe question"}, {"role": "assistant", "content": _PROBE}]
+        try:
+            generated = prefix_pieces(probe, tokenizer)[1][0]
+        except Exception:  # a template the probe does not fit: every row takes the prefix renders
+            generated = ""
+        before, found, after = generated.partition(_PROBE)
+        known = _FRAMES[tokenizer] = (template, (before, after) if found else None)
+    return known[1]
+
+
+def _spans(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[tuple[int, int]]] | None:
+    """The rendered conversation and each assistant content's ``(start, end)`` in it, from two renders: the
+    conversation, and the same with each assistant content replaced by a mark. None unless the template put
+    every content in verbatim (the marked render with the contents put back is the real one)."""
+    if any(_MARK_OPEN in m["content"] for m in messages):
+        return None
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    marked = [
+        {**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} if m["role"] == "assistant" else m
+        for i, m in enumerate(messages)
+    ]
+    whole, parts = _render(tokenizer, messages, False), _MARK.split(_render(tokenizer, marked, False))
+    if [int(i) for i in parts[1::2]] != assistants:
+        return None
+    spans, rebuilt, at = [], [], 0
+    for k, text in enumerate(parts):
+        text = messages[int(text)]["content"] if k % 2 else text
+        if k % 2:
+            spans.append((at, at + len(text)))
+        rebuilt.append(text)
+        at += len(text)
+    return (whole, spans) if "".join(rebuilt) == whole else None
+
+
+def chat_pieces(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int]]:
+    """The rendered conversation as ``(text, weight)`` pieces: each assistant message's own text (weight 1,
+    or its ``weight``) between the template's other text (weight 0), its end-of-turn included, so the mask
+    is exactly the tokens the model generates there. The same pieces as :func:`prefix_pieces` in time linear
+    in the row: the conversation is rendered once, the assistant contents found in it by a marked render, and
+    each framed by the text the template puts around a generated answer; a template that alters contents or
+    frames answers unlike its probe takes the prefix renders."""
+    frame, found = _frame(tokenizer), _spans(messages, tokenizer)
+    if frame is None or found is None:
+        return prefix_pieces(messages, tokenizer)
+    (before, after), (whole, spans) = frame, found
+    pieces: list[tuple[str, int]] = []
+    done = 0
+    weights = [int(m.get("weight", 1)) for m in messages if m["role"] == "assistant"]
+    for (start, end), weight in zip(spans, weights, strict=True):
+        first, last = start - len(before), end + len(after)
+        if first < done or not (whole.startswith(before, first) and whole.startswith(after, end)):
+            return prefix_pieces(messages, tokenizer)
+        pieces += [(whole[done:first], 0), (whole[first:last], weight)]
+        done = last
+    return [*pieces, (whole[done:], 0)]
+
+
 def encode_chat(
     messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_tokens: int
 ) -> tuple[list[int], list[int]]:
     """Token ids of the conversation (each piece tokenized on its own, so no token straddles a mask boundary)
     and each token's loss weight; cut to ``max_tokens``."""
+    pieces = [(text, weight) for text, weight in chat_pieces(messages, tokenizer) if text]
     ids: list[int] = []
     weights: list[int] = []
-    for text, weight in chat_pieces(messages, tokenizer):
-        if text:
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if pieces:
+        encoded = tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]
+        for piece, (_, weight) in zip(encoded, pieces, strict=True):
             ids += piece
             weights += [weight] * len(piece)
     return ids[:max_tokens], weights[:max_tokens]
@@ -118,6 +192,7 @@ class SFTTrainer(Trainer):
         self.step = 0
         self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None
+        self._encoded: dict[tuple[str, int], tuple[array, bytes]] = {}
 
     def push_weights(self) -> None:
         """No sampler holds a copy of the weights."""
@@ -125,11 +200,18 @@ class SFTTrainer(Trainer):
     def close(self, engine: bool = True) -> None:
         """Nothing outlives the run."""
 
-    def example(self, row: dict) -> Example:
-        ids, weights = encode_chat(
-            row["messages"], self.tokenizer, self.cfg.max_prompt_tokens + self.cfg.max_new_tokens
-        )
-        return Example(ids, weights)
+    def example(self, split: str, index: int) -> Example:
+        """Row ``index`` of the training (``split`` "train") or validation rows encoded: once per job, kept
+        packed (5 bytes a token), since every epoch and evaluation trains on the same tokens."""
+        key = (split, index)
+        if key not in self._encoded:
+            rows = self.rows if split == "train" else self.val_rows
+            ids, weights = encode_chat(
+                rows[index]["messages"], self.tokenizer, self.cfg.max_prompt_tokens + self.cfg.max_new_tokens
+            )
+            self._encoded[key] = (array("i", ids), bytes(weights))
+        ids_packed, weights_packed = self._encoded[key]
+        return Example(ids_packed.tolist(), list(weights_packed))
 
     def _nll(self, batch: list[Example]) -> torch.Tensor:
         """Summed negative log-likelihood of the batch's weighted tokens (token t predicted from tokens < t)."""
@@ -143,8 +225,8 @@ class SFTTrainer(Trainer):
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
         cfg, policy, start = self.cfg, self.policy, time.perf_counter()
-        rows = [self.rows[i] for i in batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)]
-        examples = [self.example(row) for row in rows]
+        picked = batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)
+        examples = [self.example("train", i) for i in picked]
         trained = max(1, sum(sum(e.weights[1:]) for e in examples))
         policy.optimizer.zero_grad(set_to_none=True)
         nll = 0.0
@@ -175,7 +257,7 @@ class SFTTrainer(Trainer):
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean loss per trained token over the first ``eval_prompts`` validation rows."""
-        examples = [self.example(row) for row in self.val_rows[: self.cfg.eval_prompts]]
+        examples = [self.example("val", i) for i in range(min(len(self.val_rows), self.cfg.eval_prompts))]
         trained = max(1, sum(sum(e.weights[1:]) for e in examples))
         nll = sum(float(self._nll(batch)) for batch in micro_batches(examples, self.cfg.micro_batch_tokens))
         return {"eval/loss": nll / trained}

@@ -4,7 +4,6 @@ cancelling, pausing and resuming."""
 from __future__ import annotations
 
 import base64
-import io
 import logging
 from datetime import datetime
 from typing import Any, cast
@@ -122,7 +121,7 @@ def check_supervised(reward: dict[str, Any] | None, objects: ObjectStore, files:
         if f is None:
             continue
         try:
-            check_sft_file(io.BytesIO(objects.get_bytes(f.object_key)))
+            check_sft_file(objects.open_stream(f.object_key))  # a line at a time, never the file
         except DataError as exc:
             where = f"{field}: line {exc.line}: " if exc.line else f"{field}: "
             raise ApiError(

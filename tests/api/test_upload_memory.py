@@ -1,6 +1,6 @@
 """A ~60 MB upload to a real server process: streamed to disk and validated line by line (in a child
 process), so the server's memory stays bounded (it grew by ~1.6 GB when the body was held and
-parsed whole)."""
+parsed whole); a supervised job refused over it reads it a line at a time too."""
 
 from __future__ import annotations
 
@@ -21,15 +21,40 @@ from tests.e2e.test_service_e2e import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Generous: the spooled part, a line at a time, the copy buffers and allocator slack.
 MAX_GROWTH_MB = 200
+#: A line at a time and a chunk of the stored object (1 MiB), with slack; the whole file is 60 MB.
+MAX_SFT_CHECK_GROWTH_MB = 25
 
 
 def _dataset(path, target_bytes: int) -> int:
-    row = json.dumps({"prompt": "p" * 900, "answer": "a" * 60, "n": 12345, "x": 1.5}) + "\n"
+    """Rows that are prompts and supervised chats both, but for the last, which has no assistant turn: a
+    supervised job's check reads the whole file before it refuses it."""
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    row = json.dumps({"prompt": "p" * 900, "answer": "a" * 60, "n": 12345, "x": 1.5, "messages": chat}) + "\n"
     rows = target_bytes // len(row)
     with open(path, "w") as f:
         for _ in range(rows):
             f.write(row)
-    return rows
+        f.write(json.dumps({"prompt": "p", "answer": "a", "n": 1, "x": 1.5, "messages": chat[:1]}) + "\n")
+    return rows + 1
+
+
+def _peak_growth_mb(server: psutil.Process, call) -> tuple[float, object]:
+    """``(MB the server's RSS grew at most while call() ran, call()'s result)``, sampled every 10 ms."""
+    base = server.memory_info().rss
+    peak, stop = [base], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], server.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = call()
+    finally:
+        stop.set()
+        sampler.join()
+    return (peak[0] - base) / 2**20, result
 
 
 def test_a_60_mb_upload_keeps_server_memory_bounded(tmp_path):
@@ -63,27 +88,24 @@ def test_a_60_mb_upload_keeps_server_memory_bounded(tmp_path):
         server = psutil.Process(proc.pid)
         small = httpx.post(url + "/v1/files", headers=h, files={"file": ("s.jsonl", b'{"prompt": "a"}\n')})
         assert small.status_code == 201, small.text  # warms every code path an upload takes
-        base = server.memory_info().rss
-        peak, stop = [base], threading.Event()
 
-        def sample() -> None:
-            while not stop.wait(0.01):
-                peak[0] = max(peak[0], server.memory_info().rss)
+        def upload():
+            with open(tmp_path / "big.jsonl", "rb") as f:
+                return httpx.post(url + "/v1/files", headers=h, files={"file": ("big.jsonl", f)}, timeout=300)
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        with open(tmp_path / "big.jsonl", "rb") as f:
-            r = httpx.post(url + "/v1/files", headers=h, files={"file": ("big.jsonl", f)}, timeout=300)
-        stop.set()
-        sampler.join()
+        growth_mb, r = _peak_growth_mb(server, upload)
         assert r.status_code == 201, r.text
         assert r.json()["rows"] == rows and r.json()["bytes"] == (tmp_path / "big.jsonl").stat().st_size
-        growth_mb = (peak[0] - base) / 2**20
-        print(
-            f"server RSS {base / 2**20:.0f} MB -> peak {peak[0] / 2**20:.0f} MB during a "
-            f"{r.json()['bytes'] / 2**20:.0f} MB upload (+{growth_mb:.0f} MB)"
-        )
+        print(f"server RSS +{growth_mb:.0f} MB during a {r.json()['bytes'] / 2**20:.0f} MB upload")
         assert growth_mb < MAX_GROWTH_MB
+        # A supervised job over it is refused at its last line, the file read a line at a time (loaded
+        # whole, each refusal cost the file's size in memory; concurrent ones, a multiple).
+        job = {"model": "toy", "training_file": r.json()["id"], "hyperparameters": {"method": "supervised"}}
+        growth_mb, r = _peak_growth_mb(server, lambda: httpx.post(url + "/v1/jobs", headers=h, json=job, timeout=300))
+        assert r.status_code == 422 and r.json()["error"]["line"] == rows, r.text
+        assert r.json()["error"]["field"] == "training_file.messages"
+        print(f"server RSS +{growth_mb:.0f} MB while refusing a supervised job over it")
+        assert growth_mb < MAX_SFT_CHECK_GROWTH_MB
         # A large file is validated in a child process: a bad row still names its line, leaves nothing.
         bad = (tmp_path / "big.jsonl").read_bytes()[: 2 * 2**20].rsplit(b"\n", 1)[0] + b'\n{"prompt": "x", "v": NaN}\n'
         r = httpx.post(url + "/v1/files", headers=h, files={"file": ("bad.jsonl", bad)}, timeout=120)
