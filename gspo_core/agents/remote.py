@@ -74,6 +74,7 @@ class _Session:
     reward: float | None = None
     error: str | None = None
     breaks: int = 0
+    invalid: int = 0
 
 
 class AgentEndpoint:
@@ -116,13 +117,16 @@ class AgentEndpoint:
     async def submit(self, sid: str, body: bytes) -> Answer:
         """An agent's chat request (on the server's loop): held until the loop's next turn answers it."""
         try:
-            request = parse_request(body)
+            request: ChatRequest | RequestError = parse_request(body)
         except RequestError as exc:
-            return 400, error(str(exc))
+            request = exc
         with self.cv:
             s = self.sessions.get(sid)
             if s is None:
                 return 404, error("no such session", "not_found_error")
+            if isinstance(request, RequestError):
+                s.invalid += 1
+                return 400, error(str(request))
             if s.closed:
                 return 400, error("the episode is over (max_turns, its token budget, or a timeout)")
             if s.request is not None:
@@ -169,7 +173,7 @@ class _Routes:
 class AgentEnvironment:
     """One rollout's sessions (``n`` per prompt, each a thread POSTing to the agent) as the loop's
     environment. Metrics: ``agent/prefix_breaks``, ``agent_errors/<kind>``, ``time/agent`` (waiting on
-    the agents between turns)."""
+    the agents between turns), ``agent/invalid_requests`` (requests refused as malformed, a 400 each)."""
 
     shared_first_turn = False
 
@@ -177,7 +181,7 @@ class AgentEnvironment:
         self.ep, self.tokenizer, self.rows = endpoint, tokenizer, rows
         self.sessions: list[_Session] = []
         self.of: dict[int, _Session] = {}
-        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "time/agent": 0.0}
+        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "agent/invalid_requests": 0.0, "time/agent": 0.0}
 
     def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
         from gspo_core.egress import EgressClient, EgressPolicy
@@ -376,6 +380,7 @@ class AgentEnvironment:
 
     def _outcome(self, s: _Session) -> None:
         e = s.episode
+        self.metrics["agent/invalid_requests"] += s.invalid
         if s.error is None and e.last is None:
             s.error = "no_request"
         if s.error is not None:

@@ -102,11 +102,8 @@ def test_malformed_requests_are_400s_naming_the_field_and_never_fail_the_job(cal
         assert tok.decode(env) == f"\n<|tool|>{TOOL_RESULT}\n<|assistant|>"
     # Refused at their first request, the sessions of two rows never sampled: dropped, counted; the job went on.
     m = rollout.metrics
-    assert (m["rollouts_dropped"], m["agent_errors/no_request"], m["turns/mean"]) == (
-        4,
-        4,
-        1.0,
-    ) and not endpoint.sessions
+    counts = (m["rollouts_dropped"], m["agent_errors/no_request"], m["agent/invalid_requests"], m["turns/mean"])
+    assert counts == (4, 4, 6, 1.0) and not endpoint.sessions
 
 
 def rewriting_agent(item: dict, base_url: str, seen: dict, session: str) -> dict:
