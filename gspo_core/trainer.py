@@ -326,7 +326,8 @@ class Trainer:
         with timer.phase("weight_sync"):
             self.push_weights()
         timer["time/step"] = time.perf_counter() - start
-        sampled = sum(completion.sampled_tokens for completion in rollout.completions)  # not tool results
+        # Not tool results; with the tokens an agent's prefix break took out of a row (sampled all the same).
+        sampled = sum(c.sampled_tokens + c.discarded_tokens for c in rollout.completions)
         row_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
         metrics = {
             **scores.metrics,

@@ -45,6 +45,12 @@ def _http_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return [{**tool, "type": "http"} for tool in tools or []]
 
 
+def _openai_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A job's tool in Agent RFT's shape: an http tool without its type (OpenAI's tools are http endpoints);
+    any other kind (mcp, agent, python) keeps it, so the view says what the job runs."""
+    return {k: v for k, v in tool.items() if k != "type"} if tool.get("type") == "http" else tool
+
+
 def _check_method(req: FineTuningJobCreate) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
     """``(method type, grader or None, hyperparameters)``; 400 naming what this service does not do."""
     method = req.method
@@ -154,7 +160,7 @@ def _method(job: Job, hp: dict[str, Any]) -> dict[str, Any]:
     if job.hyperparameters.get("response_format"):
         reinforcement["response_format"] = job.hyperparameters["response_format"]
     if job.tools:
-        reinforcement["tools"] = [{k: v for k, v in tool.items() if k != "type"} for tool in redact_secrets(job.tools)]
+        reinforcement["tools"] = [_openai_tool(tool) for tool in redact_secrets(job.tools)]
     return {"type": "reinforcement", "reinforcement": reinforcement}
 
 

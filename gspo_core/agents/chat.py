@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 #: A reward an agent reports is clipped to this range (a runaway value would swamp the group's advantages).
@@ -16,22 +17,83 @@ class RequestError(ValueError):
     """A chat request the endpoint refuses: answered as OpenAI's 400 ``invalid_request_error``."""
 
 
-def _text(content: Any) -> str:
-    """A message's content as text (OpenAI's list of parts: their ``text`` joined)."""
+@dataclass(frozen=True)
+class ChatRequest:
+    """What the endpoint uses of a chat request: ``messages`` (content as text), ``tools`` (OpenAI's function
+    tools, None: none offered), ``cap`` (``max_completion_tokens`` / ``max_tokens``, 0: none)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    cap: int
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text (OpenAI's list of text parts: their ``text`` joined)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise RequestError("messages[].content must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: must be a string or a list of text parts")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f'{where}[{j}]: only text parts are supported ({{"type": "text", "text": "..."}})')
+    return "".join(part["text"] for part in content)
 
 
-def parse_request(body: bytes) -> dict:
-    """The fields of a chat request the endpoint uses: ``messages`` (content as text), ``tools``, ``cap``."""
+def _strings(obj: dict, keys: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise RequestError(f"{where}.{key}: must be a string")
+
+
+def _tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's ``tool_calls`` in OpenAI's shape (``function.arguments`` a JSON string)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}: must be a list of tool calls")
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise RequestError(f'{at}.function: must be an object {{"name": ..., "arguments": "<JSON>"}}')
+        _strings(call, ("id", "type"), at)
+        fn = call["function"]
+        if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+            raise RequestError(f"{at}.function: its name and arguments (a JSON text) must be strings")
+
+
+def _message(m: Any, where: str) -> dict:
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise RequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}")
+    _strings(m, ("name", "tool_call_id"), where)
+    if m.get("tool_calls") is not None:
+        _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+    return {**{k: v for k, v in m.items() if v is not None}, "content": _text(m.get("content"), f"{where}.content")}
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    """OpenAI's function tools: ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools: must be a list")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise RequestError(f'tools[{i}]: must be {{"type": "function", "function": {{"name": ...}}}}')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}].function.name: must be a non-empty string")
+        _strings(fn, ("description",), f"tools[{i}].function")
+        params = fn.get("parameters")
+        if params is not None and not (isinstance(params, dict) and isinstance(params.get("properties", {}), dict)):
+            raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema object")
+    return tools
+
+
+def parse_request(body: bytes) -> ChatRequest:
+    """A chat request checked field by field; a :class:`RequestError` names the first field that is wrong."""
     try:
         req = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         raise RequestError("the body is not JSON") from None
     if not isinstance(req, dict) or not isinstance(req.get("messages"), list) or not req["messages"]:
         raise RequestError("messages: a non-empty list of chat messages is required")
@@ -39,19 +101,11 @@ def parse_request(body: bytes) -> dict:
         raise RequestError("stream: streaming is not supported")
     if req.get("n", 1) != 1:
         raise RequestError("n: only 1 completion per request")
-    messages = []
-    for i, m in enumerate(req["messages"]):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
-        msg = {**{k: v for k, v in m.items() if v is not None}, "content": _text(m.get("content"))}
-        messages.append(msg)
-    tools = req.get("tools") or None
-    if tools is not None and not isinstance(tools, list):
-        raise RequestError("tools must be a list")
+    messages = [_message(m, f"messages[{i}]") for i, m in enumerate(req["messages"])]
     cap = req.get("max_completion_tokens") or req.get("max_tokens") or 0
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise RequestError("max_tokens must be a positive integer")
-    return {"messages": messages, "tools": tools, "cap": cap}
+    return ChatRequest(messages, _tools(req.get("tools")), cap)
 
 
 def same_message(ours: dict, theirs: dict) -> bool:

@@ -76,7 +76,8 @@ class EpisodeSettings:
 @dataclass
 class _Episode:
     """One trajectory being built from ``prompt_ids``; ``last`` is its latest turn as the engine returned it;
-    ``cap``: the environment's own cap on the next turn (0: none); ``done``: no turn follows."""
+    ``cap``: the environment's own cap on the next turn (0: none); ``done``: no turn follows; ``discarded``:
+    tokens it sampled that its row no longer holds (an agent's prefix break starts the row anew)."""
 
     prompt_index: int
     prompt_ids: list[int]
@@ -93,6 +94,7 @@ class _Episode:
     done: bool = False
     dropped: bool = False
     truncated: bool = False
+    discarded: int = 0
 
     def add_turn(self, c: Completion) -> None:
         self.first = self.first or c
@@ -155,6 +157,7 @@ class _Episode:
             extra={"turns": self.turns, "tool_calls": self.tool_calls, "messages": self.messages, **self.extra},
             mask=self.mask,
             dropped=self.dropped,
+            discarded_tokens=self.discarded,
         )
 
 

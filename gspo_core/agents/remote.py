@@ -10,34 +10,52 @@ only its new messages, rendered as a suffix (`gspo_core.agents.render`), as envi
 
 from __future__ import annotations
 
-import json
+import asyncio
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
-from gspo_core.agents.chat import RequestError, error, parse_request, reward_of, same_message, with_names
+from gspo_core.agents.bounded_http import Answer, BoundedServer, Limits, Request
+from gspo_core.agents.chat import (
+    ChatRequest,
+    RequestError,
+    error,
+    parse_request,
+    reward_of,
+    same_message,
+    with_names,
+)
 from gspo_core.agents.episodes import _Episode
 from gspo_core.agents.formats import Parser
-from gspo_core.agents.render import tool_turn_ids
+from gspo_core.agents.render import PlainText, tool_turn_ids
 from gspo_core.rewards.policy import GraderPolicy
 from gspo_core.rollout.base import Completion, SamplingSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-MAX_BODY = 8 << 20
 MODEL_NAME = "policy"
 
 
 @dataclass
 class _Reply:
-    """The answer to one chat request, for the HTTP thread that waits on it."""
+    """The answer to one chat request, for the connection (on the server's loop) that awaits it."""
 
-    ready: threading.Event = field(default_factory=threading.Event)
-    answer: tuple[int, dict] = (504, {})
+    server: BoundedServer
+    future: asyncio.Future
+
+    def give(self, answer: Answer) -> None:
+        """Resolve the future from any thread (a connection that gave up waiting has cancelled it)."""
+
+        def resolve() -> None:
+            if not self.future.done():
+                self.future.set_result(answer)
+
+        self.server.call_soon(resolve)
 
 
 @dataclass
@@ -47,7 +65,7 @@ class _Session:
     id: str
     item: dict
     episode: _Episode
-    request: dict | None = None
+    request: ChatRequest | None = None
     reply: _Reply | None = None
     history: list[dict] = field(default_factory=list)
     tools: list | None = None
@@ -56,12 +74,14 @@ class _Session:
     reward: float | None = None
     error: str | None = None
     breaks: int = 0
+    invalid: int = 0
 
 
 class AgentEndpoint:
     """A job's agent: its server (``server_url``, ``headers``, ``timeout_s``) and the chat endpoint (one HTTP
     server per job on ``host:port``, loopback and a free port by default; each session's ``base_url`` is
-    ``<url>/s/<random id>/v1``, ``url`` the address agents reach it at, default ``http://host:port``)."""
+    ``<url>/s/<random id>/v1``, ``url`` the address agents reach it at, default ``http://host:port``;
+    ``limits``: what one connection and the job's connections may cost, `gspo_core.agents.bounded_http`)."""
 
     def __init__(
         self,
@@ -72,100 +92,88 @@ class AgentEndpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         url: str = "",
+        limits: Limits | None = None,
     ) -> None:
         self.url, self.headers = spec["server_url"], dict(spec.get("headers") or {})
         self.timeout_s = float(spec.get("timeout_s", 300.0))
         self.policy, self.parser, self.max_prompt_tokens = policy, parser, max_prompt_tokens
         self.cv = threading.Condition()
         self.sessions: dict[str, _Session] = {}
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
         self.public_url = url.rstrip("/")
-        self.httpd.daemon_threads = True
-        # A short poll: closing the endpoint (each job's end) waits for at most one poll.
-        self._thread = threading.Thread(
-            target=self.httpd.serve_forever, args=(0.05,), name="agent-endpoint", daemon=True
-        )
-        self._thread.start()
+        self.server = BoundedServer(_Routes(self), host, port, limits or Limits(), "agent-endpoint")
 
     @property
     def base(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.server.address
         return self.public_url or f"http://{host!s}:{port}"
 
     def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> AgentEnvironment:
         return AgentEnvironment(self, tokenizer, rows)
 
-    def submit(self, sid: str, body: bytes) -> tuple[int, dict]:
-        """An agent's chat request (an HTTP thread): held until the loop's next turn answers it."""
+    def known(self, sid: str | None) -> bool:
+        with self.cv:
+            return sid in self.sessions
+
+    async def submit(self, sid: str, body: bytes) -> Answer:
+        """An agent's chat request (on the server's loop): held until the loop's next turn answers it."""
+        try:
+            request: ChatRequest | RequestError = parse_request(body)
+        except RequestError as exc:
+            request = exc
         with self.cv:
             s = self.sessions.get(sid)
             if s is None:
                 return 404, error("no such session", "not_found_error")
+            if isinstance(request, RequestError):
+                s.invalid += 1
+                return 400, error(str(request))
             if s.closed:
                 return 400, error("the episode is over (max_turns, its token budget, or a timeout)")
             if s.request is not None:
                 return 409, error("one request at a time per session")
-            try:
-                s.request = parse_request(body)
-            except RequestError as exc:
-                return 400, error(str(exc))
-            reply = s.reply = _Reply()
+            s.request = request
+            reply = s.reply = _Reply(self.server, asyncio.get_running_loop().create_future())
             self.cv.notify_all()
-        if not reply.ready.wait(self.timeout_s):
+        try:
+            return await asyncio.wait_for(reply.future, self.timeout_s)
+        except TimeoutError:
             return 504, error("no answer in time")
-        return reply.answer
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.close()
 
 
-def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        # A connection that sends nothing (or its body slowly) is dropped: an endpoint reachable beyond
-        # loopback (GSPO_AGENT_ENDPOINT_HOST) must not keep a thread per idle socket.
-        timeout = 30
+class _Routes:
+    """``GET /s/<id>/v1/models`` and ``POST /s/<id>/v1/chat/completions``; an unknown session is a 404
+    before any body is read."""
 
-        def _reply(self, status: int, obj: dict) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def __init__(self, endpoint: AgentEndpoint) -> None:
+        self.endpoint = endpoint
 
-        def _session(self, tail: str) -> str | None:
-            parts = self.path.split("/")  # "", "s", <id>, "v1", ...
-            ok = len(parts) >= 4 and parts[1] == "s" and parts[3] == "v1" and "/".join(parts[4:]) == tail
-            return parts[2] if ok else None
+    @staticmethod
+    def _session(path: str, tail: str) -> str | None:
+        parts = path.split("/")  # "", "s", <id>, "v1", ...
+        ok = len(parts) >= 4 and parts[1] == "s" and parts[3] == "v1" and "/".join(parts[4:]) == tail
+        return parts[2] if ok else None
 
-        def do_GET(self) -> None:
-            sid = self._session("models")
-            with endpoint.cv:
-                known = sid in endpoint.sessions
-            if not known:
-                return self._reply(404, error("not found", "not_found_error"))
-            self._reply(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "gspo"}]})
+    def head(self, request: Request) -> Answer | None:
+        tail = {"GET": "models", "POST": "chat/completions"}.get(request.method)
+        if tail is None:
+            return 405, error(f"method {request.method[:16]!r} not allowed")
+        if not self.endpoint.known(self._session(request.path, tail)):
+            return 404, error("not found", "not_found_error")
+        if request.method == "GET":
+            return 200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "gspo"}]}
+        return None
 
-        def do_POST(self) -> None:
-            sid = self._session("chat/completions")
-            size = int(self.headers.get("Content-Length") or 0)
-            if sid is None:
-                return self._reply(404, error("not found", "not_found_error"))
-            if size > MAX_BODY:
-                return self._reply(413, error(f"the request is larger than {MAX_BODY} bytes"))
-            self._reply(*endpoint.submit(sid, self.rfile.read(size)))
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    return Handler
+    async def body(self, request: Request, body: bytes) -> Answer:
+        return await self.endpoint.submit(cast(str, self._session(request.path, "chat/completions")), body)
 
 
 class AgentEnvironment:
     """One rollout's sessions (``n`` per prompt, each a thread POSTing to the agent) as the loop's
     environment. Metrics: ``agent/prefix_breaks``, ``agent_errors/<kind>``, ``time/agent`` (waiting on
-    the agents between turns)."""
+    the agents between turns), ``agent/invalid_requests`` (requests refused as malformed, a 400 each)."""
 
     shared_first_turn = False
 
@@ -173,7 +181,7 @@ class AgentEnvironment:
         self.ep, self.tokenizer, self.rows = endpoint, tokenizer, rows
         self.sessions: list[_Session] = []
         self.of: dict[int, _Session] = {}
-        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "time/agent": 0.0}
+        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "agent/invalid_requests": 0.0, "time/agent": 0.0}
 
     def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
         from gspo_core.egress import EgressClient, EgressPolicy
@@ -193,18 +201,19 @@ class AgentEnvironment:
         for s in self.sessions:
             threading.Thread(target=self._run, args=(s,), name="agent-session", daemon=True).start()
         for s in self._gather(self.sessions):
-            self._first(s)
+            self._guarded(s, partial(self._first, s))
         return [s.episode for s in self.sessions]
 
     def react(self, live: list[_Episode], spec: SamplingSpec, last: bool) -> list[_Episode]:
         for e in live:
-            self._deliver(self.of[id(e)])
+            self._guarded(self.of[id(e)], partial(self._deliver, self.of[id(e)]))
         if last:
             with self.ep.cv:
                 for s in self.sessions:
                     s.closed = True
             return []
-        return [s.episode for s in self._gather([self.of[id(e)] for e in live]) if self._next(s, spec)]
+        asking = self._gather([self.of[id(e)] for e in live if not e.done])
+        return [s.episode for s in asking if self._guarded(s, partial(self._next, s, spec))]
 
     def close(self, episodes: list[_Episode]) -> None:
         """End every session: a pending request is refused, each agent's reply is awaited (its timeout),
@@ -254,57 +263,84 @@ class AgentEnvironment:
         return asking
 
     def _answer(self, s: _Session, status: int, obj: dict) -> None:
-        """Hand the HTTP thread its answer (the caller holds the condition)."""
+        """Hand the waiting connection its answer (the caller holds the condition)."""
         if s.reply is not None:
-            s.reply.answer = (status, obj)
-            s.reply.ready.set()
+            s.reply.give((status, obj))
         s.request, s.reply = None, None
 
-    def _refuse(self, s: _Session, why: str) -> bool:
+    def _refuse(self, s: _Session, why: str, kind: str | None = None) -> bool:
+        """End the session's episode, its request answered 400 ``why``; ``kind``: an error that drops it."""
         with self.ep.cv:
             s.closed = s.episode.done = True
             s.episode.truncated = s.episode.last is not None
+            s.error = s.error or kind
             self._answer(s, 400, error(why))
         return False
 
-    def _first(self, s: _Session) -> bool:
-        """A session's context from its request rendered whole (its first, or after a prefix break)."""
-        req, e = cast(dict, s.request), s.episode
+    def _guarded(self, s: _Session, handle: Callable[[], bool]) -> bool:
+        """``handle()`` of one session's request: whatever in an agent's input still breaks it (the request
+        was checked at the endpoint) ends that session, dropped and counted as ``invalid_request``, never
+        the rollout of the job's other sessions."""
         try:
+            return handle()
+        except Exception as exc:
+            return self._refuse(s, f"the request could not be used ({type(exc).__name__})", "invalid_request")
+
+    def _cap(self, e: _Episode, asked: int) -> int:
+        """The next turn's cap: the agent's, within what the episode's budget (``max_new_tokens``) leaves once
+        the tokens sampled before a prefix break count too (0 when none is left)."""
+        if not e.discarded:
+            return asked
+        left = max(self.spec.max_tokens - e.discarded - len(e.ids), 0)
+        return min(asked or left, left)
+
+    def _first(self, s: _Session) -> bool:
+        """A session's context from its request rendered whole (its first, or after a prefix break); the
+        agent's text is plain text, its special-token strings no control tokens."""
+        req, e = cast(ChatRequest, s.request), s.episode
+
+        def render(hidden: tuple[list[dict], list[dict] | None]) -> str:
             text = self.tokenizer.apply_chat_template(
-                req["messages"], tools=req["tools"], tokenize=False, add_generation_prompt=True
+                hidden[0], tools=hidden[1], tokenize=False, add_generation_prompt=True
             )
+            return cast(str, text)
+
+        try:
+            ids = PlainText(self.tokenizer).render(render, (req.messages, req.tools))
         except Exception as exc:  # the template's own refusal (roles, tools) is the agent's to read
             return self._refuse(s, f"messages: the chat template refused them: {exc}")
-        ids = list(self.tokenizer(cast(str, text), add_special_tokens=False)["input_ids"])
         if len(ids) > self.ep.max_prompt_tokens:
             return self._refuse(s, f"messages: {len(ids)} tokens, more than max_prompt_tokens")
-        e.prompt_ids, e.ids, e.logprobs, e.mask, e.cap = ids, [], [], [], req["cap"]
-        s.tools = req["tools"]
+        spent = e.discarded + sum(e.mask)  # a prefix break: the tokens sampled so far leave the row, not the usage
+        if spent >= self.spec.max_tokens:
+            return self._refuse(s, "the episode's token budget (max_new_tokens) is spent")
+        e.discarded, e.prompt_ids, e.ids, e.logprobs, e.mask = spent, ids, [], [], []
+        e.cap, s.tools = self._cap(e, req.cap), req.tools
         return True
 
     def _next(self, s: _Session, spec: SamplingSpec) -> bool:
         """A later request: its new messages as environment ids when it extends the service's history
         exactly; else (history rewritten, tools changed) a prefix break: the context starts anew."""
-        req, e = cast(dict, s.request), s.episode
-        msgs, n = req["messages"], len(s.history)
+        req, e = cast(ChatRequest, s.request), s.episode
+        msgs, n = req.messages, len(s.history)
         suffix = msgs[n:]
         kept = (
             len(msgs) > n
             and all(same_message(a, b) for a, b in zip(s.history, msgs, strict=False))
-            and req["tools"] == s.tools
+            and req.tools == s.tools
             and all(m["role"] != "assistant" for m in suffix)
         )
         if not kept:
             self.metrics["agent/prefix_breaks"] += 1
             s.breaks += 1
             return self._first(s)
-        if not e.add_environment(tool_turn_ids(self.tokenizer, suffix, e.stop_text(self.tokenizer)), spec.max_tokens):
+        env = tool_turn_ids(self.tokenizer, suffix, e.stop_text(self.tokenizer))
+        if not e.add_environment(env, spec.max_tokens - e.discarded):
             return self._refuse(s, "the episode's token budget (max_new_tokens) is spent")
-        e.cap = req["cap"]
+        e.cap = self._cap(e, req.cap)
         return True
 
-    def _deliver(self, s: _Session) -> None:
+    def _deliver(self, s: _Session) -> bool:
         """Answer the request the turn just sampled, in OpenAI's shape, with calls parsed by the job's format
         (only when the request offered tools)."""
         e, c = s.episode, cast(Completion, s.episode.last)
@@ -314,7 +350,7 @@ class AgentEnvironment:
         if tool_calls:
             message["tool_calls"] = tool_calls
         with self.ep.cv:
-            s.history = [*cast(dict, s.request)["messages"], message]
+            s.history = [*cast(ChatRequest, s.request).messages, message]
             e.messages, e.tool_calls = list(s.history), e.tool_calls + tool_calls
             context = len(e.prompt_ids) + len(e.ids) - len(c.completion_ids)
             self._answer(
@@ -340,16 +376,18 @@ class AgentEnvironment:
                     },
                 },
             )
+        return True
 
     def _outcome(self, s: _Session) -> None:
         e = s.episode
+        self.metrics["agent/invalid_requests"] += s.invalid
         if s.error is None and e.last is None:
             s.error = "no_request"
         if s.error is not None:
             e.dropped = True
             key = f"agent_errors/{s.error}"
             self.metrics[key] = self.metrics.get(key, 0.0) + 1
-        if e.last is None:  # never sampled: one untrained id stands for the row
+        if not e.ids:  # never sampled (or refused as its row started anew): one untrained id stands for the row
             e.ids, e.mask = [self.tokenizer.eos_token_id or 0], [0]
             e.logprobs = [0.0] if self.spec.logprobs else []
         e.extra["agent"] = {"session": s.id, "reward": s.reward, "prefix_breaks": s.breaks, "error": s.error}

@@ -47,7 +47,8 @@ class Completion:
     the entropy and the lengths count only the 1s. Empty: every completion id was sampled (one turn).
     At environment positions ``logprobs`` holds 0. ``dropped``: a tool of the episode failed for good
     (`gspo_core.agents.tools.ToolResult.drop`): the row trains nothing (``trained_mask`` all 0) and is not
-    graded.
+    graded. ``discarded_tokens``: tokens the model sampled for the episode that the row no longer holds (an
+    agent rewrote its history, so the row starts anew); not trained, but sampled, so usage counts them.
     ``extra`` of an episode with tool calls: ``turns``, ``tool_calls`` (OpenAI's shape), ``messages``.
     """
 
@@ -60,6 +61,7 @@ class Completion:
     extra: dict = field(default_factory=dict)
     mask: list[int] = field(default_factory=list)
     dropped: bool = False
+    discarded_tokens: int = 0
 
     @property
     def sampled_mask(self) -> list[int]:

@@ -11,6 +11,7 @@ from tests.api.conftest import job_body
 
 HTTP_TOOL = {"type": "http", "name": "f", "server_url": "http://tool.invalid/f", "parameters": {"type": "object"}}
 MCP_TOOL = {"type": "mcp", "server_url": "http://mcp.invalid/mcp", "allowed_tools": ["lookup"]}
+AGENT_TOOL = {"type": "agent", "server_url": "http://agent.invalid/run"}
 
 
 def _with_row_tools(dataset: bytes, line: int, names: list[str]) -> bytes:
@@ -34,6 +35,15 @@ def test_rows_may_offer_only_the_jobs_tools(client, auth, toy_dataset, model_nam
     r = client.post("/v1/jobs", json={**job_body(file_id), "tools": [HTTP_TOOL, MCP_TOOL]}, headers=auth)
     assert r.status_code == 201, r.text
     assert r.json()["tools"][1] == MCP_TOOL
+    # OpenAI's view: an http tool in Agent RFT's shape (no type), any other kind keeps its type.
+    shown = client.get(f"/v1/fine_tuning/jobs/{r.json()['id']}", headers=auth).json()["method"]["reinforcement"]
+    http = {k: v for k, v in HTTP_TOOL.items() if k != "type"}
+    assert shown["tools"] == [http, MCP_TOOL], shown
+    plain = client.post("/v1/files", files={"file": ("p.jsonl", toy_dataset)}, headers=auth).json()["id"]
+    r = client.post("/v1/jobs", json={**job_body(plain), "tools": [AGENT_TOOL]}, headers=auth)
+    assert r.status_code == 201, r.text
+    shown = client.get(f"/v1/fine_tuning/jobs/{r.json()['id']}", headers=auth).json()["method"]["reinforcement"]
+    assert shown["tools"] == [AGENT_TOOL], shown
 
 
 def test_a_transcript_is_graded_as_training_grades_the_episode(client, auth):

@@ -109,9 +109,10 @@ def run_agent(item: dict, base_url: str, seen: dict, session: str) -> dict:
 
 
 class AgentServer:
-    """The user's agent server: POST ``{item, base_url, session}`` runs :func:`run_agent`; ``fail`` rows 500."""
+    """The user's agent server: POST ``{item, base_url, session}`` runs ``agent`` (:func:`run_agent`); ``fail``
+    rows 500."""
 
-    def __init__(self) -> None:
+    def __init__(self, agent=run_agent) -> None:
         self.seen: dict = {}
         outer = self
 
@@ -122,7 +123,7 @@ class AgentServer:
                 if body["item"]["mode"] == "fail":
                     status, reply = 500, {"error": "the agent crashed"}
                 else:
-                    status, reply = 200, run_agent(body["item"], body["base_url"], outer.seen, body["session"])
+                    status, reply = 200, agent(body["item"], body["base_url"], outer.seen, body["session"])
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))

@@ -104,7 +104,7 @@ def test_chat_requests_and_agent_replies_are_read_strictly(agent_server):
     import urllib.error
     import urllib.request
 
-    from gspo_core.agents.chat import RequestError, parse_request, reward_of, same_message
+    from gspo_core.agents.chat import ChatRequest, RequestError, parse_request, reward_of, same_message
 
     user = [{"role": "user", "content": "x"}]
     for req, why in [
@@ -114,15 +114,24 @@ def test_chat_requests_and_agent_replies_are_read_strictly(agent_server):
         ({"messages": user, "n": 2}, "n:"),
         ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\].role"),
         ({"messages": user, "max_tokens": -1}, "max_tokens"),
+        ("[" * 100_000, "not JSON"),  # nested past the parser's recursion
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, r"messages\[0\].content\[0\]"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 1}]}, r"messages\[0\].tool_call_id"),
+        ({"messages": [{"role": "assistant", "tool_calls": {}}]}, r"messages\[0\].tool_calls:"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+            "arguments",
+        ),
+        ({"messages": user, "tools": {"f": 1}}, "tools: must be a list"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": ""}}]}, r"tools\[0\].function.name"),
+        ({"messages": user, "tools": [{"function": {"name": "f", "parameters": {"properties": 1}}}]}, "parameters"),
     ]:
         with pytest.raises(RequestError, match=why):
             parse_request(req.encode() if isinstance(req, str) else json.dumps(req).encode())
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": None}]
-    assert parse_request(json.dumps({"messages": parts, "max_completion_tokens": 5}).encode()) == {
-        "messages": [{"role": "user", "content": "ab"}],
-        "tools": None,
-        "cap": 5,
-    }
+    assert parse_request(json.dumps({"messages": parts, "max_completion_tokens": 5}).encode()) == ChatRequest(
+        [{"role": "user", "content": "ab"}], None, 5
+    )
     call = {"id": "call_1_0", "type": "function", "function": {"name": "f", "arguments": '{"key": "a"}'}}
     ours = {"role": "assistant", "content": "{f:a}", "tool_calls": [call]}
     sdk = {
