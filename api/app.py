@@ -83,6 +83,11 @@ def _purge_leftovers(app: FastAPI) -> None:
         purge(app.state.db, app.state.objects, limit=10_000)
     except Exception as exc:  # the next deletion or start tries again
         log.warning("could not purge pending deletions: %s", exc)
+    try:  # what a crashed API or worker was writing (an upload, a checkpoint)
+        if removed := app.state.objects.remove_stale_parts():
+            log.info("removed %d partial object(s) left by interrupted writes", removed)
+    except Exception as exc:
+        log.warning("could not remove partial objects: %s", exc)
 
 
 _frozen = threading.Lock()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -12,6 +16,8 @@ from store.settings import Settings
 
 CHUNK = 1024 * 1024
 ARCHIVE_NAME = "archive.tar.gz"  # a checkpoint's pre-built download (stored on S3 for presigned URLs)
+#: A ``.part`` younger than this is kept even unlocked: its writer may be between creating and locking it.
+PART_GRACE_S = 5.0
 
 
 class BadKey(ValueError):
@@ -54,6 +60,11 @@ class ObjectStore(Protocol):
         """``(key, size)`` of every object under ``prefix``, sorted by key."""
         ...
 
+    def remove_stale_parts(self) -> int:
+        """Delete what writes that died midway left behind (a crashed API's or worker's upload); returns how
+        many went. Writes in progress, in any process, are left alone."""
+        ...
+
 
 class LocalObjectStore(ObjectStore):
     """Objects as files under ``root``; keys are validated so nothing escapes it. Directories are 0700
@@ -68,30 +79,51 @@ class LocalObjectStore(ObjectStore):
             raise BadKey(f"object key {key!r} escapes the store")
         return path
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        private_dir(path.parent)
-        tmp = path.with_name(path.name + ".part")
-        with open_private(tmp) as f:
-            f.write(data)
-        tmp.replace(path)
-
-    def put_file(self, key: str, src: str | Path) -> None:
-        path = self._path(key)
-        private_dir(path.parent)
-        tmp = path.with_name(path.name + ".part")
-        with open(src, "rb") as f, open_private(tmp) as out:
-            shutil.copyfileobj(f, out, CHUNK)
-        tmp.replace(path)
-
-    def put_fileobj(self, key: str, f: BinaryIO) -> None:
-        """Store what ``f`` holds from its current position, copied in chunks."""
+    @contextmanager
+    def _writing(self, key: str) -> Iterator[BinaryIO]:
+        """The object's ``.part`` file, renamed into place once written. Its writer holds an exclusive
+        ``flock`` on it until then; the kernel drops the lock when the writer dies, however it dies, so
+        :meth:`remove_stale_parts` knows a dead write from a live one in any process."""
         path = self._path(key)
         private_dir(path.parent)
         tmp = path.with_name(path.name + ".part")
         with open_private(tmp) as out:
+            fcntl.flock(out.fileno(), fcntl.LOCK_EX)
+            yield out
+            out.flush()
+            tmp.replace(path)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._writing(key) as out:
+            out.write(data)
+
+    def put_file(self, key: str, src: str | Path) -> None:
+        with open(src, "rb") as f, self._writing(key) as out:
             shutil.copyfileobj(f, out, CHUNK)
-        tmp.replace(path)
+
+    def put_fileobj(self, key: str, f: BinaryIO) -> None:
+        """Store what ``f`` holds from its current position, copied in chunks."""
+        with self._writing(key) as out:
+            shutil.copyfileobj(f, out, CHUNK)
+
+    def remove_stale_parts(self) -> int:
+        """Every ``.part`` whose writer is gone (its lock free) and that is older than :data:`PART_GRACE_S`."""
+        removed, now = 0, time.time()
+        for part in self.root.rglob("*.part"):
+            try:
+                fd = os.open(part, os.O_RDONLY)
+            except FileNotFoundError:  # renamed into place meanwhile
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_mtime < now - PART_GRACE_S:
+                    part.unlink(missing_ok=True)
+                    removed += 1
+            except BlockingIOError:  # a live write
+                pass
+            finally:
+                os.close(fd)
+        return removed
 
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
@@ -184,6 +216,11 @@ class S3ObjectStore(ObjectStore):
             self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": [{"Key": key} for key in keys[k : k + 1000]]}
             )
+
+    def remove_stale_parts(self) -> int:
+        """Nothing: S3 stores an object whole or not at all. A dead multipart upload's parts are the bucket's
+        lifecycle rule's (``AbortIncompleteMultipartUpload``, docs/operations.md)."""
+        return 0
 
     def presigned_url(self, key: str, expires: int = 3600) -> str | None:
         if not self.presign:

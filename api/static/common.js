@@ -55,7 +55,8 @@ const GSPO = (() => {
     document.getElementById("save-key").onclick = () => { setKey(document.getElementById("api-key").value); location.reload(); };
   }
 
-  const fmt = (x, d = 3) => (x === null || x === undefined || Number.isNaN(x)) ? "–" : (Math.abs(x) >= 1000 ? x.toFixed(0) : x.toFixed(d));
+  // Small magnitudes in exponent notation: fixed decimals would show a learning rate of 5e-6 as "0.000".
+  const fmt = (x, d = 3) => (x === null || x === undefined || Number.isNaN(x)) ? "–" : (Math.abs(x) >= 1000 ? x.toFixed(0) : (x !== 0 && Math.abs(x) < 10 ** -d) ? x.toExponential(2) : x.toFixed(d));
   const when = (s) => s ? new Date(s).toLocaleString() : "–";
   const duration = (a, b) => { if (!a) return "–"; const s = ((b ? new Date(b) : new Date()) - new Date(a)) / 1000; return s < 90 ? s.toFixed(0) + " s" : (s / 60).toFixed(1) + " min"; };
   const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
