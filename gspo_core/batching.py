@@ -15,7 +15,12 @@ def lengths_N(completions: list[Completion]) -> torch.Tensor:
 
 
 def minibatches(
-    lengths_N: torch.Tensor, n_batches: int, order: str, generator: torch.Generator, group_size: int = 1
+    lengths_N: torch.Tensor,
+    n_batches: int,
+    order: str,
+    generator: torch.Generator,
+    group_size: int = 1,
+    keep_groups: bool = False,
 ) -> list[torch.Tensor]:
     """Split ``N`` rollout rows (groups of ``group_size`` contiguous) into ``n_batches`` mini-batches of
     indices, each row exactly once.
@@ -23,16 +28,26 @@ def minibatches(
     ``random``: a random permutation. ``group``: whole groups in random order (each prompt then runs
     once per mini-batch, see :mod:`gspo_core.packing`). ``length``: rows sorted by ``lengths_N`` so
     each mini-batch pads only to lengths close to its own (docs/bench.md measured the padding of both),
-    ties in ``group`` order; the batches' order is random.
+    ties in ``group`` order; the batches' order is random. With ``keep_groups`` (the trainer's forwards
+    share prompts), ``length`` sorts whole groups by their longest row instead: sorting rows scatters a
+    group whose completions differ in length over every mini-batch, and its prompt then runs once per
+    row instead of once per mini-batch (twice the forward tokens of a chat job, docs/bench.md).
     """
     perm_N = torch.randperm(len(lengths_N), generator=generator)
     if order == "random":
         return list(perm_N.chunk(n_batches))
-    group_rank_P = torch.randperm(-(-len(lengths_N) // group_size), generator=generator)
-    by_group_N = perm_N[torch.sort(group_rank_P[perm_N // group_size], stable=True).indices]
+    group_N = torch.arange(len(lengths_N)) // group_size
+    group_rank_P = torch.randperm(int(group_N[-1]) + 1 if len(group_N) else 0, generator=generator)
+    by_group_N = perm_N[torch.sort(group_rank_P[group_N[perm_N]], stable=True).indices]
     if order == "group":
         return list(by_group_N.chunk(n_batches))
-    by_length_N = by_group_N[torch.sort(lengths_N[by_group_N], stable=True).indices]
+    key_N = lengths_N
+    if keep_groups and group_size > 1:
+        longest_P = torch.zeros(len(group_rank_P), dtype=lengths_N.dtype).scatter_reduce(
+            0, group_N, lengths_N, "amax", include_self=False
+        )
+        key_N = longest_P[group_N]
+    by_length_N = by_group_N[torch.sort(key_N[by_group_N], stable=True).indices]
     chunks = list(by_length_N.chunk(n_batches))
     return [chunks[i] for i in torch.randperm(len(chunks), generator=generator)]
 

@@ -310,7 +310,12 @@ def plan_minibatches(
     """The update's `MinibatchPlan`: ``cfg.mini_batches`` mini-batches in ``cfg.minibatch_order``, drawn
     from ``generator``, less the zero-advantage rows of the later ones."""
     batches = minibatches(
-        lengths_N(rollout.completions), cfg.mini_batches, cfg.minibatch_order, generator, cfg.group_size
+        lengths_N(rollout.completions),
+        cfg.mini_batches,
+        cfg.minibatch_order,
+        generator,
+        cfg.group_size,
+        keep_groups=cfg.share_prompts and not cfg.gradient_checkpointing,
     )
     live = [batch if k == 0 else _with_signal(batch, adv_N) for k, batch in enumerate(batches)]
     return MinibatchPlan(batches=tuple(batches), live=tuple(live))

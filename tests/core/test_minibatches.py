@@ -56,3 +56,30 @@ def test_rows_of_a_group_stay_together_where_lengths_allow(order):
         assert all(len(g) == 2 for g in groups) and sorted(i for g in groups for i in g) == list(range(8))
         splits.add(tuple(map(tuple, groups)))
     assert len(splits) > 1
+
+
+def test_length_order_keeps_groups_whole_where_prompts_are_shared():
+    """A chat job: each prompt's 8 completions differ in length (EOS). Sorting rows scattered every group over
+    all 4 mini-batches (its prompt ran once per row); with shared prompts the groups stay whole, sorted by
+    their longest row, so each mini-batch runs 2 prompts and still pads only to lengths close to its own."""
+    from gspo_core.config import GSPOConfig
+    from gspo_core.rollout.base import Completion
+    from gspo_core.step import Rollout, plan_minibatches
+
+    gen = torch.Generator().manual_seed(0)
+    completions = [
+        Completion(p, [1] * (40 + p), [2] * int(torch.randint(3, 25, (1,), generator=gen)), [], "", "stop")
+        for p in range(8)
+        for _ in range(8)
+    ]
+    rollout = Rollout(rows=[{}] * 64, prompts=[""] * 8, completions=completions)
+    adv_N = torch.ones(64)
+    for share in (True, False):
+        cfg = GSPOConfig(mini_batches=4, group_size=8, prompts_per_step=8, share_prompts=share)
+        plan = plan_minibatches(rollout, adv_N, cfg, torch.Generator().manual_seed(1))
+        prompts = [len({completions[i].prompt_index for i in b.tolist()}) for b in plan.batches]
+        assert sorted(i for b in plan.batches for i in b.tolist()) == list(range(64))
+        if share:
+            assert prompts == [2, 2, 2, 2], prompts
+        else:  # rows sorted by their own length: groups scattered (less padding, no prompt to share)
+            assert max(prompts) > 2, prompts

@@ -128,3 +128,21 @@ def test_head_backward_with_no_live_position_gives_zero_gradients():
     gh, gw, gb = _grads(h, head, (logp * 0.0).sum())
     assert gh.shape == h.shape and gw.shape == head.weight.shape and gb.shape == head.bias.shape
     assert not gh.any() and not gw.any() and not gb.any()
+
+
+def test_without_a_gradient_the_logits_are_made_a_small_chunk_at_a_time(monkeypatch):
+    """Old log-probs and evaluations need no gradient: the logits are never all made at once (at a 49k
+    vocabulary they were up to KEEP_LOGITS_ELEMENTS, 1 GiB of fp32, per no-grad forward), same values."""
+    h, head, target, _ = _head_case(6)
+    monkeypatch.setattr(gspo_core.token_logprobs, "NO_GRAD_CHUNK_ELEMENTS", 5 * head.out_features, raising=False)
+    rows = []
+    real = gspo_core.token_logprobs._logits
+    monkeypatch.setattr(
+        gspo_core.token_logprobs, "_logits", lambda h_CH, *a: rows.append(h_CH.size(0)) or real(h_CH, *a)
+    )
+    with torch.no_grad():
+        logp, ent = head_logprobs(h, head, target, 0.7, with_entropy=True)
+        ref_logp, ref_ent = _reference(head(h), target, 0.7)
+    assert max(rows) == 5 and sum(rows) == 37
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(ent, ref_ent)

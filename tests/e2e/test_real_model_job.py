@@ -33,9 +33,7 @@ def test_a_gspo_job_on_smollm2_completes_over_http(smollm2_dir, tmp_path):
     from tests.api.live import LiveServer
     from tests.conftest import spawn_logged
 
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "smollm2").symlink_to(smollm2_dir)
+    models = smollm2_dir.parent  # the cache: a model's directory may not lead outside the models directory
     env = {
         **os.environ,
         "GSPO_DATA_DIR": str(tmp_path),
@@ -59,7 +57,7 @@ def test_a_gspo_job_on_smollm2_completes_over_http(smollm2_dir, tmp_path):
         data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
         with LiveServer(app) as live, Client(live.url, key) as c:
             job = c.create_job(
-                model="smollm2",
+                model=smollm2_dir.name,
                 training_file=c.upload_file(data)["id"],
                 reward=REWARD,
                 hyperparameters={"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12},
