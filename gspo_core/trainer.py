@@ -226,7 +226,7 @@ class Trainer:
         truncated to ``max_prompt_tokens``) + ``max_new_tokens``, and the most sequences one call asks
         for (a step's B x G, or an evaluation's prompts). vLLM on CPU sizes its KV cache to them."""
         cfg = self.cfg
-        evals = self.val_rows[: cfg.eval_prompts] if cfg.eval_every else []
+        evals = self.val_rows[: cfg.eval_prompts]  # evaluated before and after training, eval_every or not
         rows = self.rows + evals
         agent = any(tool.get("type") == "agent" for tool in self.spec.tools)
         longest = cfg.max_prompt_tokens if agent else 1  # an agent's prompts are its own: the bound
