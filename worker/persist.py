@@ -88,6 +88,12 @@ class RunUsage:
     def over_limit(self) -> bool:
         return self.limit_s is not None and self.meter.device_seconds() >= self.limit_s
 
+    def deadline(self) -> float | None:
+        """The `time.monotonic` value at which the job's device time reaches its limit (None: no limit)."""
+        if self.limit_s is None:
+            return None
+        return time.monotonic() + self.limit_s - self.meter.device_seconds()
+
     def budget_used(self, s) -> Budget | None:
         """The tenant's budget when this period's device time (this run's included) has used it up."""
         b = budget(s, self.meter.policy, self.tenant_id)
@@ -102,8 +108,9 @@ class RunUsage:
 
 
 class PersistCallbacks(Callbacks):
-    """Writes through store/ what the trainer reports; stops on cancel, pause, shutdown, lost lease or the
-    job's wall-clock limit."""
+    """Writes through store/ what the trainer reports; stops on cancel, pause, shutdown, lost lease, the
+    job's wall-clock limit or its tenant's budget. The trainer asks before each step and, while a step waits on
+    tools, agents or graders, about once a second (`gspo_core.stopping`), so none of them waits for a step."""
 
     def __init__(
         self,
@@ -121,6 +128,7 @@ class PersistCallbacks(Callbacks):
         self.stop_reason: str | None = None
         self.budget: Budget | None = None  # the tenant's spent budget, when that stopped the run
         self.steps_run = 0  # steps this run recorded
+        self._deadline: float | None = None  # the wall-clock limit's, as last told to the trainer
 
     def _tx(self, fn, what: str):
         """``fn(session)`` in one transaction fenced by this worker's lease (`jobs.LeaseLost` if gone)."""
@@ -180,6 +188,16 @@ class PersistCallbacks(Callbacks):
     def on_log(self, message):
         self._tx(lambda s: jobs.add_event(s, self.job_id, "log", message), "logging")
 
+    def deadline(self) -> float | None:
+        self._deadline = self.usage.deadline() if self.usage is not None else None
+        return self._deadline
+
+    def _past_limit(self) -> bool:
+        """The wall-clock limit is reached (by the meter, or by the deadline the trainer was given)."""
+        if self.usage is None:
+            return False
+        return self.usage.over_limit() or (self._deadline is not None and time.monotonic() >= self._deadline)
+
     def should_stop(self) -> bool:
         if self.lease_lost.is_set():
             self.stop_reason = "lease_lost"
@@ -191,7 +209,7 @@ class PersistCallbacks(Callbacks):
                 self.stop_reason = "cancel"
             elif status == "pausing":  # asked to pause: the trainer checkpoints this step boundary and stops
                 self.stop_reason = "pause"
-            elif self.usage is not None and self.usage.over_limit():
+            elif self._past_limit():
                 self.stop_reason = "wall_limit"
             elif self.usage is not None and self.usage.meter.policy.budget_s > 0 and self.steps_run:
                 # A running job stops too when its tenant spends the period's budget: it is requeued from

@@ -24,6 +24,7 @@ from gspo_core.agents.formats import Parser
 from gspo_core.agents.render import tool_turn_ids
 from gspo_core.rewards.policy import GraderPolicy
 from gspo_core.rollout.base import Completion, SamplingSpec
+from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,8 +93,10 @@ class AgentEndpoint:
         host, port = self.httpd.server_address[:2]
         return self.public_url or f"http://{host!s}:{port}"
 
-    def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> AgentEnvironment:
-        return AgentEnvironment(self, tokenizer, rows)
+    def environment(
+        self, tokenizer: PreTrainedTokenizerBase, rows: list[dict], stop: StopCheck = NEVER
+    ) -> AgentEnvironment:
+        return AgentEnvironment(self, tokenizer, rows, stop)
 
     def submit(self, sid: str, body: bytes) -> tuple[int, dict]:
         """An agent's chat request (an HTTP thread): held until the loop's next turn answers it."""
@@ -165,12 +168,14 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
 class AgentEnvironment:
     """One rollout's sessions (``n`` per prompt, each a thread POSTing to the agent) as the loop's
     environment. Metrics: ``agent/prefix_breaks``, ``agent_errors/<kind>``, ``time/agent`` (waiting on
-    the agents between turns)."""
+    the agents between turns). ``stop``: its waits on the agents end when the step must stop."""
 
     shared_first_turn = False
 
-    def __init__(self, endpoint: AgentEndpoint, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> None:
-        self.ep, self.tokenizer, self.rows = endpoint, tokenizer, rows
+    def __init__(
+        self, endpoint: AgentEndpoint, tokenizer: PreTrainedTokenizerBase, rows: list[dict], stop: StopCheck = NEVER
+    ) -> None:
+        self.ep, self.tokenizer, self.rows, self.stop = endpoint, tokenizer, rows, stop
         self.sessions: list[_Session] = []
         self.of: dict[int, _Session] = {}
         self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "time/agent": 0.0}
@@ -214,7 +219,7 @@ class AgentEnvironment:
                 s.closed = True
                 if s.request is not None:
                     self._answer(s, 400, error("the episode is over (max_turns)"))
-            self.ep.cv.wait_for(lambda: all(s.finished for s in self.sessions), self.ep.timeout_s)
+            self.stop.wait_for(self.ep.cv, lambda: all(s.finished for s in self.sessions), self.ep.timeout_s)
             for s in self.sessions:
                 self.ep.sessions.pop(s.id, None)
         self.client.close()
@@ -244,7 +249,9 @@ class AgentEnvironment:
         with a request; the others' episodes end (a session that neither asked nor answered: ``timeout``)."""
         start = time.perf_counter()
         with self.ep.cv:
-            self.ep.cv.wait_for(lambda: all(s.request is not None or s.finished for s in sessions), self.ep.timeout_s)
+            pending = lambda: all(s.request is not None or s.finished for s in sessions)  # noqa: E731
+            if not self.stop.wait_for(self.ep.cv, pending, self.ep.timeout_s):
+                self.stop.check()  # stopped: the loop abandons the rollout (close() ends the sessions)
             asking = [s for s in sessions if s.request is not None]
             for s in sessions:
                 if s.request is None:
