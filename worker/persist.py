@@ -129,6 +129,7 @@ class PersistCallbacks(Callbacks):
         self.budget: Budget | None = None  # the tenant's spent budget, when that stopped the run
         self.steps_run = 0  # steps this run recorded
         self._deadline: float | None = None  # the wall-clock limit's, as last told to the trainer
+        self._first_poll: float | None = None  # when the run's first step began (its first status poll)
 
     def _tx(self, fn, what: str):
         """``fn(session)`` in one transaction fenced by this worker's lease (`jobs.LeaseLost` if gone)."""
@@ -198,6 +199,16 @@ class PersistCallbacks(Callbacks):
             return False
         return self.usage.over_limit() or (self._deadline is not None and time.monotonic() >= self._deadline)
 
+    def _budget_applies(self) -> bool:
+        """Whether the tenant's budget may stop the run now: from its second step on; in its first step (the
+        first poll starts it) only once that step has lasted a whole period's budget, so a run whose start-up
+        outlasts the budget still progresses, and a step that waits on a slow agent or tool is still bounded."""
+        if self.usage is None or self.usage.meter.policy.budget_s <= 0:
+            return False
+        now = time.monotonic()
+        self._first_poll = self._first_poll or now
+        return bool(self.steps_run) or now - self._first_poll >= self.usage.meter.policy.budget_s
+
     def should_stop(self) -> bool:
         if self.lease_lost.is_set():
             self.stop_reason = "lease_lost"
@@ -211,10 +222,9 @@ class PersistCallbacks(Callbacks):
                 self.stop_reason = "pause"
             elif self._past_limit():
                 self.stop_reason = "wall_limit"
-            elif self.usage is not None and self.usage.meter.policy.budget_s > 0 and self.steps_run:
+            elif self._budget_applies():
                 # A running job stops too when its tenant spends the period's budget: it is requeued from
-                # its checkpoint and waits, like the tenant's queued jobs, for the next period. Not before
-                # the run's first step: a run whose start-up outlasts a period's budget still progresses.
+                # its checkpoint and waits, like the tenant's queued jobs, for the next period.
                 self.budget = self._tx(self.usage.budget_used, "checking the tenant's budget")
                 if self.budget is not None:
                     self.stop_reason = "budget"
