@@ -222,7 +222,7 @@ class PersistCallbacks(Callbacks):
                 self.stop_reason = "pause"
             elif self._past_limit():
                 self.stop_reason = "wall_limit"
-            elif self._budget_applies():
+            elif self.usage is not None and self._budget_applies():
                 # A running job stops too when its tenant spends the period's budget: it is requeued from
                 # its checkpoint and waits, like the tenant's queued jobs, for the next period.
                 self.budget = self._tx(self.usage.budget_used, "checking the tenant's budget")
