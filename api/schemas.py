@@ -214,8 +214,9 @@ class JobCreate(BaseModel):
         le=2**31 - 1,
         strict=True,
         description=(
-            "Device time (seconds, summed over attempts) after which the job stops at its next step, "
-            "checkpoints and fails; at most the operator's limit, which applies when unset."
+            "Device time (seconds, summed over attempts) at which the job stops (within seconds, dropping the "
+            "step in flight), checkpoints its last completed step and fails; at most the operator's limit, "
+            "which applies when unset."
         ),
     )
 

@@ -39,8 +39,10 @@ class Callbacks:
     """No-op base; override what you need. All methods are called from the training thread.
 
     ``on_samples`` rows: ``{"prompt", "item", "completions": [{"text", "reward", "scores",
-    "errors", "tokens", "finish_reason"}]}``. ``should_stop`` is polled once per step; when it
-    returns True the trainer saves a checkpoint and returns with ``stopped=True``.
+    "errors", "tokens", "finish_reason"}]}``. ``should_stop`` is polled before every step and, while a
+    step waits on tools, agents or graders, about once a second (`gspo_core.stopping`); when it returns True,
+    or ``deadline()`` (a `time.monotonic` value; None: none) has passed, the step in flight is dropped, the
+    trainer saves a checkpoint of the last completed step and returns with ``stopped=True``.
     """
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -60,6 +62,9 @@ class Callbacks:
 
     def should_stop(self) -> bool:
         return False
+
+    def deadline(self) -> float | None:
+        return None
 
 
 class CallbackList(Callbacks):
@@ -90,3 +95,6 @@ class CallbackList(Callbacks):
 
     def should_stop(self):
         return any(callback.should_stop() for callback in self.callbacks)
+
+    def deadline(self):
+        return min((d for callback in self.callbacks if (d := callback.deadline()) is not None), default=None)

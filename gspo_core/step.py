@@ -51,6 +51,7 @@ from gspo_core.policy import Policy, checkpoint_weights, completion_logprobs, ex
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import sample_for, transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec, WeightSink
+from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -221,10 +222,12 @@ def sample(
     logprobs: bool = True,
     agent: EpisodeSettings | None = None,
     greedy: bool = False,
+    stop: StopCheck = NEVER,
 ) -> Rollout:
     """``n`` (default ``group_size``) episodes per prompt, prompts left-truncated to ``max_prompt_tokens``;
     ``logprobs``: also the sampler's per-token logprobs; ``agent``: the job's turns and tools (None: one
-    turn, no tools); ``greedy``: the most likely tokens instead of samples (evaluation)."""
+    turn, no tools); ``greedy``: the most likely tokens instead of samples (evaluation); ``stop``: ends the
+    rollout early (`StepStopped`)."""
     prompt_ids = prompt_token_ids(tokenizer, prompts, cfg.max_prompt_tokens)
     spec = SamplingSpec(
         n=n or cfg.group_size,
@@ -236,16 +239,17 @@ def sample(
         logprobs=logprobs,
         greedy=greedy,
     )
-    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings(), rows)
+    groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings(), rows, stop)
     return Rollout(rows, prompts, [completion for group in groups for completion in group], metrics)
 
 
 # --- 2. reward ----------------------------------------------------------------------------------------------
 
 
-def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
+def score(reward_fn: RewardFunction, rollout: Rollout, stop: StopCheck = NEVER) -> Scores:
     """Rewards of every completion, with reward and grader-error metrics. A dropped episode is not graded: it
-    takes the mean reward of its group's other episodes (advantage about 0; it trains nothing anyway)."""
+    takes the mean reward of its group's other episodes (advantage about 0; it trains nothing anyway).
+    ``stop``: ends the wait for the graders early (`StepStopped`)."""
     from gspo_core.rewards import GradeResult
 
     given = {i: _agent_reward(c) for i, c in enumerate(rollout.completions) if _agent_reward(c) is not None}
@@ -254,7 +258,7 @@ def score(reward_fn: RewardFunction, rollout: Rollout) -> Scores:
     samples = [
         grader_sample(rollout.completions[i], rollout.prompts[rollout.completions[i].prompt_index]) for i in kept
     ]
-    graded = dict(zip(kept, reward_fn.score_batch(items, samples) if kept else [], strict=True))
+    graded = dict(zip(kept, reward_fn.score_batch(items, samples, stop) if kept else [], strict=True))
     graded.update({i: GradeResult(cast(float, r)) for i, r in given.items() if not rollout.completions[i].dropped})
     grades = [graded.get(i) or _dropped_grade(rollout, i, graded) for i in range(len(rollout.completions))]
     rewards_N = torch.tensor([grade.reward for grade in grades], dtype=torch.float32)

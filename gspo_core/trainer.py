@@ -35,6 +35,7 @@ from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
+from gspo_core.stopping import NEVER, StepStopped, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -173,6 +174,8 @@ class Trainer:
             raise
         self.step = 0
         self.sampler_trusted = True
+        #: What ends the step in flight early (rank 0's; `begin_step` renews it).
+        self.stop: StopCheck = NEVER
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
     def _peer_push(self) -> Push | None:
@@ -286,21 +289,57 @@ class Trainer:
         """Rank 0 samples ``rows``' prompts with its engine (the whole policy gathered on every rank while it
         does, when the engine samples with the trainer's weights); every rank gets the rollout. ``greedy``:
         the most likely completion of each (evaluation)."""
-        rollout = None
+        rollout: phases.Rollout | StepStopped | None = None
         prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
         gathered = full_weights(self.sharded) if self.engine_shares_weights else contextlib.nullcontext()
         with gathered:
             if self.engine is not None:
                 self.engine.wake()
-                rollout = phases.sample(
-                    self.engine, self.tokenizer, rows, prompts, self.cfg, seed, n, logprobs, self.agent, greedy
-                )
-                self.engine.sleep()
-        return broadcast(rollout, self.ranks)
+                try:
+                    rollout = phases.sample(
+                        self.engine,
+                        self.tokenizer,
+                        rows,
+                        prompts,
+                        self.cfg,
+                        seed,
+                        n,
+                        logprobs,
+                        self.agent,
+                        greedy,
+                        self.stop,
+                    )
+                except StepStopped as exc:
+                    rollout = exc
+                finally:
+                    self.engine.sleep()
+        return self._shared(rollout)
 
     def score(self, rollout: phases.Rollout) -> phases.Scores:
         """Rank 0 scores the rollout; every rank gets the scores."""
-        return broadcast(phases.score(self.reward_fn, rollout) if self.reward_fn is not None else None, self.ranks)
+        scores: phases.Scores | StepStopped | None = None
+        if self.reward_fn is not None:
+            try:
+                scores = phases.score(self.reward_fn, rollout, self.stop)
+            except StepStopped as exc:
+                scores = exc
+        return self._shared(scores)
+
+    def _shared(self, value):
+        """Rank 0's ``value`` on every rank; a stop of rank 0's step (`StepStopped`) is raised on every rank."""
+        value = broadcast(value, self.ranks)
+        if isinstance(value, StepStopped):
+            raise value
+        return value
+
+    def begin_step(self) -> bool:
+        """Whether the run goes on (rank 0's callbacks decide for every rank); if so, the step about to run
+        gets its stop check: the callbacks' deadline and their ``should_stop``, asked while it waits."""
+        if self.should_stop():
+            return False
+        if self.ranks.main:
+            self.stop = StopCheck(self.callbacks.should_stop, self.callbacks.deadline())
+        return True
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
         """One GSPO step, its phases in order (each timed as ``time/<phase>``); returns its metrics and
@@ -438,22 +477,34 @@ def _loop(trainer: Trainer) -> TrainResult:
     metrics: dict[str, float] = {}
     last_ckpt = trainer.saved[1] if trainer.saved else None
     if trainer.step == 0 and trainer.val_rows:
-        before = trainer.evaluate_around("before")
+        try:
+            before = trainer.evaluate_around("before")
+        except StepStopped:  # asked to stop before the first step: nothing trained, nothing to compare
+            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
         if trainer.ranks.main:
             trainer.callbacks.on_step(0, before)
     while trainer.step < cfg.steps:
-        if trainer.should_stop():
+        if not trainer.begin_step():
             return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
         step = trainer.step + 1
-        metrics, rows = trainer.run_step(step)
+        try:
+            metrics, rows = trainer.run_step(step)
+        except StepStopped:  # asked to stop mid-step: its half-done rollout is not trained on
+            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
         trainer.step = step
-        if trainer.val_rows and step == cfg.steps:
-            metrics.update(trainer.evaluate_around("after"))
-        elif cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
-            metrics.update(trainer.evaluate())
+        stopped = False
+        try:
+            if trainer.val_rows and step == cfg.steps:
+                metrics.update(trainer.evaluate_around("after"))
+            elif cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
+                metrics.update(trainer.evaluate())
+        except StepStopped:  # the step trained: it is recorded and saved, its evaluation is not
+            stopped = True
         if trainer.ranks.main:
             trainer.callbacks.on_samples(step, rows)
             trainer.callbacks.on_step(step, metrics)
+        if stopped:
+            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             last_ckpt = trainer.checkpoint(final=step == cfg.steps)
     return TrainResult(trainer.step, last_ckpt, stopped=False, metrics=metrics)

@@ -15,7 +15,7 @@ from store import webhooks
 from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, Tenant, utcnow
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
-# Statuses in which a worker holds the job's lease (``pausing``: asked to pause, it stops at its next step).
+# Statuses in which a worker holds the job's lease (``pausing``: asked to pause, it stops within seconds).
 HELD = ("running", "cancelling", "pausing")
 # Unfinished jobs: their files and checkpoints are in use. ``paused`` holds no worker and does not count
 # against the tenant's cap of active jobs (`count_active`); resuming it is checked against the cap.
@@ -24,7 +24,7 @@ LEGAL = {
     "queued": {"running", "cancelled", "failed", "paused"},
     "running": {"succeeded", "failed", "cancelling", "queued", "pausing"},
     "cancelling": {"cancelled", "failed", "succeeded"},
-    # A pausing run checkpoints at its next step boundary and stops (paused), unless it ends first; a
+    # A pausing run stops within seconds (the step in flight dropped) and is paused, unless it ends first; a
     # resume before it stopped takes it back (running), a cancel turns it into cancelling.
     "pausing": {"paused", "running", "cancelling", "succeeded", "failed"},
     "paused": {"queued", "cancelled"},
@@ -322,7 +322,7 @@ def lock_job(s: Session, job: Job) -> Job:
 
 def request_cancel(s: Session, job: Job) -> Job:
     """Queued and paused jobs are cancelled at once; running (or pausing) ones go to ``cancelling``
-    (seen within a step)."""
+    (seen within seconds)."""
     lock_job(s, job)
     if job.status in ("queued", "paused"):
         return transition(s, job, "cancelled")
@@ -333,7 +333,7 @@ def request_cancel(s: Session, job: Job) -> Job:
 
 def request_pause(s: Session, job: Job) -> Job:
     """Queued jobs are paused at once (the scheduler takes only queued ones); running ones go to
-    ``pausing``: the worker checkpoints at its next step boundary and stops, then settles ``paused``.
+    ``pausing``: the worker stops within seconds (mid-step if need be), checkpoints, then settles ``paused``.
     A pausing or paused job is left as it is; any other raises `IllegalTransition`."""
     lock_job(s, job)
     if job.status in ("pausing", "paused"):

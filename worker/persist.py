@@ -88,6 +88,12 @@ class RunUsage:
     def over_limit(self) -> bool:
         return self.limit_s is not None and self.meter.device_seconds() >= self.limit_s
 
+    def deadline(self) -> float | None:
+        """The `time.monotonic` value at which the job's device time reaches its limit (None: no limit)."""
+        if self.limit_s is None:
+            return None
+        return time.monotonic() + self.limit_s - self.meter.device_seconds()
+
     def budget_used(self, s) -> Budget | None:
         """The tenant's budget when this period's device time (this run's included) has used it up."""
         b = budget(s, self.meter.policy, self.tenant_id)
@@ -116,8 +122,9 @@ def evaluation_message(evaluation: Evaluation, recorded: dict | None) -> str:
 
 
 class PersistCallbacks(Callbacks):
-    """Writes through store/ what the trainer reports; stops on cancel, pause, shutdown, lost lease or the
-    job's wall-clock limit."""
+    """Writes through store/ what the trainer reports; stops on cancel, pause, shutdown, lost lease, the
+    job's wall-clock limit or its tenant's budget. The trainer asks before each step and, while a step waits on
+    tools, agents or graders, about once a second (`gspo_core.stopping`), so none of them waits for a step."""
 
     def __init__(
         self,
@@ -135,6 +142,8 @@ class PersistCallbacks(Callbacks):
         self.stop_reason: str | None = None
         self.budget: Budget | None = None  # the tenant's spent budget, when that stopped the run
         self.steps_run = 0  # steps this run recorded
+        self._deadline: float | None = None  # the wall-clock limit's, as last told to the trainer
+        self._first_poll: float | None = None  # when the run's first step began (its first status poll)
 
     def _tx(self, fn, what: str):
         """``fn(session)`` in one transaction fenced by this worker's lease (`jobs.LeaseLost` if gone)."""
@@ -202,6 +211,26 @@ class PersistCallbacks(Callbacks):
 
         self._tx(rec, f"recording the evaluation {evaluation.when} training")
 
+    def deadline(self) -> float | None:
+        self._deadline = self.usage.deadline() if self.usage is not None else None
+        return self._deadline
+
+    def _past_limit(self) -> bool:
+        """The wall-clock limit is reached (by the meter, or by the deadline the trainer was given)."""
+        if self.usage is None:
+            return False
+        return self.usage.over_limit() or (self._deadline is not None and time.monotonic() >= self._deadline)
+
+    def _budget_applies(self) -> bool:
+        """Whether the tenant's budget may stop the run now: from its second step on; in its first step (the
+        first poll starts it) only once that step has lasted a whole period's budget, so a run whose start-up
+        outlasts the budget still progresses, and a step that waits on a slow agent or tool is still bounded."""
+        if self.usage is None or self.usage.meter.policy.budget_s <= 0:
+            return False
+        now = time.monotonic()
+        self._first_poll = self._first_poll or now
+        return bool(self.steps_run) or now - self._first_poll >= self.usage.meter.policy.budget_s
+
     def should_stop(self) -> bool:
         if self.lease_lost.is_set():
             self.stop_reason = "lease_lost"
@@ -213,12 +242,11 @@ class PersistCallbacks(Callbacks):
                 self.stop_reason = "cancel"
             elif status == "pausing":  # asked to pause: the trainer checkpoints this step boundary and stops
                 self.stop_reason = "pause"
-            elif self.usage is not None and self.usage.over_limit():
+            elif self._past_limit():
                 self.stop_reason = "wall_limit"
-            elif self.usage is not None and self.usage.meter.policy.budget_s > 0 and self.steps_run:
+            elif self.usage is not None and self._budget_applies():
                 # A running job stops too when its tenant spends the period's budget: it is requeued from
-                # its checkpoint and waits, like the tenant's queued jobs, for the next period. Not before
-                # the run's first step: a run whose start-up outlasts a period's budget still progresses.
+                # its checkpoint and waits, like the tenant's queued jobs, for the next period.
                 self.budget = self._tx(self.usage.budget_used, "checking the tenant's budget")
                 if self.budget is not None:
                     self.stop_reason = "budget"

@@ -298,7 +298,7 @@ def queue_view(s: Session, settings: Settings, tenant_id: str) -> TenantQueue:
 
 def cancel_job(s: Session, settings: Settings, objects: ObjectStore, job: Job) -> JobOut:
     """Queued and paused jobs are cancelled at once (their results file written); running ones go to
-    ``cancelling`` (the worker stops within a step)."""
+    ``cancelling`` (the worker stops within seconds)."""
     job_state.request_cancel(s, job)
     s.commit()
     results.attach_committed(s, objects, job.id)

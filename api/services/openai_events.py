@@ -21,8 +21,8 @@ SLACK = 32
 STATUS_MESSAGES = {
     "queued": "Validated the files; the job is queued",
     "running": "Fine-tuning job started",
-    "cancelling": "Cancelling the job: it stops within a step",
-    "pausing": "Pausing the job: it checkpoints and stops at its next step",
+    "cancelling": "Cancelling the job: it stops within seconds",
+    "pausing": "Pausing the job: it stops within seconds and checkpoints",
     "paused": "The job was paused; resume it to continue from its checkpoint",
     "succeeded": "The job has successfully completed",
     "cancelled": "The job was cancelled",

@@ -24,8 +24,8 @@ from store.settings import Settings
 STATUS: dict[str, OpenAIStatus] = {
     "queued": "queued",
     "running": "running",
-    "cancelling": "cancelled",  # OpenAI's cancel answers cancelled; the worker stops within a step
-    "pausing": "paused",  # OpenAI's pause answers paused; the worker checkpoints and stops within a step
+    "cancelling": "cancelled",  # OpenAI's cancel answers cancelled; the worker stops within seconds
+    "pausing": "paused",  # OpenAI's pause answers paused; the worker stops within seconds and checkpoints
     "paused": "paused",
     "succeeded": "succeeded",
     "failed": "failed",

@@ -21,6 +21,7 @@ from gspo_core.agents.render import tool_turn_ids
 from gspo_core.agents.tools import Toolbox, ToolResult
 from gspo_core.data import row_tool_names
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,7 +46,9 @@ class Environment(Protocol):
 class EnvironmentFactory(Protocol):
     """Makes one rollout's environment (the job's agent endpoint, `gspo_core.agents.remote.AgentEndpoint`)."""
 
-    def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> Environment: ...
+    def environment(
+        self, tokenizer: PreTrainedTokenizerBase, rows: list[dict], stop: StopCheck = NEVER
+    ) -> Environment: ...
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,15 @@ class EpisodeSettings:
     def turn_cap(self, left: int) -> int:
         return min(left, self.max_turn_tokens) if self.max_turn_tokens else left
 
-    def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> Environment | None:
+    def environment(
+        self, tokenizer: PreTrainedTokenizerBase, rows: list[dict], stop: StopCheck = NEVER
+    ) -> Environment | None:
+        """One rollout's environment; its waits (tools, agents) end early when ``stop`` says so."""
         if self.agent is not None:
-            return self.agent.environment(tokenizer, rows)
+            return self.agent.environment(tokenizer, rows, stop)
         if self.toolbox is None or self.parser is None or self.max_turns == 1:
             return None
-        return ToolEnvironment(tokenizer, self.toolbox, self.parser, [row_tool_names(row) for row in rows])
+        return ToolEnvironment(tokenizer, self.toolbox, self.parser, [row_tool_names(row) for row in rows], stop)
 
 
 @dataclass
@@ -175,8 +181,10 @@ class ToolEnvironment:
         toolbox: Toolbox,
         parser: Parser,
         offered: list[frozenset[str] | None],
+        stop: StopCheck = NEVER,
     ) -> None:
         self.tokenizer, self.toolbox, self.parser, self.offered = tokenizer, toolbox, parser, offered
+        self.stop = stop
         self.metrics: dict[str, float] = {"time/tools": 0.0}
 
     def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
@@ -191,6 +199,7 @@ class ToolEnvironment:
                 [call for _, calls in calling for call in calls],
                 [id(e) for e, calls in calling for _ in calls],
                 [self.offered[e.prompt_index] for e, calls in calling for _ in calls],
+                self.stop,
             )
             if calling
             else []
@@ -221,20 +230,25 @@ def run_episodes(
     spec: SamplingSpec,
     settings: EpisodeSettings,
     rows: list[dict] | None = None,
+    stop: StopCheck = NEVER,
 ) -> tuple[list[list[Completion]], dict[str, float]]:
     """``spec.n`` episodes per prompt, in prompt order, and their metrics (``turns/mean``,
     ``tool_calls/mean``, ``rollouts_dropped`` and the environment's own; none for one-turn settings).
-    ``rows``: the prompts' dataset rows (what an agent gets as ``item``)."""
+    ``rows``: the prompts' dataset rows (what an agent gets as ``item``). ``stop``: checked before every turn
+    and while tools and agents are waited for; when it says stop, `StepStopped` is raised and the episodes
+    are abandoned (their environment closed without waiting)."""
     first = replace(spec, max_tokens=settings.turn_cap(spec.max_tokens))
-    env = settings.environment(tokenizer, rows or [{} for _ in prompt_ids])
+    env = settings.environment(tokenizer, rows or [{} for _ in prompt_ids], stop)
     if env is None:
         return engine.generate(prompt_ids, first), {}
-    episodes = env.open(prompt_ids, spec)
+    episodes: list[_Episode] = []
     try:
+        episodes = env.open(prompt_ids, spec)  # an agent's first requests are waited for here
         live = [e for e in episodes if not e.done]
         for turn in range(settings.max_turns):
             if not live:
                 break
+            stop.check()
             if turn == 0 and env.shared_first_turn:
                 turns = [c for group in engine.generate(prompt_ids, first) for c in group]
             else:
@@ -248,6 +262,7 @@ def run_episodes(
             live = env.react(live, spec, last=turn == settings.max_turns - 1)
     finally:
         env.close(episodes)
+    stop.check()  # a close whose wait for the agents was cut short: its rollout is not trained
     out: list[list[Completion]] = [[] for _ in prompt_ids]
     for e in episodes:
         out[e.prompt_index].append(e.completion())

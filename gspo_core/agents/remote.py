@@ -34,6 +34,7 @@ from gspo_core.agents.formats import Parser
 from gspo_core.agents.render import PlainText, tool_turn_ids
 from gspo_core.rewards.policy import GraderPolicy
 from gspo_core.rollout.base import Completion, SamplingSpec
+from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,8 +108,10 @@ class AgentEndpoint:
         host, port = self.server.address
         return self.public_url or f"http://{host!s}:{port}"
 
-    def environment(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> AgentEnvironment:
-        return AgentEnvironment(self, tokenizer, rows)
+    def environment(
+        self, tokenizer: PreTrainedTokenizerBase, rows: list[dict], stop: StopCheck = NEVER
+    ) -> AgentEnvironment:
+        return AgentEnvironment(self, tokenizer, rows, stop)
 
     def known(self, sid: str | None) -> bool:
         with self.cv:
@@ -173,12 +176,15 @@ class _Routes:
 class AgentEnvironment:
     """One rollout's sessions (``n`` per prompt, each a thread POSTing to the agent) as the loop's
     environment. Metrics: ``agent/prefix_breaks``, ``agent_errors/<kind>``, ``time/agent`` (waiting on
-    the agents between turns), ``agent/invalid_requests`` (requests refused as malformed, a 400 each)."""
+    the agents between turns), ``agent/invalid_requests`` (requests refused as malformed, a 400 each).
+    ``stop``: its waits on the agents end when the step must stop."""
 
     shared_first_turn = False
 
-    def __init__(self, endpoint: AgentEndpoint, tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> None:
-        self.ep, self.tokenizer, self.rows = endpoint, tokenizer, rows
+    def __init__(
+        self, endpoint: AgentEndpoint, tokenizer: PreTrainedTokenizerBase, rows: list[dict], stop: StopCheck = NEVER
+    ) -> None:
+        self.ep, self.tokenizer, self.rows, self.stop = endpoint, tokenizer, rows, stop
         self.sessions: list[_Session] = []
         self.of: dict[int, _Session] = {}
         self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "agent/invalid_requests": 0.0, "time/agent": 0.0}
@@ -223,7 +229,7 @@ class AgentEnvironment:
                 s.closed = True
                 if s.request is not None:
                     self._answer(s, 400, error("the episode is over (max_turns)"))
-            self.ep.cv.wait_for(lambda: all(s.finished for s in self.sessions), self.ep.timeout_s)
+            self.stop.wait_for(self.ep.cv, lambda: all(s.finished for s in self.sessions), self.ep.timeout_s)
             for s in self.sessions:
                 self.ep.sessions.pop(s.id, None)
         self.client.close()
@@ -253,7 +259,9 @@ class AgentEnvironment:
         with a request; the others' episodes end (a session that neither asked nor answered: ``timeout``)."""
         start = time.perf_counter()
         with self.ep.cv:
-            self.ep.cv.wait_for(lambda: all(s.request is not None or s.finished for s in sessions), self.ep.timeout_s)
+            pending = lambda: all(s.request is not None or s.finished for s in sessions)  # noqa: E731
+            if not self.stop.wait_for(self.ep.cv, pending, self.ep.timeout_s):
+                self.stop.check()  # stopped: the loop abandons the rollout (close() ends the sessions)
             asking = [s for s in sessions if s.request is not None]
             for s in sessions:
                 if s.request is None:

@@ -17,6 +17,7 @@ from gspo_core.agents.formats import ToolCall
 from gspo_core.rewards.base import GraderError, RewardSpecError
 from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
+from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
     from gspo_core.agents.mcp import EventLoopThread, McpServer
@@ -276,10 +277,23 @@ class Toolbox:
         calls: list[ToolCall],
         episodes: list[int] | None = None,
         offered: list[frozenset[str] | None] | None = None,
+        stop: StopCheck = NEVER,
     ) -> list[ToolResult]:
         """Every call at once (``episodes[i]``, ``offered[i]``: call i's episode and its row's tools); each
-        result cut to :data:`MAX_RESULT_CHARS`."""
-        results = self._pool.map(self.call, calls, episodes or [0] * len(calls), offered or [None] * len(calls))
+        result cut to :data:`MAX_RESULT_CHARS`. When ``stop`` says so, `StepStopped` is raised at once: the
+        calls not started are cancelled, those in flight are left to their own timeouts."""
+        futures = [
+            self._pool.submit(self.call, call, episode, tools)
+            for call, episode, tools in zip(
+                calls, episodes or [0] * len(calls), offered or [None] * len(calls), strict=True
+            )
+        ]
+        try:
+            results = [stop.result(future, math.inf) for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
         return [replace(r, text=r.text[:MAX_RESULT_CHARS]) if len(r.text) > MAX_RESULT_CHARS else r for r in results]
 
     def end_episodes(self, episodes: list[int]) -> None:

@@ -28,6 +28,7 @@ from gspo_core.rewards.base import (
 from gspo_core.rewards.multi import MAX_MULTI_DEPTH, MultiGrader
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 from gspo_core.rewards.transcript import TranscriptError, check_transcript, transcript_sample
+from gspo_core.stopping import NEVER, StepStopped, StopCheck
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -72,10 +73,11 @@ class RewardFunction:
         """Top-level dataset fields the spec's templates (given or default) reference."""
         return self.root.item_fields()
 
-    def score_batch(self, items: list[dict], samples: list[dict]) -> list[GradeResult]:
+    def score_batch(self, items: list[dict], samples: list[dict], stop: StopCheck = NEVER) -> list[GradeResult]:
         """Score ``samples[i]`` against ``items[i]``. Every grader runs at once; per-sample graders
         also run every sample at once (bounded by the thread pool). A call that outlives its
-        grader's budget is recorded as a timeout and not waited for."""
+        grader's budget is recorded as a timeout and not waited for. When ``stop`` says so, the wait ends
+        (`StepStopped`) and the calls not started are cancelled."""
         if len(items) != len(samples):
             raise ValueError(f"{len(items)} items but {len(samples)} samples")
         n = len(samples)
@@ -91,9 +93,15 @@ class RewardFunction:
                 ]
         queued = sum(len(future) for future in futures.values() if isinstance(future, list))
         waves = max(1, math.ceil(queued / MAX_THREADS))  # calls queued behind others start later
-        per_grader = {
-            name: self._collect(self.parts[name], future, n, start, waves) for name, future in futures.items()
-        }
+        try:
+            per_grader = {
+                name: self._collect(self.parts[name], future, n, start, waves, stop) for name, future in futures.items()
+            }
+        except StepStopped:
+            for future in futures.values():
+                for one in future if isinstance(future, list) else [future]:
+                    one.cancel()
+            raise
         results = []
         for k in range(n):
             scores, errors = {}, {}
@@ -107,11 +115,13 @@ class RewardFunction:
             results.append(GradeResult(reward=self._combine(scores, errors), scores=scores, errors=errors))
         return results
 
-    def _collect(self, grader: Grader, future, n: int, start: float, waves: int) -> list[float | GraderError]:
+    def _collect(
+        self, grader: Grader, future, n: int, start: float, waves: int, stop: StopCheck
+    ) -> list[float | GraderError]:
         deadline = start + grader.budget_s(n) * (1 if grader.batched else waves)
         if isinstance(future, Future):
-            return _checked(_wait(future, deadline, grader, n), n)
-        return [_checked(_wait(one, deadline, grader, 1), 1)[0] for one in future]
+            return _checked(_wait(future, deadline, grader, n, stop), n)
+        return [_checked(_wait(one, deadline, grader, 1, stop), 1)[0] for one in future]
 
     def _combine(self, scores: dict[str, float], errors: dict[str, str]) -> float:
         if not isinstance(self.root, MultiGrader):
@@ -128,10 +138,12 @@ class RewardFunction:
         self.root.close()
 
 
-def _wait(future: Future, deadline: float, grader: Grader, n: int):
+def _wait(future: Future, deadline: float, grader: Grader, n: int, stop: StopCheck = NEVER):
     """The future's value (a float, a GraderError or a list of them), or timeout errors."""
     try:
-        value = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        value = stop.result(future, max(0.0, deadline - time.monotonic()))
+    except StepStopped:
+        raise
     except TimeoutError:
         future.cancel()
         err = GraderError("timeout", f"{grader.type_name} grader gave no result within {grader.budget_s(n):g} s")

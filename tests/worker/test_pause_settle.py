@@ -4,12 +4,14 @@ when it was resumed meanwhile); a run that ends writes its results file once. On
 from __future__ import annotations
 
 import threading
+import time
 
 from store import jobs, results
 from store.models import File, Job
 from store.objects import LocalObjectStore
+from store.usage import QueuePolicy, RunMeter
 from tests.store.conftest import db, make_job  # noqa: F401 (db: a migrated SQLite and PostgreSQL database)
-from worker.persist import PersistCallbacks
+from worker.persist import PersistCallbacks, RunUsage
 from worker.runner import _settle
 
 
@@ -57,3 +59,31 @@ def test_a_run_resumed_while_pausing_is_requeued_and_an_ended_one_gets_its_resul
         (file_id,) = results.result_file_ids(s, job_id)
         assert results.attach_committed(s, objects, job_id).id == file_id  # a second writer finds it
         assert objects.get_bytes(s.get(File, file_id).object_key).decode().splitlines()[1].startswith("1,0.5,")
+
+
+def test_a_spent_budget_stops_a_run_mid_step_and_its_first_step_after_one_budget_at_most(db, tmp_path):  # noqa: F811
+    """The trainer asks ``should_stop`` while a step waits (`gspo_core.stopping`): from the run's second step a
+    spent budget stops it at the next ask; its first step (begun by the first ask) only once it has lasted a
+    whole period's budget, so a run whose start-up outlasts the budget still progresses, and a first step that
+    waits on a slow agent is bounded all the same."""
+    objects = LocalObjectStore(tmp_path)
+    job_id = make_job(db)
+    with db.session() as s:
+        job = jobs.claim(s, job_id, "w1", lease_seconds=60)
+        tenant_id = job.tenant_id
+    policy = QueuePolicy(period_s=3600, budget_s=1.5)
+    usage = RunUsage(job_id, tenant_id, "w1", 1, RunMeter(policy, started=time.time() - 5))  # start-up: 5 s
+    cb = PersistCallbacks(db, objects, job_id, "w1", 1, threading.Event(), threading.Event(), usage)
+    with db.session() as s:
+        usage.write(s)
+    began = time.monotonic()
+    assert not cb.should_stop(), "the first step begins although the start-up spent the budget"
+    while not cb.should_stop():
+        assert time.monotonic() - began < 10, "the first step is stopped after one budget"
+        time.sleep(0.1)
+    assert cb.stop_reason == "budget" and time.monotonic() - began >= policy.budget_s
+    assert cb.budget is not None and cb.budget.exhausted
+
+    cb = PersistCallbacks(db, objects, job_id, "w1", 1, threading.Event(), threading.Event(), usage)
+    cb.on_step(1, {"reward/mean": 0.5})
+    assert cb.should_stop() and cb.stop_reason == "budget", "from the second step at once"
