@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from api.schemas import EXAMPLE_REWARD, hyperparameters_schema
+from gspo_core.agents.tools_schema import openai_tool_schema
 
 T = TypeVar("T")
+#: The largest value any of OpenAI's hyperparameters takes (each GSPOConfig field it sets has its own, smaller
+#: bound, whose error names the key); checked before any conversion, so every product stays finite.
+MAX_HYPERPARAMETER = 1_000_000
+#: OpenAI's hyperparameters: JSON type and what each sets (api/services/openai_hparams.py maps them).
+OPENAI_HYPERPARAMETERS = {
+    "batch_size": ("integer", "Rows per step (prompts_per_step)"),
+    "n_epochs": ("integer", "Passes over the training file (sets steps)"),
+    "learning_rate_multiplier": ("number", "Times the default learning rate"),
+    "eval_interval": ("integer", "Steps between evaluations (eval_every)"),
+    "eval_samples": ("integer", "Validation prompts per evaluation (eval_prompts)"),
+    "compute_multiplier": ("number", "Times the default group size (group_size)"),
+    "max_episode_steps": ("integer", "Agent RFT: model turns of an episode (max_turns)"),
+}
+SUPERVISED_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
+
+
+def openai_hyperparameters_schema(keys: tuple[str, ...], reasoning: bool) -> dict[str, Any]:
+    """OpenAI's ``keys`` (each "auto" or a bounded number) with GSPOConfig's fields as extensions."""
+    native = hyperparameters_schema()
+    props: dict[str, Any] = {
+        key: {
+            "anyOf": [
+                {"const": "auto"},
+                {"type": kind, "exclusiveMinimum": 0, "maximum": MAX_HYPERPARAMETER},
+            ],
+            "default": "auto",
+            "description": what,
+        }
+        for key, (kind, what) in OPENAI_HYPERPARAMETERS.items()
+        if key in keys
+    }
+    if reasoning:
+        props["reasoning_effort"] = {"enum": ["auto", "default"], "default": "auto"}
+    return {**native, "title": "OpenAI hyperparameters", "properties": {**props, **native["properties"]}}
+
+
 OpenAIStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
 
 
@@ -42,7 +81,9 @@ class ReinforcementIn(BaseModel):
     grader: dict[str, Any] = Field(
         description="OpenAI's grader: string_check, text_similarity, python, score_model, multi"
     )
-    hyperparameters: dict[str, Any] = Field(
+    hyperparameters: Annotated[
+        dict[str, Any], WithJsonSchema(openai_hyperparameters_schema(tuple(OPENAI_HYPERPARAMETERS), True))
+    ] = Field(
         default_factory=dict,
         description="OpenAI's (batch_size, n_epochs, learning_rate_multiplier, eval_interval, eval_samples, "
         "compute_multiplier, reasoning_effort; each 'auto' or a value) and, as extensions, GSPOConfig's fields",
@@ -52,7 +93,10 @@ class ReinforcementIn(BaseModel):
         description="{'type': 'json_schema', 'json_schema': {'name', 'schema', 'strict'}}: graders read the "
         "answer as sample.output_json; decoding is not constrained (docs/openai.md)",
     )
-    tools: list[dict[str, Any]] | None = Field(
+    tools: Annotated[
+        list[dict[str, Any]] | None,
+        WithJsonSchema({"anyOf": [{"type": "array", "items": openai_tool_schema(), "maxItems": 64}, {"type": "null"}]}),
+    ] = Field(
         None,
         max_length=64,
         description="Agent RFT's tools, {name, server_url, headers} (and optionally description, parameters): "
@@ -64,7 +108,9 @@ class ReinforcementIn(BaseModel):
 class SupervisedIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    hyperparameters: dict[str, Any] = Field(
+    hyperparameters: Annotated[
+        dict[str, Any], WithJsonSchema(openai_hyperparameters_schema(SUPERVISED_HYPERPARAMETERS, False))
+    ] = Field(
         default_factory=dict,
         description="OpenAI's (batch_size, n_epochs, learning_rate_multiplier; each 'auto' or a value) and, as "
         "extensions, GSPOConfig's fields",
@@ -83,7 +129,22 @@ class MethodIn(BaseModel):
 class FineTuningJobCreate(BaseModel):
     """``client.fine_tuning.jobs.create(...)``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "Qwen/Qwen2.5-0.5B-Instruct",
+                    "training_file": "file_0123456789abcdef01234567",
+                    "method": {
+                        "type": "reinforcement",
+                        "reinforcement": {"grader": EXAMPLE_REWARD},
+                    },
+                    "seed": 1,
+                }
+            ]
+        },
+    )
 
     model: str = Field(min_length=1, max_length=512)
     training_file: str = Field(min_length=1, max_length=64)

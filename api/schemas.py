@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.json_schema import JsonDict
 
+from gspo_core.agents.tools_schema import tool_entry_schema
 from gspo_core.config import GSPOConfig, Resources
 
 if TYPE_CHECKING:
@@ -189,7 +190,9 @@ class JobCreate(BaseModel):
         description="Grader spec (see README: reward spec); required unless hyperparameters.method is supervised "
         "or an environment gives its own.",
     )
-    tools: list[dict[str, Any]] = Field(
+    tools: Annotated[
+        list[dict[str, Any]], WithJsonSchema({"type": "array", "items": tool_entry_schema(), "maxItems": 64})
+    ] = Field(
         default_factory=list,
         max_length=64,
         description="Tools the model may call during its rollouts (docs/agents.md): "

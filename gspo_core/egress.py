@@ -223,6 +223,30 @@ class EgressPolicy:
         return ok
 
 
+class UserUrlError(ValueError):
+    """A URL a tenant gave that the service will not use: not an http(s) URL that httpx can send to (a host
+    such as ``0177.0.0.1`` it refuses to parse), or, ``refused``, one whose host the egress policy refuses."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+def check_user_url(url: object, allow: Iterable[str] = ()) -> str:
+    """``url`` when it is an http(s) URL whose host is no refused address literal (in any spelling) or
+    loopback name under the allow-list ``allow``; raises :class:`UserUrlError`. The one check of every
+    URL a tenant gives (graders, tools, MCP servers, agents, webhooks). Other names are checked when resolved."""
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+        raise UserUrlError("must be an http(s) URL")
+    try:
+        why = EgressPolicy(allow).literal_refusal(url)
+    except (ValueError, httpx.InvalidURL) as exc:  # InvalidURL is no ValueError: "http://[::1", "http://0177.0.0.1"
+        raise UserUrlError(f"must be an http(s) URL ({exc})") from None
+    if why:
+        raise UserUrlError(f"not reachable from this service: {why}", refused=True)
+    return url
+
+
 def system_resolver(host: str, port: int) -> list[str]:
     """The system resolver's addresses for ``host`` (TCP), first-seen order, duplicates dropped."""
     out: list[str] = []

@@ -10,13 +10,14 @@ import math
 from typing import Any
 
 from api.errors import ApiError
+from api.openai_schemas import MAX_HYPERPARAMETER, SUPERVISED_HYPERPARAMETERS
 from gspo_core.config import GSPOConfig
 
 PARAM = "method.reinforcement.hyperparameters"
 #: Passes over the training file of a supervised job whose n_epochs is "auto" (a small file's usual number).
 SUPERVISED_EPOCHS = 3
 #: OpenAI's supervised keys (its other keys are reinforcement's; given here they are unknown GSPOConfig fields).
-SUPERVISED_KEYS = ("batch_size", "learning_rate_multiplier", "n_epochs")
+SUPERVISED_KEYS = SUPERVISED_HYPERPARAMETERS
 BASE_LR = float(GSPOConfig.model_fields["learning_rate"].default)
 BASE_GROUP = int(GSPOConfig.model_fields["group_size"].default)
 #: OpenAI key -> the GSPOConfig field it sets.
@@ -37,16 +38,22 @@ def param_of(method: str) -> str:
 
 
 def _number(hp: dict[str, Any], key: str, kind: type, param: str = PARAM) -> float | None:
-    """The key's value, None for "auto" (or absent); 400 naming it when neither."""
+    """The key's value, None for "auto" (or absent); 400 naming it when neither, or past :data:`MAX_HYPERPARAMETER`
+    (checked before any conversion or arithmetic: float() of a 400-digit integer, or ceil() of 1e308 epochs
+    times the rows, raises)."""
     value = hp.get(key, "auto")
     if value is None or value == "auto":
         return None
-    ok = (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
-    )
-    if not ok or value <= 0:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number and 0 < value <= MAX_HYPERPARAMETER and (kind is float or float(value).is_integer())
+    if not ok:
         what = "a positive integer" if kind is int else "a positive number"
-        raise ApiError(422, "invalid_hyperparameters", f"{param}.{key}: 'auto' or {what}", f"{param}.{key}")
+        raise ApiError(
+            422,
+            "invalid_hyperparameters",
+            f"{param}.{key}: 'auto' or {what} of at most {MAX_HYPERPARAMETER}",
+            f"{param}.{key}",
+        )
     return float(value)
 
 

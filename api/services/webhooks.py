@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 
-import httpx
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
@@ -18,7 +16,7 @@ from api.schemas import (
     WebhookOut,
     as_utc,
 )
-from gspo_core.egress import EgressPolicy
+from gspo_core.egress import UserUrlError, check_user_url
 from gspo_core.urls import redact_userinfo
 from store import webhooks as store
 from store.db import checkpoint_wal
@@ -33,15 +31,10 @@ def _unix(at: datetime | None) -> int | None:
 def check_url(settings: Settings, url: str) -> str:
     """An http(s) URL whose host is no refused address literal or loopback name (a 422 naming ``url``).
     Other names are checked at each delivery, when resolved, and the connection pinned to the checked address."""
-    if not re.match(r"^https?://[^/\s]+", url):
-        raise ApiError(422, "invalid_url", "url: must be an http(s) URL", "url")
     try:
-        why = EgressPolicy(settings.grader_policy()["egress_allow"]).literal_refusal(url)
-    except (ValueError, httpx.InvalidURL):
-        raise ApiError(422, "invalid_url", "url: must be an http(s) URL", "url") from None
-    if why:
-        raise ApiError(422, "url_refused", f"url: not reachable from this service: {why}", "url")
-    return url
+        return check_user_url(url, settings.grader_policy()["egress_allow"])
+    except UserUrlError as exc:
+        raise ApiError(422, "url_refused" if exc.refused else "invalid_url", f"url: {exc}", "url") from None
 
 
 def to_out(ep: WebhookEndpoint) -> WebhookOut:

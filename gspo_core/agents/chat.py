@@ -140,9 +140,10 @@ def reward_of(body: bytes) -> tuple[float | None, str | None]:
     if not isinstance(reply, dict) or reply.get("reward") is None:
         return None, None
     value = reply["reward"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # Clipped before float(): math.isfinite() or float() of a 400-digit integer raises.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == math.inf:
         return None, "bad_reward"
-    return min(max(float(value), REWARD_RANGE[0]), REWARD_RANGE[1]), None
+    return float(min(max(value, REWARD_RANGE[0]), REWARD_RANGE[1])), None
 
 
 def with_names(call: dict, tools: list | None) -> dict:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gspo_core.agents.tools import HTTP_TRIES, Tool, ToolResult, ToolSpecError, endpoint
+from gspo_core.agents.tools_schema import HTTP_TIMEOUT_S
 from gspo_core.rewards.policy import GraderPolicy
 
 FIELDS = {"type", "server_url", "headers", "allowed_tools", "timeout_s"}
@@ -67,8 +68,9 @@ def check_mcp_spec(spec: dict, path: str, policy: GraderPolicy) -> McpSpec:
     ):
         raise ToolSpecError(f"{path}.allowed_tools", "must be a list of distinct tool names")
     timeout = spec.get("timeout_s", 10.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.01 <= timeout <= 600:
-        raise ToolSpecError(f"{path}.timeout_s", "must be a number of seconds between 0.01 and 600")
+    lo, hi = HTTP_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not lo <= timeout <= hi:
+        raise ToolSpecError(f"{path}.timeout_s", f"must be a number of seconds between {lo:g} and {hi:g}")
     return McpSpec(url, dict(headers), None if allowed is None else tuple(allowed), float(timeout))
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gspo_core.agents.formats import ToolCall
+from gspo_core.agents.tools_schema import AGENT_TIMEOUT_S, HTTP_TIMEOUT_S
 from gspo_core.rewards.base import GraderError, RewardSpecError
 from gspo_core.rewards.isolation import REFUSED, SandboxLimits, isolation_for
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
@@ -82,16 +83,19 @@ def _python_tools(spec: dict, path: str, policy: GraderPolicy) -> list[Tool]:
     funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
     if not funcs:
         raise ToolSpecError(f"{path}.source", "defines no public top-level function")
-    if isinstance(spec.get("timeout_s", 5.0), bool) or not isinstance(spec.get("timeout_s", 5.0), (int, float)):
-        raise ToolSpecError(f"{path}.timeout_s", "must be a number")
-    timeout = float(spec.get("timeout_s", 5.0))
-    if not 0.01 <= timeout <= policy.max_timeout_s:
-        raise ToolSpecError(f"{path}.timeout_s", f"must be between 0.01 and {policy.max_timeout_s:g}")
+    timeout = spec.get("timeout_s", 5.0)
+    # Compared before any conversion: float() of a 400-digit integer raises.
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0.01 <= timeout <= policy.max_timeout_s
+    ):
+        raise ToolSpecError(f"{path}.timeout_s", f"must be a number between 0.01 and {policy.max_timeout_s:g}")
     if isolation_for(policy).mode == REFUSED:
         raise ToolSpecError(
             f"{path}.type", "python tools are not available on this server: it cannot isolate user code"
         )
-    limits = SandboxLimits(timeout_s=timeout, memory_mb=min(512, policy.max_memory_mb), niceness=policy.niceness)
+    limits = SandboxLimits(timeout_s=float(timeout), memory_mb=min(512, policy.max_memory_mb), niceness=policy.niceness)
     code = source + DISPATCH
     return [_python_tool(fn, f"{path}.source", code, limits, policy) for fn in funcs]
 
@@ -141,8 +145,9 @@ def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
     if not isinstance(description, str):
         raise ToolSpecError(f"{path}.description", "must be a string")
     timeout = spec.get("timeout_s", 10.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.01 <= timeout <= 600:
-        raise ToolSpecError(f"{path}.timeout_s", "must be a number of seconds between 0.01 and 600")
+    lo, hi = HTTP_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not lo <= timeout <= hi:
+        raise ToolSpecError(f"{path}.timeout_s", f"must be a number of seconds between {lo:g} and {hi:g}")
     caller = HttpToolCaller(url, float(timeout), headers, policy)
     schema = {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
     props = params.get("properties") or {}
@@ -152,15 +157,12 @@ def _http_tool(spec: dict, path: str, policy: GraderPolicy) -> Tool:
 def endpoint(spec: dict, path: str, policy: GraderPolicy) -> tuple[str, dict]:
     """``server_url`` (http(s), not refused by the egress policy) and ``headers`` of an http tool, an mcp
     server or an agent."""
-    import re
+    from gspo_core.egress import UserUrlError, check_user_url, header_refusal
 
-    from gspo_core.egress import EgressPolicy, header_refusal
-
-    url = spec.get("server_url")
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-        raise ToolSpecError(f"{path}.server_url", "must be an http(s) URL")
-    if why := EgressPolicy(policy.egress_allow).literal_refusal(url):
-        raise ToolSpecError(f"{path}.server_url", f"not reachable from this service: {why}")
+    try:
+        url = check_user_url(spec.get("server_url"), policy.egress_allow)
+    except UserUrlError as exc:
+        raise ToolSpecError(f"{path}.server_url", str(exc)) from None
     headers = spec.get("headers") or {}
     if not isinstance(headers, dict):
         raise ToolSpecError(f"{path}.headers", "must be an object of header names to values")
@@ -187,8 +189,9 @@ def agent_spec(specs: object, policy: GraderPolicy = DEFAULT_POLICY) -> dict | N
         raise ToolSpecError(f"tools[0].{extra[0]}", "unknown field")
     endpoint(spec, "tools[0]", policy)
     timeout = spec.get("timeout_s", 300)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
-        raise ToolSpecError("tools[0].timeout_s", "must be a number of seconds between 1 and 3600")
+    lo, hi = AGENT_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not lo <= timeout <= hi:
+        raise ToolSpecError("tools[0].timeout_s", f"must be a number of seconds between {lo:g} and {hi:g}")
     return spec
 
 

@@ -19,6 +19,8 @@ TEMPLATE_RE = re.compile(r"\{\{\s*(item|sample)\.([A-Za-z0-9_.\[\]-]+)\s*\}\}")
 SAMPLE_FIELDS = frozenset({"output_text", "output_json", "output_tokens", "finish_reason", "output_tools", "messages"})
 #: Nesting a sample's ``output_json`` may have (deeper answers are not JSON to the graders).
 MAX_OUTPUT_JSON_DEPTH = 64
+#: The largest magnitude a spec's number takes where its field names no tighter bound (scores, targets, ranges).
+MAX_SPEC_NUMBER = 1e15
 #: Wall-clock budget of one in-process grader call before the batch stops waiting for it.
 LOCAL_BUDGET_S = 30.0
 #: Bounds on a reward spec's JSON (nesting depth, values in all), checked before anything recurses into it.
@@ -220,10 +222,13 @@ class Grader:
         return value
 
     def num(self, key: str, default: float | None, lo: float | None = None, hi: float | None = None) -> Any:
-        """An optional number within [lo, hi]."""
+        """An optional number within [lo, hi]; an open side stops at :data:`MAX_SPEC_NUMBER` (compared before
+        any conversion: float() of a 400-digit integer raises, and 1e308 overflows the first sum)."""
         value = self.opt(key, (int, float), default)
-        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-            raise RewardSpecError(self.field(key), f"must be in [{lo}, {hi}]")
+        lo = -MAX_SPEC_NUMBER if lo is None else lo
+        hi = MAX_SPEC_NUMBER if hi is None else hi
+        if value is not None and not lo <= value <= hi:  # NaN fails too
+            raise RewardSpecError(self.field(key), f"must be a number in [{lo:g}, {hi:g}]")
         return value
 
     @overload

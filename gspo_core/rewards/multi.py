@@ -8,7 +8,7 @@ import operator
 from collections.abc import Callable
 from typing import cast
 
-from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, build_grader, register
+from gspo_core.rewards.base import MAX_SPEC_NUMBER, Grader, GraderError, RewardSpecError, build_grader, register
 from gspo_core.rewards.policy import DEFAULT_POLICY
 
 _BIN = {
@@ -43,6 +43,8 @@ def _check(node: ast.AST, names: set[str], field: str) -> None:
     if isinstance(node, ast.Expression):
         return _check(node.body, names, field)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if not abs(node.value) <= MAX_SPEC_NUMBER:  # 1e400 parses as inf; a 400-digit integer overflows a float
+            raise RewardSpecError(field, f"{ast.unparse(node)[:40]}: numbers are at most {MAX_SPEC_NUMBER:g}")
         return
     if isinstance(node, ast.Name):
         if node.id not in names:

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from gspo_core.rewards.base import Grader, GraderError, RewardSpecError, as_score, register, render
+from gspo_core.rewards.base import MAX_SPEC_NUMBER, Grader, GraderError, RewardSpecError, as_score, register, render
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
 if TYPE_CHECKING:
@@ -93,20 +93,12 @@ class _HttpCaller:
 def _url(grader: Grader, key: str) -> str:
     """An http(s) URL; one whose host is a refused address literal (any spelling) or a loopback name
     is a spec error naming the field (other names are checked when resolved, per request)."""
-    url = grader.req(key, str)
-    if not re.match(r"^https?://[^/\s]+", url):
-        raise RewardSpecError(grader.field(key), "must be an http(s) URL")
-    import httpx
-
-    from gspo_core.egress import EgressPolicy
+    from gspo_core.egress import UserUrlError, check_user_url
 
     try:
-        why = EgressPolicy(grader.policy.egress_allow).literal_refusal(url)
-    except (ValueError, httpx.InvalidURL):  # InvalidURL is no ValueError: e.g. "http://[::1" (a bad port)
-        raise RewardSpecError(grader.field(key), "must be an http(s) URL") from None
-    if why:
-        raise RewardSpecError(grader.field(key), f"not reachable from this service: {why}")
-    return url
+        return check_user_url(grader.req(key, str), grader.policy.egress_allow)
+    except UserUrlError as exc:
+        raise RewardSpecError(grader.field(key), str(exc)) from None
 
 
 def _caller(grader: Grader, headers: dict, default_timeout: float) -> _HttpCaller:
@@ -145,14 +137,23 @@ class HttpGrader(Grader):
         self.http.close()
 
 
+#: The judge's numeric sampling parameters and their bounds (OpenAI's), checked before anything converts them.
+SAMPLING_BOUNDS: dict[str, tuple[type | tuple[type, ...], float, float]] = {
+    "temperature": ((int, float), 0, 2),
+    "top_p": ((int, float), 0, 1),
+    "max_tokens": (int, 1, 1_000_000),
+    "max_completion_tokens": (int, 1, 1_000_000),
+    "seed": (int, -(2**63), 2**63 - 1),
+}
+
+
 def _sampling_ok(key: str, value: object) -> bool:
     if isinstance(value, bool):
         return False
-    if key in ("temperature", "top_p"):
-        return isinstance(value, (int, float))
     if key == "stop":
         return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
-    return isinstance(value, int)
+    kind, lo, hi = SAMPLING_BOUNDS[key]
+    return isinstance(value, kind) and lo <= value <= hi  # type: ignore[operator]
 
 
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
@@ -165,11 +166,11 @@ class ScoreModelGrader(Grader):
     ``range`` [lo, hi], is mapped onto [0, 1]. ``sampling_params`` go into the request as they are."""
 
     SAMPLING_KEYS: ClassVar[dict[str, str]] = {
-        "temperature": "must be a number",
-        "top_p": "must be a number",
-        "max_tokens": "must be an integer",
-        "max_completion_tokens": "must be an integer",
-        "seed": "must be an integer",
+        "temperature": "must be a number in [0, 2]",
+        "top_p": "must be a number in [0, 1]",
+        "max_tokens": "must be an integer in [1, 1000000]",
+        "max_completion_tokens": "must be an integer in [1, 1000000]",
+        "seed": "must be a 64-bit integer",
         "stop": "must be a string or a list of strings",
     }
 
@@ -194,10 +195,14 @@ class ScoreModelGrader(Grader):
         rng = self.opt("range", list, [0, 1])
         if (
             len(rng) != 2
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rng)
+            or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= MAX_SPEC_NUMBER for x in rng
+            )
             or rng[0] >= rng[1]
         ):
-            raise RewardSpecError(self.field("range"), "must be [low, high] with low < high")
+            raise RewardSpecError(
+                self.field("range"), f"must be [low, high] with low < high, each within ±{MAX_SPEC_NUMBER:g}"
+            )
         self.lo, self.hi = float(rng[0]), float(rng[1])
         self.sampling = self.opt("sampling_params", dict, {"temperature": 0.0})
         for key, value in self.sampling.items():

@@ -82,7 +82,9 @@ def _app():
     return app
 
 
-schema = schemathesis.openapi.from_asgi("/openapi.json", _app())
+#: The seeded app (tests/api/test_numeric_bounds.py fuzzes its numeric fields too).
+APP = _app()
+schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
 def _use_real_ids(case) -> None:

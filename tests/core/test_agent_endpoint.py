@@ -140,8 +140,10 @@ def test_chat_requests_and_agent_replies_are_read_strictly(agent_server):
         "tool_calls": [{**call, "id": "other", "function": {**call["function"], "arguments": '{"key":"a"}'}}],
     }
     assert same_message(ours, sdk) and not same_message(ours, {**sdk, "content": "{f:b}"})
-    assert [reward_of(body) for body in (b'{"reward": 99}', b'{"reward": 0.25}', b"", b'{"ok": 1}', b"[1]")] == [
+    huge = b'{"reward": -' + b"9" * 400 + b"}"  # float() of it raises: clipped as an integer
+    assert [reward_of(body) for body in (b'{"reward": 99}', huge, b'{"reward": 0.25}', b"", b'{"ok": 1}', b"[1]")] == [
         (10.0, None),
+        (-10.0, None),
         (0.25, None),
         (None, None),
         (None, None),

@@ -159,7 +159,11 @@ def test_a_row_is_encoded_once_per_job(tiny_model_dir, tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
     cfg = GSPOConfig(method="supervised", steps=3, prompts_per_step=3, group_size=2, mini_batches=1, shuffle=False)
     spec = JobSpec(
-        model=str(tiny_model_dir), training_file=str(tmp_path / "chat.jsonl"), reward={}, hyperparameters=cfg
+        model=str(tiny_model_dir),
+        training_file=str(tmp_path / "chat.jsonl"),
+        validation_file=str(tmp_path / "chat.jsonl"),
+        reward={},
+        hyperparameters=cfg,
     )
     trainer = SFTTrainer(spec, None)
     trainer.run_step(1)
@@ -169,3 +173,4 @@ def test_a_row_is_encoded_once_per_job(tiny_model_dir, tmp_path):
     assert all(trainer._encoded[key] is first[key] for key in first) and len(trainer._encoded) == 3
     example = trainer.example("train", 2)
     assert (example.ids, example.weights) == encode_chat(chats[2], trainer.tokenizer, 64 + 512)
+    assert trainer.evaluate()["eval/loss"] > 0 and ("val", 1) in trainer._encoded  # validation rows too
