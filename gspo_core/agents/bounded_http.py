@@ -154,8 +154,9 @@ class BoundedServer:
         if not self._admit(task):
             writer.close()
             return
+        conn = self.connections[task]
         try:
-            while await self._one(reader, writer, self.connections[task]):
+            while await self._one(reader, writer, conn):
                 pass
         except (asyncio.CancelledError, ConnectionError, TimeoutError):
             pass

@@ -117,7 +117,7 @@ def same_message(ours: dict, theirs: dict) -> bool:
             fn = c.get("function") or {} if isinstance(c, dict) else {}
             try:
                 args = json.loads(fn.get("arguments") or "{}")
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):  # not JSON (or nested past the parser): as text
                 args = fn.get("arguments")
             out.append((fn.get("name"), args))
         return out

@@ -176,8 +176,7 @@ class _Routes:
 class AgentEnvironment:
     """One rollout's sessions (``n`` per prompt, each a thread POSTing to the agent) as the loop's
     environment. Metrics: ``agent/prefix_breaks``, ``agent_errors/<kind>``, ``time/agent`` (waiting on
-    the agents between turns), ``agent/invalid_requests`` (requests refused as malformed, a 400 each).
-    ``stop``: its waits on the agents end when the step must stop."""
+    the agents between turns). ``stop``: its waits on the agents end when the step must stop."""
 
     shared_first_turn = False
 
@@ -187,7 +186,7 @@ class AgentEnvironment:
         self.ep, self.tokenizer, self.rows, self.stop = endpoint, tokenizer, rows, stop
         self.sessions: list[_Session] = []
         self.of: dict[int, _Session] = {}
-        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "agent/invalid_requests": 0.0, "time/agent": 0.0}
+        self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "time/agent": 0.0}
 
     def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
         from gspo_core.egress import EgressClient, EgressPolicy
@@ -387,8 +386,10 @@ class AgentEnvironment:
         return True
 
     def _outcome(self, s: _Session) -> None:
+        """The session's end in its episode and the metrics (``agent/invalid_requests``: its requests refused as
+        malformed, a 400 each)."""
         e = s.episode
-        self.metrics["agent/invalid_requests"] += s.invalid
+        self.metrics["agent/invalid_requests"] = self.metrics.get("agent/invalid_requests", 0.0) + s.invalid
         if s.error is None and e.last is None:
             s.error = "no_request"
         if s.error is not None:

@@ -140,6 +140,8 @@ def test_chat_requests_and_agent_replies_are_read_strictly(agent_server):
         "tool_calls": [{**call, "id": "other", "function": {**call["function"], "arguments": '{"key":"a"}'}}],
     }
     assert same_message(ours, sdk) and not same_message(ours, {**sdk, "content": "{f:b}"})
+    deep = {**call, "function": {"name": "f", "arguments": "[" * 100_000}}  # a string, but nested past the parser
+    assert not same_message(ours, {**ours, "tool_calls": [deep]})
     huge = b'{"reward": -' + b"9" * 400 + b"}"  # float() of it raises: clipped as an integer
     assert [reward_of(body) for body in (b'{"reward": 99}', huge, b'{"reward": 0.25}', b"", b'{"ok": 1}', b"[1]")] == [
         (10.0, None),
