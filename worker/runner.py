@@ -25,6 +25,7 @@ from store.private import private_dir
 from store.queue import enqueue_run_job
 from store.scheduling import claim_next, fits
 from store.settings import Settings, get_settings
+from store.tenants import StorageQuotaExceeded
 from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
@@ -231,7 +232,8 @@ def _train(
             resources=Resources(devices=devices),
             output_dir=str(work / "output"),
         )
-        cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
+        quota = settings.max_file_storage_bytes_per_tenant  # a checkpoint past it fails the job
+        cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage, quota)
         if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
             cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
@@ -279,6 +281,8 @@ def run_job(job_id: str) -> str:
         return _lose_attempt(db, settings, job_id, worker_id, exc, usage)
     except (JobInputError, DataError, ValidationError, ToolSpecError) as exc:  # a tool server unreachable at start
         return _fail(db, objects, job_id, worker_id, f"invalid job input: {exc}", usage)
+    except StorageQuotaExceeded as exc:
+        return _fail(db, objects, job_id, worker_id, str(exc), usage)
     except OSError as exc:
         return _fail(
             db,
