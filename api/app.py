@@ -34,6 +34,7 @@ from api.routers import (
 from api.schemas import error_responses
 from api.services.deletion import purge
 from api.services.health import Monitoring
+from gspo_core.urls import redact_logged_userinfo
 from store.db import Database
 from store.objects import get_object_store
 from store.settings import Settings, get_settings
@@ -127,6 +128,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
+    redact_logged_userinfo()  # the webhook test's HTTP client logs the URLs it calls
     app = FastAPI(
         title="GSPO training service",
         version="0.1.0",

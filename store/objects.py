@@ -89,9 +89,13 @@ class LocalObjectStore(ObjectStore):
         tmp = path.with_name(path.name + ".part")
         with open_private(tmp) as out:
             fcntl.flock(out.fileno(), fcntl.LOCK_EX)
-            yield out
-            out.flush()
-            tmp.replace(path)
+            try:
+                yield out
+                out.flush()
+                tmp.replace(path)
+            except BaseException:  # a failed read or a full disk: nothing of it stays
+                tmp.unlink(missing_ok=True)
+                raise
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._writing(key) as out:

@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     max_file_storage_bytes_per_tenant: int = Field(
         2 * 1024**3,
         validation_alias=_env("MAX_FILE_STORAGE_BYTES_PER_TENANT"),
-        description="Sum of a tenant's uploaded files' sizes (413 past it)",
+        description="Sum of a tenant's uploaded files' and checkpoints' sizes (an upload past it is a 413, a job "
+        "submitted at it a 409, a checkpoint past it fails its job)",
     )
     max_row_bytes: int = Field(1024 * 1024, validation_alias=_env("MAX_ROW_BYTES"), description="Longest dataset line")
     max_uploads_per_tenant: int = Field(2, validation_alias=_env("MAX_UPLOADS_PER_TENANT"))

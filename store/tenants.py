@@ -1,20 +1,38 @@
-"""Tenants and API keys: keys are random, shown once, stored as sha256 hashes, revocable."""
+"""Tenants and API keys: keys are random, shown once, stored as sha256 hashes, revocable; a tenant's stored bytes."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import ApiKey, Tenant, utcnow
+from store.models import ApiKey, Checkpoint, File, Tenant, utcnow
 
 KEY_PREFIX = "gspo_"
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+class StorageQuotaExceeded(RuntimeError):
+    """A checkpoint would take the tenant's files and checkpoints past its storage quota."""
+
+    def __init__(self, used: int, limit: int) -> None:
+        self.used, self.limit = used, limit
+        super().__init__(
+            f"storage quota exceeded: this checkpoint would bring your files and checkpoints to {used} of the "
+            f"{limit} bytes allowed; delete files, checkpoints or finished jobs to make room"
+        )
+
+
+def stored_bytes(s: Session, tenant_id: str) -> int:
+    """What the tenant's storage quota counts: its uploaded files and its jobs' checkpoints, in bytes."""
+    files = s.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(File.tenant_id == tenant_id))
+    ckpts = s.scalar(select(func.coalesce(func.sum(Checkpoint.size_bytes), 0)).where(Checkpoint.tenant_id == tenant_id))
+    return int(files or 0) + int(ckpts or 0)
 
 
 def get_or_create_tenant(s: Session, name: str) -> Tenant:

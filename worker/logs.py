@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import os
 
+from gspo_core.urls import redact_logged_userinfo
+
 
 def configure_process(loglevel: int) -> None:
     """Once, in the worker's main process when Celery has set up its logging, before any job process forks.
 
     The libraries a job loads (vLLM, transformers, torch) read these variables when they load, in the job
     process; a variable the operator set is kept."""
+    redact_logged_userinfo()  # graders, tools and webhooks call tenants' URLs, and libraries log them
     # vLLM's records go to the worker's handlers at the worker's level (its own handler logs at INFO,
     # every weight push included, whatever the worker's level).
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

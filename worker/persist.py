@@ -14,6 +14,7 @@ from gspo_core.callbacks import Callbacks, Evaluation
 from store import jobs, retention
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, ObjectStore, put_dir
+from store.tenants import StorageQuotaExceeded, stored_bytes
 from store.usage import Budget, RunMeter, budget, record_usage
 
 log = logging.getLogger(__name__)
@@ -136,9 +137,11 @@ class PersistCallbacks(Callbacks):
         shutdown: threading.Event,
         lease_lost: threading.Event,
         usage: RunUsage | None = None,
+        storage_quota: int | None = None,
     ) -> None:
         self.db, self.objects, self.job_id, self.worker_id, self.attempt = db, objects, job_id, worker_id, attempt
         self.shutdown, self.lease_lost, self.usage = shutdown, lease_lost, usage
+        self.storage_quota = storage_quota  # bytes of the tenant's files and checkpoints (None: unbounded)
         self.stop_reason: str | None = None
         self.budget: Budget | None = None  # the tenant's spent budget, when that stopped the run
         self.steps_run = 0  # steps this run recorded
@@ -190,9 +193,17 @@ class PersistCallbacks(Callbacks):
         def rec(s):
             job = s.get(Job, self.job_id)
             jobs.record_checkpoint(s, job, step, prefix, size, final)
-            return retention.prune(s, job)
+            dropped = retention.prune(s, job)
+            # Counted after retention, under the job's lease: the row goes only with what it keeps.
+            if self.storage_quota is not None and (used := stored_bytes(s, job.tenant_id)) > self.storage_quota:
+                raise StorageQuotaExceeded(used, self.storage_quota)
+            return dropped
 
-        dropped = self._tx(rec, f"recording checkpoint {step}")
+        try:
+            dropped = self._tx(rec, f"recording checkpoint {step}")
+        except StorageQuotaExceeded:  # rolled back: the job fails with the checkpoints it had
+            self.objects.delete_prefix(prefix)
+            raise
         if dropped:
             try:
                 with self.db.session() as s:

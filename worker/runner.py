@@ -26,6 +26,7 @@ from store.private import private_dir
 from store.queue import enqueue_run_job
 from store.scheduling import claim_next, fits
 from store.settings import Settings, get_settings
+from store.tenants import StorageQuotaExceeded
 from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
@@ -234,7 +235,8 @@ def _train(
             resources=Resources(devices=devices),
             output_dir=str(work / "output"),
         )
-        cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage)
+        quota = settings.max_file_storage_bytes_per_tenant  # a checkpoint past it fails the job
+        cb = PersistCallbacks(db, objects, job_id, worker_id, usage.attempt, SHUTDOWN, hb.lost, usage, quota)
         if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
             cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
@@ -288,6 +290,8 @@ def run_job(job_id: str) -> str:
         EnvironmentSpecError,
     ) as exc:  # e.g. a tool server unreachable at start
         return _fail(db, objects, job_id, worker_id, f"invalid job input: {exc}", usage)
+    except StorageQuotaExceeded as exc:
+        return _fail(db, objects, job_id, worker_id, str(exc), usage)
     except OSError as exc:
         return _fail(
             db,

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import BinaryIO
 
 import anyio
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData, UploadFile
 
@@ -22,29 +22,33 @@ from store.db import Database
 from store.models import File, Tenant, new_id
 from store.objects import BadKey, ObjectStore
 from store.settings import Settings
+from store.tenants import stored_bytes
 
 #: Uploads up to this size are validated in a thread (milliseconds); larger ones in a child process.
 SCAN_IN_THREAD_BYTES = 1024 * 1024
 
 
-def _stored_bytes(s: Session, tenant_id: str) -> int:
-    return int(s.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(File.tenant_id == tenant_id)) or 0)
-
-
 def _stored_bytes_now(db: Database, tenant_id: str) -> int:
     with db.session() as s:
-        return _stored_bytes(s, tenant_id)
+        return stored_bytes(s, tenant_id)
 
 
-def _quota_error(settings: Settings, used: int, size: int | None) -> ApiError:
+def _quota_error(settings: Settings, used: int, size: int | None, status: int = 413, field: str = "file") -> ApiError:
     this = f"; this file is {size} bytes" if size is not None else ""
     return ApiError(
-        413,
+        status,
         "storage_quota_exceeded",
-        f"your files use {used} of the "
-        f"{settings.max_file_storage_bytes_per_tenant} bytes allowed{this}; delete files to make room",
-        "file",
+        f"your files and checkpoints use {used} of the {settings.max_file_storage_bytes_per_tenant} bytes "
+        f"allowed{this}; delete files, checkpoints or finished jobs to make room",
+        field,
     )
+
+
+def check_room_for_a_job(s: Session, settings: Settings, tenant_id: str) -> None:
+    """A 409 when the tenant's files and checkpoints already fill its quota: the job could keep no checkpoint,
+    so it is refused before it takes a device (one that crosses the quota fails at that checkpoint)."""
+    if (used := stored_bytes(s, tenant_id)) >= settings.max_file_storage_bytes_per_tenant:
+        raise _quota_error(settings, used, None, 409, "training_file")
 
 
 def _scan(fh: BinaryIO, settings: Settings) -> tuple[int, list[str], int]:
@@ -87,7 +91,7 @@ def _store(db: Database, objects: ObjectStore, settings: Settings, tenant_id: st
             )
             s.add(f)
             s.flush()  # SQLite: the write lock is ours from here, so the sum below is the final one
-            if (total := _stored_bytes(s, tenant_id)) > settings.max_file_storage_bytes_per_tenant:
+            if (total := stored_bytes(s, tenant_id)) > settings.max_file_storage_bytes_per_tenant:
                 raise _quota_error(settings, total - size, size)
     except BaseException:
         objects.delete_prefix(key)

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from api.schemas import JobCreate, JobEvaluation, JobOut, JobStatus, JobUsage, Page
 from api.services.environments import check_environment_job
+from api.services.files import check_room_for_a_job
 from api.services.rewards import build_checked
 from gspo_core.agents.tools import ToolSpecError, build_toolbox
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig, Resources
@@ -187,6 +188,7 @@ def create_row(
     check_model(s, settings, tenant, req.model)
     check_wall_limit(req.max_wall_seconds, settings)
     check_resources(req.resources, settings)
+    check_room_for_a_job(s, settings, tenant.id)
     try:
         job = job_state.create_job(
             s,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from store.models import Job
+from store.models import Checkpoint, Job
 from tests.api.conftest import job_body
 from tests.api.test_files import count_files, stored_objects
 
@@ -118,3 +118,29 @@ def test_storage_quota_is_a_413_and_leaves_nothing(client, app, settings, auth, 
     assert client.delete(f"/v1/files/{first}", headers=auth).status_code == 204
     assert client.post("/v1/files", files={"file": ("t.jsonl", toy_dataset)}, headers=auth).status_code == 201
     assert count_files(app) == 3 and len(stored_objects(settings)) == 3
+
+
+def test_checkpoints_count_in_the_storage_quota(
+    client, app, settings, auth, other_auth, toy_dataset, job_with_progress
+):
+    """A tenant's checkpoints fill its quota as its files do: an upload past it is a 413, a job submitted at
+    it a 409 (it could keep no checkpoint); deleting the checkpoint's job makes room again."""
+    with app.state.db.session() as s:
+        ckpt_bytes = s.scalar(select(func.sum(Checkpoint.size_bytes)))
+    assert ckpt_bytes > 5000
+    # Room for a second file if checkpoints did not count, not with them.
+    app.state.settings = settings.model_copy(
+        update={"max_file_storage_bytes_per_tenant": 2 * len(toy_dataset) + ckpt_bytes // 2}
+    )
+    r = client.post("/v1/files", files={"file": ("t.jsonl", toy_dataset)}, headers=auth)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "storage_quota_exceeded", r.text
+    assert "files and checkpoints" in r.json()["error"]["message"]
+    assert client.post("/v1/files", files={"file": ("t.jsonl", toy_dataset)}, headers=other_auth).status_code == 201
+    file_id = client.get("/v1/files", headers=auth).json()["data"][0]["id"]
+    app.state.settings = settings.model_copy(
+        update={"max_file_storage_bytes_per_tenant": len(toy_dataset) + ckpt_bytes}
+    )
+    r = client.post("/v1/jobs", json=job_body(file_id), headers=auth)
+    assert r.status_code == 409 and r.json()["error"]["type"] == "storage_quota_exceeded", r.text
+    assert client.delete(f"/v1/jobs/{job_with_progress}", headers=auth).status_code == 204
+    assert client.post("/v1/jobs", json=job_body(file_id), headers=auth).status_code == 201

@@ -3,6 +3,7 @@ outbox a terminal status writes, and the worker's sender against a real receiver
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -269,3 +270,18 @@ def test_openai_test_delivery_reports_its_real_outcome(client, auth):
     got = unreachable.json()
     assert (got["success"], got["status_code"]) == (False, 0)
     assert got["error"] == "could not get an answer (connection or protocol error)"
+
+
+def test_a_urls_credentials_are_not_logged(client, auth, caplog):
+    """The test delivery's HTTP client logs the URL it calls (httpx, at INFO): its userinfo is redacted there
+    too, as it is in the endpoint's view."""
+    with Receiver((200,)) as rx, caplog.at_level(logging.INFO):
+        url = rx.url.replace("http://", "http://hook-user:pw-logged-1@")
+        ep = client.post("/v1/webhook_endpoints", json={"url": url, "event_types": ALL, "name": "t"}, headers=auth)
+        assert ep.status_code == 200, ep.text
+        assert ep.json()["url"] == rx.url.replace("http://", "http://[redacted]@")
+        sent = client.post(f"/v1/webhook_endpoints/{ep.json()['id']}/test", json={"event_type": ALL[0]}, headers=auth)
+        assert sent.json()["success"] is True and rx.hits[0][0]["authorization"].startswith("Basic ")
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("httpx")]
+    assert any("[redacted]@127.0.0.1" in line for line in logged), logged
+    assert "pw-logged-1" not in caplog.text and "hook-user" not in caplog.text

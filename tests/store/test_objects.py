@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import httpx
 import pytest
 
@@ -55,3 +57,28 @@ def test_s3_presigned_urls_use_the_public_endpoint(s3_settings):
     assert (
         S3ObjectStore(s3_settings.model_copy(update={"s3_presign_downloads": False})).presigned_url("t/a.txt") is None
     )
+
+
+class _FailingReader(io.RawIOBase):
+    """A source that breaks after its first chunk, as a client's upload or a disk read can."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        if self.sent:
+            raise OSError("the source broke")
+        self.sent = True
+        buf[:4] = b"data"
+        return 4
+
+
+def test_a_local_write_that_fails_leaves_nothing(tmp_path):
+    store = LocalObjectStore(tmp_path / "objects")
+    with pytest.raises(OSError, match="the source broke"):
+        store.put_fileobj("a/b.jsonl", io.BufferedReader(_FailingReader()))
+    assert [p for p in (tmp_path / "objects").rglob("*") if p.is_file()] == []
+    assert store.remove_stale_parts() == 0

@@ -14,6 +14,7 @@ from store import jobs
 from store.db import Database
 from store.models import Checkpoint, Job, StepMetric
 from store.objects import LocalObjectStore, put_dir
+from store.tenants import StorageQuotaExceeded, stored_bytes
 from tests.conftest import truncate_all
 from tests.store.conftest import make_job
 from worker.persist import PersistCallbacks, drop_orphan_uploads
@@ -126,6 +127,37 @@ class _Link:
     def close(self) -> None:
         self.cut()
         self.server.close()
+
+
+def test_a_checkpoint_past_the_storage_quota_fails_its_job_and_is_not_kept(db, tmp_path):
+    """Checkpoints count in the tenant's storage quota with its files: one that would take the tenant past it
+    is not kept (its row rolled back, its objects removed) and the job fails saying so; earlier ones stay."""
+    objects = LocalObjectStore(tmp_path / "objects")
+    job_id = make_job(db)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", lease_seconds=60)
+        tenant_id = s.get(Job, job_id).tenant_id
+        files = stored_bytes(s, tenant_id)
+    src = _checkpoint_dir(tmp_path, "c")
+    (src / "model" / "weights.bin").write_bytes(b"\0" * 10_000)
+    quota = files + 15_000
+    cb = PersistCallbacks(db, objects, job_id, "w1", 1, threading.Event(), threading.Event(), storage_quota=quota)
+    cb.on_step(1, {"reward/mean": 0.1})
+    cb.on_checkpoint(1, str(src), final=False)
+    with db.session() as s:
+        assert stored_bytes(s, tenant_id) == files + 10_002
+    cb.on_step(2, {"reward/mean": 0.2})
+    with pytest.raises(StorageQuotaExceeded) as exc:
+        cb.on_checkpoint(2, str(src), final=False)
+    assert f"{files + 20_004} of the {quota} bytes" in str(exc.value)
+    with db.session() as s:
+        assert list(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id))) == [1]
+        assert stored_bytes(s, tenant_id) == files + 10_002
+    assert objects.list(f"jobs/{job_id}/checkpoints/step-000002-a1") == []
+    assert objects.list(f"jobs/{job_id}/checkpoints/step-000001-a1") != []
+    assert _fail(db, objects, job_id, "w1", str(exc.value)) == "failed"
+    with db.session() as s:
+        assert s.get(Job, job_id).error.startswith("storage quota exceeded")
 
 
 def test_a_finished_run_waits_out_a_database_outage_instead_of_failing(pg_database, db, tmp_path):
