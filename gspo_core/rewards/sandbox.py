@@ -11,6 +11,7 @@ fits the operator's budget. The `python` grader is one user; sandboxed tools can
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import select
@@ -74,7 +75,29 @@ def _alarm(signum, frame):
 signal.signal(signal.SIGALRM, _alarm)
 ns = {"__name__": "user_code"}
 signal.setitimer(signal.ITIMER_REAL, job["setup_timeout"])
+def _lower_priority(niceness):
+    # The session's autogroup too (see isolation.lower_priority); the kernel lets an unprivileged process
+    # set it once per 100 ms across the host (EAGAIN meanwhile), so a busy moment is retried.
+    os.nice(niceness)
+    for _ in range(100):
+        try:
+            with open("/proc/self/autogroup", "w") as fh:
+                fh.write(str(niceness))
+            return
+        except BlockingIOError:
+            import time
+            time.sleep(0.02)
+        except OSError:
+            return
+    fatal("killed", "sandbox set-up failed: could not lower its priority")
 try:
+    for name in job["preimport"]:  # the grader environment's own packages, at the service's priority
+        try:
+            __import__(name)
+        except Exception:
+            pass  # the user's own import says why
+    if job["niceness"] > 0:
+        _lower_priority(job["niceness"])
     exec(compile(job["source"], "<source>", "exec"), ns)
     fn = ns[job["entry"]]
     signal.setitimer(signal.ITIMER_REAL, 0)
@@ -155,6 +178,33 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: The grader environment's packages (requirements-graders.txt) by import name: those a source imports are
+#: imported before its own code runs, at the service's priority, and only then is the child niced.
+PREIMPORTABLE = frozenset(
+    {"numpy", "scipy", "sympy", "pandas", "sklearn", "rapidfuzz", "rouge_score", "deepdiff", "jsonschema"}
+    | {"pydantic", "yaml", "nltk", "sqlparse"}
+)
+
+
+def preimports(source: str) -> list[str]:
+    """The grader environment's packages that ``source`` imports (top-level names, in a fixed order).
+
+    A niced dry run's child on a loaded host took 16-18 s to import numpy and sympy (docs/bench.md): at
+    niceness 19 it gets almost no CPU while others want it. Importing them runs only the environment's own
+    code, so it may run at the service's priority; the tenant's code, module code included, runs niced."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return sorted(names & PREIMPORTABLE)
+
+
 def _spawn(iso: Isolation, source, tasks, limits: SandboxLimits, entry: str, uid, workdir):
     """The child: bwrap around the interpreter, or in weak mode the interpreter itself."""
     weak_uid = uid if iso.mode != BUBBLEWRAP else None
@@ -170,6 +220,8 @@ def _spawn(iso: Isolation, source, tasks, limits: SandboxLimits, entry: str, uid
             "workdir": workdir,
             "max_result": MAX_RESULT_CHARS,
             "tasks": [[i, args] for i, args in tasks],
+            "preimport": preimports(source),
+            "niceness": limits.niceness,
         }
     )
     argv = [iso.python, "-I", "-B", "-c", RUNNER]

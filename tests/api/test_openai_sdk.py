@@ -374,7 +374,8 @@ def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
 @pytest.mark.slow
 def test_gspo_serve_answers_chat_completions(service):
     """`gspo serve <fine_tuned_model>` downloads the checkpoint over the API and runs vLLM's OpenAI-compatible server
-    on it: the SDK's chat.completions answers under that name. Without a key it copies it from the local store."""
+    on it: the SDK's chat.completions answers under that name, with the serve key only. Without an API key it copies
+    the checkpoint from the local store. Either way the weights land in a directory only this user can enter."""
     url, keys, tmp = service
     client = sdk(service)
     method = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 2}}}
@@ -391,7 +392,7 @@ def test_gspo_serve_answers_chat_completions(service):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env |= {"GSPO_API_KEY": keys[0], "GSPO_BASE_URL": url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env |= {"GSPO_API_KEY": keys[0], "GSPO_BASE_URL": url, "VLLM_CPU_KVCACHE_SPACE": "1", "GSPO_SERVE_KEY": "s3rve"}
     args = ["--cache-dir", str(tmp / "api"), "--port", str(port), "--vllm-args=--max-model-len 128"]
     with (
         open(tmp / "serve.log", "w") as log,
@@ -399,7 +400,9 @@ def test_gspo_serve_answers_chat_completions(service):
     ):
         try:
             wait_for(lambda: _healthy(f"http://127.0.0.1:{port}/health"), 180, "vLLM's server up")
-            served = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            anyone = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer guess"})
+            assert anyone.status_code == 401, anyone.text
+            served = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3rve", max_retries=0)
             answer = served.chat.completions.create(
                 model=name, messages=[{"role": "user", "content": "say a:"}], max_tokens=4, temperature=0
             )
@@ -410,6 +413,9 @@ def test_gspo_serve_answers_chat_completions(service):
     ckpt = name.removeprefix("ckpt:")
     assert (tmp / "api" / ckpt / "config.json").read_bytes() == (tmp / "local" / ckpt / "config.json").read_bytes()
     assert {p.name for p in (tmp / "api" / ckpt).iterdir()} == {p.name for p in (tmp / "local" / ckpt).iterdir()}
+    # The fetched weights are this user's only, and nothing of a fetch is left beside them.
+    assert {(tmp / d / ckpt).stat().st_mode & 0o777 for d in ("api", "local")} == {0o700}
+    assert sorted(p.name for p in (tmp / "api").iterdir()) == [ckpt]
 
 
 def _healthy(url: str) -> bool:

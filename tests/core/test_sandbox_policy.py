@@ -13,7 +13,7 @@ import pytest
 
 from gspo_core.rewards import RewardSpecError, build_reward
 from gspo_core.rewards.isolation import BUBBLEWRAP, IS_ROOT, REFUSED, WEAK, SandboxLimits, isolation_for
-from gspo_core.rewards.sandbox import run_sandboxed
+from gspo_core.rewards.sandbox import preimports, run_sandboxed
 from tests.conftest import grader_policy
 from tests.core.test_sandbox import OK, run
 
@@ -184,6 +184,28 @@ def test_a_niced_sandbox_is_niced_in_its_sessions_autogroup_too():
     assert nice == 19, res[0].reward
     if os.path.exists("/proc/self/autogroup"):
         assert group == 19, res[0].reward
+
+
+def test_the_environments_packages_a_source_imports_load_before_its_niced_code():
+    """A niced dry run on a loaded host took 16-32 s to import numpy and sympy (over the 20 s module limit):
+    the packages the source names are imported at the service's priority, and then the source's own code,
+    its module code included, runs niced (its autogroup too)."""
+    src = (
+        "import os, sys\n"
+        "before = 'numpy' in sys.modules and 'sympy' in sys.modules\n"
+        "module_nice = os.nice(0)\n"
+        "from sympy import Rational\n"
+        "import numpy.linalg\n"
+        "def grade(sample, item):\n"
+        "    path = '/proc/self/autogroup'\n"
+        "    group = float(open(path).read().split()[-1]) if os.path.exists(path) else 19\n"
+        "    return before * 10000 + module_nice * 100 + group\n"
+    )
+    assert preimports(src) == ["numpy", "sympy"]
+    assert preimports("import os\nimport torch\nfrom . import x\n") == [] and preimports("def (") == []
+    res = run(src, ["x"], policy=grader_policy(niceness=19))
+    assert not res[0].errors, res[0].errors
+    assert res[0].reward == 10000 + 19 * 100 + 19, res[0].reward
 
 
 def test_the_service_interpreter_is_the_default():
