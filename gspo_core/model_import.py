@@ -100,7 +100,7 @@ def _tied_keys(model) -> set[str]:
     return {"lm_head.weight"} if model.config.tie_word_embeddings else set()
 
 
-def _end_of_turn_ids(tokenizer) -> list[int]:
+def end_of_turn_ids(tokenizer) -> list[int]:
     """EOS ids a chat completion may stop on: the tokenizer's EOS and the token that closes an assistant turn
     in its chat template (ChatML's ``<|im_end|>`` where the GGUF's EOS is ``<|endoftext|>``)."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -109,7 +109,7 @@ def _end_of_turn_ids(tokenizer) -> list[int]:
             [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=True
         )
         turn = list(turn["input_ids"] if isinstance(turn, dict) or hasattr(turn, "keys") else turn)
-        y_at = max(i for i, t in enumerate(turn) if tokenizer.decode([t]).strip() == "y")
+        y_at = max((i for i, t in enumerate(turn) if tokenizer.decode([t]).strip() == "y"), default=len(turn))
         if y_at + 1 < len(turn) and turn[y_at + 1] not in ids:
             ids.append(turn[y_at + 1])
     return ids
@@ -146,7 +146,7 @@ def import_model(source: Path, dest: Path, *, tolerance: float = DEFAULT_TOLERAN
     plain = _plain_copy(model) if source_format == "gguf" else model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    eos_ids = _end_of_turn_ids(tokenizer)
+    eos_ids = end_of_turn_ids(tokenizer)
     plain.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id
     )

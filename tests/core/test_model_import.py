@@ -131,3 +131,16 @@ def test_a_file_that_is_not_a_gguf_is_refused(tmp_path):
     with pytest.raises(ModelImportError, match="not a readable GGUF"):
         import_model(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_chat_templates_end_of_turn_joins_an_eos_that_differs(smollm2_dir):
+    """A GGUF whose EOS is the end of text (Qwen-style) still stops chat completions at the end of the turn."""
+    from transformers import AutoTokenizer
+
+    from gspo_core.model_import import end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert end_of_turn_ids(tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    tokenizer.eos_token = "<|endoftext|>"
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    assert end_of_turn_ids(tokenizer) == ids
