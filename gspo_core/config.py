@@ -195,9 +195,18 @@ class GSPOConfig(BaseModel):
         "validation (eval/reward/mean; eval/loss for supervised), newest first where there is none; the "
         "others are deleted as newer ones arrive.",
     )
-    eval_every: int = Field(default=0, ge=0, le=1_000_000, description="Evaluate on the validation set every N steps.")
+    eval_every: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Evaluate on the validation set every N steps (0: only before the first step and after the last, "
+        "which every job with a validation set gets).",
+    )
     eval_prompts: int = Field(
-        default=32, ge=1, le=100_000, description="Validation prompts an evaluation samples (one completion each)."
+        default=32,
+        ge=1,
+        le=100_000,
+        description="Validation prompts an evaluation samples (one greedy and one sampled completion each).",
     )
     samples_per_step: int = Field(default=4, ge=0, le=4096, description="Prompts whose rollouts are stored per step.")
     shuffle: bool = Field(default=True, description="Shuffle the training rows each epoch (else file order).")

@@ -66,8 +66,9 @@ def sft_metrics(step: int, total_steps: int, metrics: dict[str, Any]) -> dict[st
 
 
 def openai_metrics(step: int, total_steps: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    """A step's metrics in OpenAI's keys: a reinforcement step has a mean reward, a supervised one only a loss."""
-    if "reward/mean" not in metrics and "loss" in metrics:
+    """A step's metrics in OpenAI's keys: a reinforcement step has a mean reward, a supervised one only a loss
+    (step 0, the evaluation before training, only a held-out loss)."""
+    if "reward/mean" not in metrics and ("loss" in metrics or "eval/loss" in metrics):
         return sft_metrics(step, total_steps, metrics)
     return rft_metrics(step, total_steps, metrics)
 

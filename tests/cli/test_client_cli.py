@@ -113,3 +113,19 @@ def test_python_client_usage_matches_the_steps_run(embedded_service):
     assert usage["total"]["tokens_sampled"] == sum(int(m["tokens/sampled"]) for m in steps) > 0
     assert usage["total"]["tokens_trained"] == sum(j["usage"]["tokens_trained"] for j in runs)
     assert usage["total"]["device_seconds"] == pytest.approx(sum(j["usage"]["device_seconds"] for j in runs))
+
+
+def test_jobs_create_on_an_environment(embedded_service):
+    """`gspo jobs create --environment`: no training file, the environment's own scoring; a bad task is the
+    API's 422 naming the field."""
+    from tests.api.test_environments import ENV
+
+    created = gspo(embedded_service, "jobs", "create", "--model", "toy", "--environment", json.dumps(ENV))
+    assert created.returncode == 0, created.stderr
+    job = json.loads(created.stdout)
+    assert job["environment"] == ENV and job["reward"]["type"] == "reasoning_gym" and job["training_file"] is None
+    cancel = gspo(embedded_service, "jobs", "cancel", job["id"])
+    assert cancel.returncode == 0 and cancel.stdout.strip() in ("cancelled", "cancelling")
+    bad = {**ENV, "tasks": [{"name": "chain_sums"}]}
+    r = gspo(embedded_service, "jobs", "create", "--model", "toy", "--environment", json.dumps(bad))
+    assert r.returncode == 1 and "environment.tasks[0].name" in r.stderr and "chain_sum," in r.stderr, r.stderr

@@ -105,3 +105,30 @@ def test_compare_page(page, embedded_service):
     page.wait_for_selector("body[data-compare-ready='2']")
     assert colours(page.locator("#compare-chart canvas").screenshot()) > 10
     page.screenshot(path=str(ARTIFACTS / "dashboard-compare.png"), full_page=True)
+
+
+def test_an_environment_job_page_shows_its_items_and_before_to_after(page, embedded_service):
+    """A job on a reasoning-gym environment (made here, in the shared service): its page shows the environment
+    with its first items, the held-out evaluation before -> after, and each evaluated checkpoint against it."""
+    from gspo_client import Client
+    from tests.api.test_environments import ENV, HP
+
+    url, key, *_ = embedded_service
+    with Client(url, key) as c:
+        job = c.create_job(model="toy", environment=ENV, hyperparameters=HP, name="environment")
+        for _ in c.events(job["id"]):
+            pass
+        job = c.get_job(job["id"])
+    assert job["status"] == "succeeded", job
+    page.goto(f"{url}/jobs/{job['id']}")
+    page.wait_for_selector("body[data-charts-ready='1']")
+    page.wait_for_selector("#environment-samples .sample")
+    assert page.locator("#environment-samples .sample").count() == 3
+    assert '"basic_arithmetic"' in page.locator("#environment").inner_text()
+    before, after = job["evaluation"]["before"], job["evaluation"]["after"]
+    greedy = page.locator("#evaluation .eval-line[data-name='greedy_reward']").inner_text()
+    assert greedy.split(" ", 2)[2] == f"{before['greedy_reward']:.3f} → {after['greedy_reward']:.3f}", greedy
+    assert page.locator("#chart-eval").is_visible() and page.locator("#chart-eval").get_attribute("data-points") == "3"
+    final = page.locator("#checkpoints tr").first.inner_text()  # newest first: the final one, evaluated
+    assert f"{before['greedy_reward']:.3f} → {after['greedy_reward']:.3f}" in final, final
+    page.screenshot(path=str(ARTIFACTS / "dashboard-environment-job.png"), full_page=True)
