@@ -117,12 +117,28 @@ def hyperparameters_schema() -> dict[str, Any]:
     return {**schema, "title": "Hyperparameters"}
 
 
+def inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its ``$defs`` written in place: embedded in a request's schema, pydantic's
+    ``#/$defs/...`` references would point at the OpenAPI document's root, where they are not."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: walk(value) for key, value in node.items()}
+        return [walk(value) for value in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
 def environment_schema() -> dict[str, Any]:
     """The environment's JSON schema: one of its types, by ``type`` (checked by gspo_core.environments, whose 422
     names the field as ``environment.<path>``)."""
     from gspo_core.environments import ENVIRONMENT_TYPES
 
-    return {"anyOf": [model.model_json_schema() for model in ENVIRONMENT_TYPES.values()] + [{"type": "null"}]}
+    types = [inlined(model.model_json_schema()) for model in ENVIRONMENT_TYPES.values()]
+    return {"anyOf": [*types, {"type": "null"}]}
 
 
 class JobUsage(BaseModel):

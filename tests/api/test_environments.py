@@ -3,6 +3,7 @@ and a job through the live `gspo api` + `gspo worker` with its held-out evaluati
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -72,6 +73,13 @@ def test_bad_environment_jobs_are_422s_naming_the_field(client, auth, model_name
     error = r.json()["error"]
     assert error["field"] == field
     assert re.search(message, error["message"]), error
+
+
+def test_openapi_shows_the_environment_types_whole(client):
+    """The request schema holds each environment type's fields in place (no reference to a missing $defs)."""
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["JobCreate"]["properties"]["environment"]
+    text = json.dumps(schema)
+    assert "$ref" not in text and '"reasoning_gym"' in text and "validation_size" in text and "weight" in text
 
 
 def test_an_environment_job_takes_the_tasks_own_scorer_and_shows_its_items(client, auth, model_name):
