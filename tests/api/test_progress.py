@@ -96,7 +96,8 @@ def test_rewards_run(client, auth):
 def test_health_ready_prometheus(client, app, settings, auth):
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
-    assert ready.status_code == 200 and ready.json() == {"database": "ok", "broker": "ok", "sandbox": "bubblewrap"}
+    expected = {"database": "ok", "broker": "ok", "sandbox": "bubblewrap", "worker": "missing", "workers": 0}
+    assert ready.status_code == 200 and ready.json() == expected  # no worker runs here: reported, not a 503
     assert client.get("/metrics").status_code == 404  # off until the operator sets a token
     app.state.settings = settings.model_copy(update={"metrics_token": "scrape-me"})
     for headers in ({}, auth, {"Authorization": "Bearer scrape-m"}):  # a tenant's key is not the token

@@ -41,3 +41,21 @@ def test_a_bad_runtime_setting_fails_at_start(monkeypatch):
     monkeypatch.setenv("GSPO_RANK_TIMEOUT_S", "0")
     with pytest.raises(ValidationError, match="RANK_TIMEOUT_S"):
         Settings()
+
+
+def test_the_grader_environment_is_found_beside_the_services_venv():
+    """With GSPO_GRADER_PYTHON unset (a `.venv/bin/gspo up` as the README says) the service uses the
+    `.venv-graders` that `make install` built beside its venv; the variable still wins."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "from store.settings import Settings; print(Settings().grader_python)"
+    env = {k: v for k, v in os.environ.items() if k not in ("GSPO_GRADER_PYTHON", "GRADER_PYTHON")}
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    beside = Path(sys.prefix).parent / ".venv-graders" / "bin" / "python"
+    assert found.stdout.strip() == (str(beside) if beside.exists() else "None"), found
+    env["GSPO_GRADER_PYTHON"] = "/opt/graders/bin/python"
+    named = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert named.stdout.strip() == "/opt/graders/bin/python"
