@@ -110,6 +110,40 @@ def hyperparameters_schema() -> dict[str, Any]:
     return {**schema, "title": "Hyperparameters"}
 
 
+def environment_schema() -> dict[str, Any]:
+    """The environment's JSON schema: one of its types, by ``type`` (checked by gspo_core.environments, whose 422
+    names the field as ``environment.<path>``)."""
+    from gspo_core.environments import ENVIRONMENT_TYPES
+
+    return {"anyOf": [model.model_json_schema() for model in ENVIRONMENT_TYPES.values()] + [{"type": "null"}]}
+
+
+class JobUsage(BaseModel):
+    """What the job used so far, over all its attempts (re-run steps after a resume count again)."""
+
+    device_seconds: float = Field(description="Wall time the job held a worker's device")
+    tokens_sampled: int = Field(description="Completion tokens sampled")
+    tokens_trained: int = Field(description="Prompt + completion tokens of the rows the updates trained on")
+
+
+class EvaluationPoint(BaseModel):
+    """One held-out evaluation: the mean reward of greedy completions (greedy accuracy for 0/1 rewards) and of
+    sampled ones; a supervised job's held-out loss instead."""
+
+    step: int
+    prompts: int
+    greedy_reward: float | None = None
+    sampled_reward: float | None = None
+    loss: float | None = None
+
+
+class JobEvaluation(BaseModel):
+    """The held-out evaluation before the first step and after the last (null until it ran)."""
+
+    before: EvaluationPoint | None = None
+    after: EvaluationPoint | None = None
+
+
 class JobCreate(BaseModel):
     """``POST /v1/jobs``. ``hyperparameters`` are gspo_core's GSPOConfig fields (unknown = 422)."""
 
@@ -136,10 +170,18 @@ class JobCreate(BaseModel):
         max_length=512,
         description="HF id (org/name), a directory under the models dir, or ckpt:<id>.",
     )
-    training_file: str = Field(..., min_length=1, max_length=64)
+    training_file: str | None = Field(None, min_length=1, max_length=64, description="Required unless `environment`.")
     validation_file: str | None = Field(None, max_length=64)
+    environment: Annotated[dict[str, Any] | None, WithJsonSchema(environment_schema())] = Field(
+        None,
+        description="Instead of files: where prompts and rewards come from, by `type` (docs/environments.md). "
+        "reasoning_gym: procedural tasks by name, a held-out split generated beside them, and each task's own "
+        "scorer as the default reward.",
+    )
     reward: dict[str, Any] | None = Field(
-        None, description="Grader spec (see README: reward spec); required unless hyperparameters.method is supervised."
+        None,
+        description="Grader spec (see README: reward spec); required unless hyperparameters.method is supervised "
+        "or an environment gives its own.",
     )
     tools: list[dict[str, Any]] = Field(
         default_factory=list,
@@ -172,14 +214,6 @@ class JobCreate(BaseModel):
     )
 
 
-class JobUsage(BaseModel):
-    """What the job used so far, over all its attempts (re-run steps after a resume count again)."""
-
-    device_seconds: float = Field(description="Wall time the job held a worker's device")
-    tokens_sampled: int = Field(description="Completion tokens sampled")
-    tokens_trained: int = Field(description="Prompt + completion tokens of the rows the updates trained on")
-
-
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -196,8 +230,9 @@ class JobOut(BaseModel):
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None
-    training_file: str | None  # null once the file was deleted (after the job finished)
+    training_file: str | None  # null once the file was deleted (after the job finished), or for an environment
     validation_file: str | None
+    environment: dict[str, Any] | None = Field(None, description="Where prompts come from instead of files")
     reward: dict[str, Any]
     tools: list[dict[str, Any]] = Field(default_factory=list, description="The job's tools (credentials redacted)")
     hyperparameters: dict[str, Any]
@@ -208,6 +243,18 @@ class JobOut(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     usage: JobUsage
     latest_metrics: dict[str, float] | None
+    evaluation: JobEvaluation = Field(
+        default_factory=JobEvaluation,
+        description="Held-out evaluation before the first step and after the last (jobs with a validation set)",
+    )
+
+
+class EnvironmentOut(BaseModel):
+    """``GET /v1/jobs/{id}/environment``: the job's environment and its first training items."""
+
+    object: Literal["environment"] = "environment"
+    environment: dict[str, Any]
+    samples: list[dict[str, Any]] = Field(description="The first training items, as the job's rows are")
 
 
 class UsagePeriod(BaseModel):

@@ -40,13 +40,14 @@ def jobs_create(c: Client, args):
     for key in ("model", "training_file", "validation_file", "name"):
         if getattr(args, key):
             body[key] = getattr(args, key)
-    if args.reward:
-        body["reward"] = (
-            json.loads(Path(args.reward).read_text()) if Path(args.reward).exists() else json.loads(args.reward)
-        )
+    for key in ("reward", "environment"):
+        if value := getattr(args, key):
+            body[key] = json.loads(Path(value).read_text()) if Path(value).exists() else json.loads(value)
     body["hyperparameters"] = {**(body.get("hyperparameters") or {}), **parse_set(args.set)}
     supervised = body["hyperparameters"].get("method") == "supervised"  # trains on chat rows, no grader
-    missing = [k for k in ("model", "training_file", *(() if supervised else ("reward",))) if not body.get(k)]
+    # An environment brings its prompts and (unless a reward is given) its own scoring.
+    needed = ("model",) if body.get("environment") else ("model", "training_file", *(() if supervised else ("reward",)))
+    missing = [k for k in needed if not body.get(k)]
     if missing:
         raise ApiError(0, "invalid_arguments", f"missing {', '.join(missing)} (flags or the job file)", missing[0])
     _print(c.create_job(**body, idempotency_key=args.idempotency_key))
@@ -97,7 +98,7 @@ def jobs_watch(c: Client, args):
     rewards: list[float] = []
     with tqdm(total=job["total_steps"], initial=0, unit="step", desc=args.job_id[:16]) as bar:
         for event, data, _ in c.events(args.job_id):
-            if event == "metrics":
+            if event == "metrics" and data["step"] > 0:  # step 0: the held-out evaluation before training
                 rewards.append(data["metrics"].get("reward/mean", 0.0))
                 bar.n = data["step"]
                 bar.set_postfix(reward=f"{rewards[-1]:.3f}")
@@ -108,15 +109,34 @@ def jobs_watch(c: Client, args):
     summary = f"{job['id']}: {job['status']} at step {job['step']}/{job['total_steps']}"
     if rewards:
         summary += f"; reward {rewards[0]:.3f} -> {rewards[-1]:.3f} (best {max(rewards):.3f})"
+    if held_out := evaluation_line(job.get("evaluation") or {}):
+        summary += f"; held-out {held_out}"
     print(summary + (f"; error: {job['error']}" if job["error"] else ""))
     return 0 if job["status"] == "succeeded" else 1
 
 
+def evaluation_line(evaluation: dict) -> str:
+    """``greedy 0.220 -> 0.410, sampled 0.190 -> 0.350`` of a job's held-out evaluation (empty: none yet)."""
+    before, after = evaluation.get("before") or {}, evaluation.get("after") or {}
+    parts = []
+    for key, label in (("greedy_reward", "greedy"), ("sampled_reward", "sampled"), ("loss", "loss")):
+        if before.get(key) is not None or after.get(key) is not None:
+            was, now = before.get(key), after.get(key)
+            parts.append(f"{label} {'-' if was is None else f'{was:.3f}'} -> {'...' if now is None else f'{now:.3f}'}")
+    return ", ".join(parts)
+
+
 def ckpt_list(c: Client, args):
+    before = (c.get_job(args.job_id).get("evaluation") or {}).get("before") or {}
     for k in c.list_checkpoints(args.job_id):
+        metrics = k["metrics"]
+        held_out = ""
+        if (now := metrics.get("eval/greedy/reward/mean")) is not None:  # before -> this checkpoint's step
+            was = before.get("greedy_reward")
+            held_out = f"  held-out greedy {'' if was is None else f'{was:.3f} -> '}{now:.3f}"
         print(
             f"{k['id']}  step {k['step']:>6}  {k['size_bytes'] / 1e6:8.2f} MB  "
-            f"reward={k['metrics'].get('reward/mean', float('nan')):.3f}{'  final' if k['final'] else ''}"
+            f"reward={metrics.get('reward/mean', float('nan')):.3f}{held_out}{'  final' if k['final'] else ''}"
         )
 
 
@@ -165,6 +185,7 @@ def register(sub) -> None:
     for flag in ("model", "training-file", "validation-file", "name", "idempotency-key"):
         p.add_argument(f"--{flag}")
     p.add_argument("--reward", help="grader spec JSON, or a path to one")
+    p.add_argument("--environment", help="environment JSON instead of a training file, or a path to one")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a hyperparameter")
     p = cmd(jobs, "list", jobs_list, "list jobs")
     p.add_argument("--status")

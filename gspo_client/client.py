@@ -69,7 +69,7 @@ class Client:
         self,
         *,
         model: str,
-        training_file: str,
+        training_file: str | None = None,
         reward: dict | None = None,
         hyperparameters: dict | None = None,
         validation_file: str | None = None,
@@ -79,17 +79,23 @@ class Client:
         idempotency_key: str | None = None,
         max_wall_seconds: int | None = None,
         tools: list[dict] | None = None,
+        environment: dict | None = None,
     ) -> dict:
-        body = {
+        """A new job: trained on ``training_file`` (a file id), or on ``environment``'s items
+        (``{"type": "reasoning_gym", "tasks": [...]}``, docs/environments.md) instead."""
+        body: dict = {
             "model": model,
-            "training_file": training_file,
             "reward": reward,
             "hyperparameters": hyperparameters or {},
             "seed": seed,
             "metadata": metadata or {},
         }
+        if training_file:
+            body["training_file"] = training_file
         if validation_file:
             body["validation_file"] = validation_file
+        if environment:
+            body["environment"] = environment
         if name:
             body["name"] = name
         if max_wall_seconds is not None:
@@ -104,6 +110,10 @@ class Client:
 
     def get_job(self, job_id: str) -> dict:
         return self._get(f"/v1/jobs/{job_id}")
+
+    def get_environment(self, job_id: str, samples: int = 3) -> dict:
+        """The job's environment and its first ``samples`` training items."""
+        return self._get(f"/v1/jobs/{job_id}/environment", samples=samples)
 
     def cancel_job(self, job_id: str) -> dict:
         return self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")).json()
@@ -124,7 +134,8 @@ class Client:
         """Your device time and tokens per budget period, totals, and budget (``GET /v1/usage``)."""
         return self._get("/v1/usage", periods=periods)
 
-    def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
+    def metrics(self, job_id: str, after_step: int = -1) -> list[dict]:
+        """The job's step metrics after ``after_step`` (-1: all, step 0's evaluation before training included)."""
         return self._get(f"/v1/jobs/{job_id}/metrics", after_step=after_step)["data"]
 
     def metrics_csv(self, job_id: str) -> str:

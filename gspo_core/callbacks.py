@@ -2,6 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A held-out evaluation ``before`` the first step (step 0) or ``after`` the last: the mean reward of
+    greedy completions (greedy accuracy, for 0/1 rewards) and of sampled ones over ``prompts`` prompts; a
+    supervised job's is its ``loss`` instead."""
+
+    when: Literal["before", "after"]
+    step: int
+    prompts: int
+    greedy_reward: float | None = None
+    sampled_reward: float | None = None
+    loss: float | None = None
+
+    @classmethod
+    def of(cls, when: Literal["before", "after"], step: int, prompts: int, metrics: dict[str, float]) -> Evaluation:
+        """The summary of an evaluation's metrics (`gspo_core.trainer.Trainer.evaluate`'s names)."""
+        return cls(
+            when,
+            step,
+            prompts,
+            metrics.get("eval/greedy/reward/mean"),
+            metrics.get("eval/reward/mean"),
+            metrics.get("eval/loss"),
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
 
 class Callbacks:
     """No-op base; override what you need. All methods are called from the training thread.
@@ -22,6 +54,9 @@ class Callbacks:
 
     def on_log(self, message: str) -> None:
         pass
+
+    def on_evaluation(self, evaluation: Evaluation) -> None:
+        """The held-out evaluation before the first step or after the last (besides its step's metrics)."""
 
     def should_stop(self) -> bool:
         return False
@@ -48,6 +83,10 @@ class CallbackList(Callbacks):
     def on_log(self, message):
         for callback in self.callbacks:
             callback.on_log(message)
+
+    def on_evaluation(self, evaluation):
+        for callback in self.callbacks:
+            callback.on_evaluation(evaluation)
 
     def should_stop(self):
         return any(callback.should_stop() for callback in self.callbacks)

@@ -3,7 +3,7 @@
     gspo train job.yaml [--output-dir D] [--set key=value ...] [--resume] [--rollout-engine E] ...
     python -m gspo_core train job.yaml ...
 
-The YAML holds JobSpec's fields (model, training_file, validation_file, reward, hyperparameters,
+The YAML holds JobSpec's fields (model, training_file, validation_file or environment, reward, hyperparameters,
 output_dir, name), and optionally a ``runtime:`` section: how this machine runs the job
 (`gspo_core.platform.RuntimeOptions`: rollout_engine, vllm_gpu_memory_utilization, keep_freed_memory),
 which the flags ``--rollout-engine``, ``--vllm-gpu-memory-utilization`` and ``--return-freed-memory``
@@ -28,7 +28,7 @@ from typing import TextIO
 
 import yaml
 
-from gspo_core.callbacks import CallbackList, Callbacks
+from gspo_core.callbacks import CallbackList, Callbacks, Evaluation
 from gspo_core.config import JobSpec
 from gspo_core.platform import ENGINE_KINDS, RuntimeOptions
 
@@ -66,8 +66,11 @@ class ProgressBar(Callbacks):
 
         self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
         self.started = False
+        self.before: Evaluation | None = None  # the held-out evaluation before training, for "before -> after"
 
     def on_step(self, step, metrics):
+        if step == 0:  # the held-out evaluation before training (on_evaluation prints it)
+            return
         if not self.started and step > 1:  # resumed: rate and ETA cover only this run's steps
             self.bar.initial = self.bar.n = step - 1
             self.bar.start_t = self.bar.last_print_t = self.bar._time()
@@ -82,6 +85,19 @@ class ProgressBar(Callbacks):
 
     def on_log(self, message):
         self.bar.write(message)
+
+    def on_evaluation(self, evaluation):
+        if evaluation.when == "before":
+            self.before = evaluation
+        numbers = []
+        for key in ("greedy_reward", "sampled_reward", "loss"):
+            value, was = getattr(evaluation, key), getattr(self.before, key, None)
+            if value is not None:
+                shown = (
+                    f"{was:.3f} -> {value:.3f}" if evaluation.when == "after" and was is not None else f"{value:.3f}"
+                )
+                numbers.append(f"{key.replace('_', ' ')} {shown}")
+        self.bar.write(f"held-out evaluation {evaluation.when} training: {', '.join(numbers)}")
 
     def close(self) -> None:
         self.bar.close()
@@ -98,7 +114,7 @@ def parse_set(pairs: list[str]) -> dict:
     return out
 
 
-TOP_LEVEL = {"model", "training_file", "validation_file", "reward", "output_dir", "name", "resources"}
+TOP_LEVEL = {"model", "training_file", "validation_file", "environment", "reward", "output_dir", "name", "resources"}
 
 
 def apply_overrides(raw: dict, overrides: dict) -> dict:
@@ -221,7 +237,8 @@ def launch_ranks(args: argparse.Namespace, spec: JobSpec) -> int:
     """Run the job as ``resources.devices`` ranks of one SPMD program: torchrun on this machine, each rank
     this same command (with the toy model and data this process made, so ranks do not race to make them)."""
     argv = [args.job, "--output-dir", spec.output_dir, "--devices", str(spec.resources.devices)]
-    for pair in [*args.set, f"model={spec.model}", f"training_file={spec.training_file}"]:
+    made = [f"model={spec.model}"] + ([f"training_file={spec.training_file}"] if spec.training_file else [])
+    for pair in [*args.set, *made]:
         argv += ["--set", pair]
     argv += ["--resume"] if args.resume else []
     for name, flag in RUNTIME_FLAGS.items():

@@ -266,8 +266,13 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., min_length=1, description="HF id or local directory of a causal LM.")
-    training_file: str = Field(..., min_length=1)
+    training_file: str | None = Field(None, min_length=1, description="Required unless `environment` is given.")
     validation_file: str | None = None
+    environment: dict[str, Any] | None = Field(
+        None,
+        description="Where prompts and rewards come from instead of files: {'type': 'reasoning_gym', 'tasks': "
+        "[...], 'seed', 'size', 'validation_size'} (gspo_core.environments, docs/environments.md).",
+    )
     reward: dict[str, Any] = Field(..., description="Grader spec (see gspo_core.rewards).")
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=64, description="Tools the model may call (see gspo_core.agents.tools)."
@@ -276,3 +281,13 @@ class JobSpec(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     output_dir: str = "runs/job"
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _data_source(self) -> JobSpec:
+        """Prompts come from files or from an environment, not both (its held-out split is its validation set)."""
+        if self.environment is None and self.training_file is None:
+            raise ValueError("training_file: required unless an environment is given")
+        if self.environment is not None and (self.training_file or self.validation_file):
+            field = "training_file" if self.training_file else "validation_file"
+            raise ValueError(f"{field}: give files or an environment, not both (the environment makes its own split)")
+        return self

@@ -17,6 +17,8 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from gspo_core.config import JobSpec
+
 #: Deepest JSON nesting accepted in a dataset row or a request body (chat rows use 3).
 MAX_DEPTH = 32
 #: Longest integer literal accepted (Python itself refuses to convert past 4300 digits).
@@ -333,6 +335,17 @@ def load_rows(source: str, *, max_rows: int = 10_000_000) -> list[dict]:
         raise DataError(None, None, f"dataset file not found: {source}")
     with open(path, "rb") as f:
         return list(iter_jsonl(f, max_rows=max_rows, max_row_bytes=None))
+
+
+def spec_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
+    """A job's ``(training rows, validation rows)``: its files', or its environment's generated items (the
+    same item dicts a JSONL row is, so the loop does not tell them apart)."""
+    if spec.environment is not None:
+        from gspo_core.environments import check_environment, environment_rows
+
+        return environment_rows(check_environment(spec.environment))
+    assert spec.training_file is not None, "a JobSpec has files or an environment"
+    return load_rows(spec.training_file), load_rows(spec.validation_file) if spec.validation_file else []
 
 
 def _load_hf(spec: str) -> list[dict]:

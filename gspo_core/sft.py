@@ -12,7 +12,7 @@ import torch
 from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import JobSpec
-from gspo_core.data import DataError, check_sft_row, load_rows
+from gspo_core.data import DataError, check_sft_row, spec_rows
 from gspo_core.distributed import join_group, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
@@ -103,8 +103,7 @@ class SFTTrainer(Trainer):
         self.ranks = join_group(self.device)
         if self.ranks.world > 1:
             raise ValueError("supervised jobs run on one device (resources.devices 1)")
-        self.rows = load_rows(spec.training_file)
-        self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
+        self.rows, self.val_rows = spec_rows(spec)
         for line, row in enumerate([*self.rows, *self.val_rows], 1):
             check_sft_row(row, line)
         model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)

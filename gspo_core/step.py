@@ -220,10 +220,11 @@ def sample(
     n: int | None = None,
     logprobs: bool = True,
     agent: EpisodeSettings | None = None,
+    greedy: bool = False,
 ) -> Rollout:
     """``n`` (default ``group_size``) episodes per prompt, prompts left-truncated to ``max_prompt_tokens``;
     ``logprobs``: also the sampler's per-token logprobs; ``agent``: the job's turns and tools (None: one
-    turn, no tools)."""
+    turn, no tools); ``greedy``: the most likely tokens instead of samples (evaluation)."""
     prompt_ids = prompt_token_ids(tokenizer, prompts, cfg.max_prompt_tokens)
     spec = SamplingSpec(
         n=n or cfg.group_size,
@@ -233,6 +234,7 @@ def sample(
         ignore_eos=cfg.ignore_eos,
         seed=seed,
         logprobs=logprobs,
+        greedy=greedy,
     )
     groups, metrics = run_episodes(engine, tokenizer, prompt_ids, spec, agent or EpisodeSettings(), rows)
     return Rollout(rows, prompts, [completion for group in groups for completion in group], metrics)

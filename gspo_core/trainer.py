@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -17,10 +17,10 @@ from gspo_core import step as phases
 from gspo_core.agents import build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
 from gspo_core.agents.tools import agent_spec
-from gspo_core.callbacks import Callbacks
+from gspo_core.callbacks import Callbacks, Evaluation
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.config import GSPOConfig, JobSpec
-from gspo_core.data import DataError, check_row_tools, load_rows, render_prompt
+from gspo_core.data import DataError, check_row_tools, render_prompt, spec_rows
 from gspo_core.distributed import (
     Ranks,
     broadcast,
@@ -126,8 +126,7 @@ class Trainer:
         seed_everything(self.cfg.seed)
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
-        self.rows = load_rows(spec.training_file)
-        self.val_rows = load_rows(spec.validation_file) if spec.validation_file else []
+        self.rows, self.val_rows = spec_rows(spec)
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
         self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
@@ -227,7 +226,7 @@ class Trainer:
         truncated to ``max_prompt_tokens``) + ``max_new_tokens``, and the most sequences one call asks
         for (a step's B x G, or an evaluation's prompts). vLLM on CPU sizes its KV cache to them."""
         cfg = self.cfg
-        evals = self.val_rows[: cfg.eval_prompts] if cfg.eval_every else []
+        evals = self.val_rows[: cfg.eval_prompts]  # evaluated before and after training, eval_every or not
         rows = self.rows + evals
         agent = any(tool.get("type") == "agent" for tool in self.spec.tools)
         longest = cfg.max_prompt_tokens if agent else 1  # an agent's prompts are its own: the bound
@@ -281,9 +280,12 @@ class Trainer:
             sink.wake()
             phases.push_weights(self.model, sink, state)
 
-    def sample(self, rows: list[dict], seed: int, n: int | None = None, logprobs: bool = True) -> phases.Rollout:
+    def sample(
+        self, rows: list[dict], seed: int, n: int | None = None, logprobs: bool = True, greedy: bool = False
+    ) -> phases.Rollout:
         """Rank 0 samples ``rows``' prompts with its engine (the whole policy gathered on every rank while it
-        does, when the engine samples with the trainer's weights); every rank gets the rollout."""
+        does, when the engine samples with the trainer's weights); every rank gets the rollout. ``greedy``:
+        the most likely completion of each (evaluation)."""
         rollout = None
         prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
         gathered = full_weights(self.sharded) if self.engine_shares_weights else contextlib.nullcontext()
@@ -291,7 +293,7 @@ class Trainer:
             if self.engine is not None:
                 self.engine.wake()
                 rollout = phases.sample(
-                    self.engine, self.tokenizer, rows, prompts, self.cfg, seed, n, logprobs, agent=self.agent
+                    self.engine, self.tokenizer, rows, prompts, self.cfg, seed, n, logprobs, self.agent, greedy
                 )
                 self.engine.sleep()
         return broadcast(rollout, self.ranks)
@@ -353,19 +355,32 @@ class Trainer:
         )
 
     def evaluate(self) -> dict[str, float]:
-        """Mean reward of one sampled completion per validation prompt (the first ``eval_prompts``),
-        with a fixed sampling seed so evaluations of different steps are comparable."""
-        rollout = self.sample(self.val_rows[: self.cfg.eval_prompts], seed=self.cfg.seed + 17, n=1)
-        metrics = self.score(rollout).metrics
-        out = {"eval/reward/mean": metrics["reward/mean"]}
-        out.update(
-            {
-                f"eval/{name}": value
-                for name, value in metrics.items()
-                if name.startswith("reward/") and name.endswith("/mean") and name != "reward/mean"
-            }
-        )
+        """On the validation prompts (the first ``eval_prompts``): the mean reward of one sampled completion each
+        (``eval/reward/mean``, with a fixed sampling seed so evaluations of different steps are comparable) and
+        of the greedy completion each (``eval/greedy/reward/mean``: greedy accuracy where rewards are 0 or 1),
+        with each grader's mean beside them."""
+        rows = self.val_rows[: self.cfg.eval_prompts]
+        out = {"eval/prompts": float(len(rows))}
+        for prefix, greedy in (("eval", False), ("eval/greedy", True)):
+            rollout = self.sample(rows, seed=self.cfg.seed + 17, n=1, logprobs=False, greedy=greedy)
+            metrics = self.score(rollout).metrics
+            out.update(
+                {
+                    f"{prefix}/{name}": value
+                    for name, value in metrics.items()
+                    if name.startswith("reward/") and name.endswith("/mean")
+                }
+            )
         return out
+
+    def evaluate_around(self, when: Literal["before", "after"]) -> dict[str, float]:
+        """The held-out evaluation before the first step or after the last: its metrics, and its summary
+        reported (:meth:`gspo_core.callbacks.Callbacks.on_evaluation`)."""
+        metrics = self.evaluate()
+        if self.ranks.main:
+            prompts = min(len(self.val_rows), self.cfg.eval_prompts)
+            self.callbacks.on_evaluation(Evaluation.of(when, self.step, prompts, metrics))
+        return metrics
 
     def checkpoint(self, final: bool) -> str:
         """Save the current step (once: a step already saved is not written again): every rank writes its
@@ -416,16 +431,24 @@ class Trainer:
 
 
 def _loop(trainer: Trainer) -> TrainResult:
+    """Steps to the last (or a stop), with the held-out evaluation before the first step (as step 0's
+    metrics), every ``eval_every`` steps, and after the last."""
     cfg = trainer.cfg
     metrics: dict[str, float] = {}
     last_ckpt = trainer.saved[1] if trainer.saved else None
+    if trainer.step == 0 and trainer.val_rows:
+        before = trainer.evaluate_around("before")
+        if trainer.ranks.main:
+            trainer.callbacks.on_step(0, before)
     while trainer.step < cfg.steps:
         if trainer.should_stop():
             return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
         step = trainer.step + 1
         metrics, rows = trainer.run_step(step)
         trainer.step = step
-        if cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
+        if trainer.val_rows and step == cfg.steps:
+            metrics.update(trainer.evaluate_around("after"))
+        elif cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
             metrics.update(trainer.evaluate())
         if trainer.ranks.main:
             trainer.callbacks.on_samples(step, rows)

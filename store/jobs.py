@@ -84,7 +84,7 @@ def create_job(
     *,
     tenant_id: str,
     model: str,
-    training_file_id: str,
+    training_file_id: str | None,
     reward: dict,
     hyperparameters: dict,
     total_steps: int,
@@ -98,6 +98,7 @@ def create_job(
     max_active: int | None = None,
     tools: list | None = None,
     devices: int = 1,
+    environment: dict | None = None,
 ) -> Job:
     """Insert a ``queued`` job and its first status event (the caller enqueues it after commit).
 
@@ -116,6 +117,7 @@ def create_job(
         validation_file_id=validation_file_id,
         reward=reward,
         tools=tools or None,
+        environment=environment,
         hyperparameters=hyperparameters,
         job_metadata=metadata or {},
         seed=seed,
@@ -274,6 +276,13 @@ def record_step(s: Session, job_id: str, step: int, metrics: dict) -> None:
         .values(step=step, latest_metrics=metrics)
         .execution_options(synchronize_session=False)
     )
+
+
+def record_evaluation(s: Session, job_id: str, evaluation: dict) -> None:
+    """Keep a held-out evaluation (``evaluation["when"]``: before or after) on the job, beside the other."""
+    job = s.get(Job, job_id, populate_existing=True)
+    assert job is not None, "the worker holds the job's lease: its row exists"
+    job.evaluation = {**(job.evaluation or {}), evaluation["when"]: evaluation}
 
 
 def record_samples(s: Session, job_id: str, step: int, rows: list[dict]) -> None:

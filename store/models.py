@@ -78,6 +78,10 @@ class Job(Base):
     reward: Mapped[dict] = mapped_column(JSON)
     # Tool specs the model may call (gspo_core.agents.tools); NULL: none.
     tools: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    # Where prompts and rewards come from instead of files (gspo_core.environments); NULL: the files.
+    environment: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # The held-out evaluation {"before": {...}, "after": {...}} (gspo_core.callbacks.Evaluation); NULL: none yet.
+    evaluation: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     hyperparameters: Mapped[dict] = mapped_column(JSON)
     job_metadata: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     seed: Mapped[int] = mapped_column(Integer, default=0)

@@ -38,6 +38,7 @@ API_CORE_PREFIXES = (
     "gspo_core.config",
     "gspo_core.rewards",
     "gspo_core.data",
+    "gspo_core.environments",  # checks a job's environment; its library (reasoning-gym) is imported lazily
     "gspo_core.egress",
     "gspo_core.delivery",  # a webhook endpoint's test delivery, sent as the worker sends them
     "gspo_core.agents.tools",  # validates a job's tools (no torch: see gspo_core/agents/__init__.py)

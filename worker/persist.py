@@ -10,7 +10,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from gspo_core.callbacks import Callbacks
+from gspo_core.callbacks import Callbacks, Evaluation
 from store import jobs, retention
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, ObjectStore, put_dir
@@ -101,6 +101,20 @@ class RunUsage:
         )
 
 
+def evaluation_message(evaluation: Evaluation, recorded: dict | None) -> str:
+    """The job log's line for a held-out evaluation; after training, with the one before it: ``before → after``."""
+    names = (("greedy_reward", "greedy reward"), ("sampled_reward", "sampled reward"), ("loss", "loss"))
+    before = (recorded or {}).get("before") if evaluation.when == "after" else None
+    parts = []
+    for key, label in names:
+        value = getattr(evaluation, key)
+        if value is None:
+            continue
+        was = before.get(key) if before else None
+        parts.append(f"{label} {was:.4f} → {value:.4f}" if was is not None else f"{label} {value:.4f}")
+    return f"held-out evaluation {evaluation.when} training ({evaluation.prompts} prompts): {', '.join(parts)}"
+
+
 class PersistCallbacks(Callbacks):
     """Writes through store/ what the trainer reports; stops on cancel, pause, shutdown, lost lease or the
     job's wall-clock limit."""
@@ -138,7 +152,7 @@ class PersistCallbacks(Callbacks):
             raise
 
     def on_step(self, step, metrics):
-        self.steps_run += 1
+        self.steps_run += step > 0  # step 0: the evaluation before the first step, not a step
         if self.usage is not None:
             self.usage.add_step(metrics)  # once per step: the transaction below writes absolute values
 
@@ -179,6 +193,13 @@ class PersistCallbacks(Callbacks):
 
     def on_log(self, message):
         self._tx(lambda s: jobs.add_event(s, self.job_id, "log", message), "logging")
+
+    def on_evaluation(self, evaluation: Evaluation) -> None:
+        def rec(s):
+            jobs.record_evaluation(s, self.job_id, evaluation.as_dict())
+            jobs.add_event(s, self.job_id, "log", evaluation_message(evaluation, s.get(Job, self.job_id).evaluation))
+
+        self._tx(rec, f"recording the evaluation {evaluation.when} training")
 
     def should_stop(self) -> bool:
         if self.lease_lost.is_set():

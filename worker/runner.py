@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from gspo_core.agents.tools import ToolSpecError
 from gspo_core.config import GSPOConfig, JobSpec, Resources
 from gspo_core.data import DataError
+from gspo_core.environments import EnvironmentSpecError
 from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
 from store import jobs, results
@@ -39,8 +40,8 @@ class JobInputError(Exception):
 
 def _fetch_inputs(
     s, objects: ObjectStore, job: Job, work: Path, settings_models_dir: Path
-) -> tuple[str, str, str | None]:
-    """Local paths of the model, training file and validation file of ``job``."""
+) -> tuple[str, str | None, str | None]:
+    """Local paths of the model, training file and validation file of ``job`` (no files: an environment's job)."""
 
     def fetch_file(file_id: str | None, name: str) -> str:
         # None: the file was deleted (the job's reference is SET NULL); reported like a missing row.
@@ -51,7 +52,7 @@ def _fetch_inputs(
         dest.write_bytes(objects.get_bytes(f.object_key))
         return str(dest)
 
-    train_path = fetch_file(job.training_file_id, "train.jsonl")
+    train_path = fetch_file(job.training_file_id, "train.jsonl") if job.environment is None else None
     val_path = fetch_file(job.validation_file_id, "val.jsonl") if job.validation_file_id else None
     model = resolve_model(settings_models_dir, job.model)
     if model.startswith("ckpt:"):
@@ -207,6 +208,7 @@ def _train(
             job = s.get(Job, job_id)
             hp, seed, reward, status = dict(job.hyperparameters), job.seed, job.reward, job.status
             tools = list(job.tools or [])
+            environment = job.environment
             devices = job.devices
             model, train_path, val_path = _fetch_inputs(s, objects, job, work, settings.models_dir)
             resume = _resume_dir(s, objects, job_id, work / "output")
@@ -222,6 +224,7 @@ def _train(
             model=model,
             training_file=train_path,
             validation_file=val_path,
+            environment=environment,
             reward=reward,
             tools=tools,
             hyperparameters=GSPOConfig.from_stored({**hp, "seed": seed}),
@@ -274,7 +277,13 @@ def run_job(job_id: str) -> str:
     except RankLost as exc:
         log.warning("job %s: %s", job_id, exc)
         return _lose_attempt(db, settings, job_id, worker_id, exc, usage)
-    except (JobInputError, DataError, ValidationError, ToolSpecError) as exc:  # a tool server unreachable at start
+    except (
+        JobInputError,
+        DataError,
+        ValidationError,
+        ToolSpecError,
+        EnvironmentSpecError,
+    ) as exc:  # e.g. a tool server unreachable at start
         return _fail(db, objects, job_id, worker_id, f"invalid job input: {exc}", usage)
     except OSError as exc:
         return _fail(

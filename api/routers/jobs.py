@@ -1,4 +1,4 @@
-"""/v1/jobs: create (validated, idempotent), list (cursor), get, cancel, pause, resume, delete."""
+"""/v1/jobs: create (validated, idempotent), list (cursor), get, its environment, cancel, pause, resume, delete."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from fastapi import APIRouter, Header, Query, Response
 
 from api.bodies import StrictJsonRoute
 from api.deps import DatabaseDep, JobDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import JobCreate, JobOut, JobStatus, Page, error_responses, json_response
-from api.services import deletion
+from api.schemas import EnvironmentOut, JobCreate, JobOut, JobStatus, Page, error_responses, json_response
+from api.services import deletion, environments
 from api.services import jobs as svc
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=StrictJsonRoute)
@@ -55,6 +55,12 @@ def list_jobs(
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
 def get_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> Response:
     return json_response(svc.to_out(s, settings, job))
+
+
+@router.get("/{job_id}/environment", response_model=EnvironmentOut, responses=ERRORS)
+def get_environment(job: JobDep, samples: Annotated[int, Query(ge=0, le=20)] = 3) -> EnvironmentOut:
+    """The job's environment and its first training items (404 for a job trained on files)."""
+    return environments.environment_out(job, samples)
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)

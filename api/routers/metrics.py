@@ -23,7 +23,8 @@ MAX_STEP = 1_000_000
 def get_metrics(
     job: JobDep,
     s: SessionDep,
-    after_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
+    # -1: from the start, step 0 (the held-out evaluation before training) included.
+    after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
     format: Literal["json", "csv"] = "json",
 ) -> Response:

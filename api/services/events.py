@@ -1,6 +1,7 @@
 """Server-sent events of a job: status changes, log lines and each new step's metrics.
 
-The event id is ``<last job_event id>.<last step>``, so ``Last-Event-ID`` resumes both streams. A stream
+The event id is ``<last job_event id>.<last step>`` (step -1 before any: step 0 is the evaluation before
+training), so ``Last-Event-ID`` resumes both streams. A stream
 holds no database connection between polls (each poll is a short session on a small thread pool of
 its own) and ends after ``max_s``; the client's EventSource reconnects with ``Last-Event-ID``.
 """
@@ -22,13 +23,13 @@ from store.db import Database
 from store.jobs import TERMINAL
 from store.models import Job, JobEvent, StepMetric
 
-_EVENT_ID = re.compile(r"(\d{1,18})\.(\d{1,18})")
+_EVENT_ID = re.compile(r"(\d{1,18})\.(-1|\d{1,18})")
 
 
 def parse_last_event_id(value: str | None) -> tuple[int, int]:
     """``(event id, step)`` of a ``Last-Event-ID`` this API sent; 400 naming the header otherwise."""
     if not value:
-        return 0, 0
+        return 0, -1
     match = _EVENT_ID.fullmatch(value.strip())
     if match is None:
         raise ApiError(

@@ -15,11 +15,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import JobCreate, JobOut, JobStatus, JobUsage, Page
+from api.schemas import JobCreate, JobEvaluation, JobOut, JobStatus, JobUsage, Page
+from api.services.environments import check_environment_job
 from api.services.rewards import build_checked
 from gspo_core.agents.tools import ToolSpecError, build_toolbox
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig, Resources
 from gspo_core.data import DataError, check_row_tools, check_sft_file, rows_with_tools
+from gspo_core.environments import default_reward, environment_item_fields
 from gspo_core.rewards import GraderPolicy, redact_secrets
 from store import jobs as job_state
 from store import results
@@ -170,16 +172,18 @@ def create_row(
     cfg = check_hyperparameters(req.hyperparameters)
     if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:
         return _replayed(prior, req, cfg), False
-    train = _owned_file(s, tenant, req.training_file, "training_file")
+    env, reward = check_environment_job(req, cfg, settings)
+    train = _owned_file(s, tenant, req.training_file, "training_file") if req.training_file else None
     val = _owned_file(s, tenant, req.validation_file, "validation_file") if req.validation_file else None
     if cfg.method == "supervised":
-        check_supervised(req.reward, objects, {"training_file": train, "validation_file": val})
-    elif req.reward is None:
+        check_supervised(reward, objects, {"training_file": train, "validation_file": val})
+    elif reward is None:
         raise ApiError(
             422, "invalid_reward", "reward: required (a grader spec) unless the method is supervised", "reward"
         )
     else:
-        check_reward(req.reward, set(train.item_fields), settings)
+        fields = environment_item_fields(env) if env is not None else set(train.item_fields) if train else set()
+        check_reward(reward, fields, settings)
     check_tools(req.tools, settings, objects, {"training_file": train, "validation_file": val})
     check_model(s, settings, tenant, req.model)
     check_wall_limit(req.max_wall_seconds, settings)
@@ -190,9 +194,10 @@ def create_row(
             tenant_id=tenant.id,
             name=req.name,
             model=req.model,
-            training_file_id=train.id,
+            training_file_id=train.id if train else None,
             validation_file_id=req.validation_file,
-            reward=req.reward or {},
+            environment=req.environment,
+            reward=reward or {},
             tools=req.tools,
             metadata=req.metadata,
             seed=req.seed,
@@ -244,7 +249,8 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         req.model,
         req.training_file,
         req.validation_file,
-        req.reward or {},
+        req.environment,
+        req.reward or (default_reward(req.environment.get("type")) if req.environment else {}),
         req.tools,
         req.name,
         req.metadata,
@@ -258,6 +264,7 @@ def _replayed(prior: Job, req: JobCreate, cfg: GSPOConfig) -> Job:
         prior.model,
         prior.training_file_id,
         prior.validation_file_id,
+        prior.environment,
         prior.reward,
         prior.tools or [],
         prior.name,
@@ -357,6 +364,7 @@ def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None =
         finished_at=job.finished_at,
         training_file=job.training_file_id,
         validation_file=job.validation_file_id,
+        environment=job.environment,
         reward=redact_secrets(job.reward),
         tools=redact_secrets(job.tools or []),
         hyperparameters={**job.hyperparameters, "seed": job.seed},
@@ -371,6 +379,7 @@ def to_out(s: Session, settings: Settings, job: Job, queue: TenantQueue | None =
             tokens_trained=job.tokens_trained or 0,
         ),
         latest_metrics=job.latest_metrics,
+        evaluation=JobEvaluation.model_validate(job.evaluation or {}),
     )
 
 

@@ -46,6 +46,8 @@ def rft_metrics(step: int, total_steps: int, metrics: dict[str, Any]) -> dict[st
     }
     if "eval/reward/mean" in metrics:
         out["full_valid_mean_reward"] = metrics["eval/reward/mean"]
+    if "eval/greedy/reward/mean" in metrics:  # ours: the greedy completions' mean reward (greedy accuracy)
+        out["full_valid_greedy_mean_reward"] = metrics["eval/greedy/reward/mean"]
     return out
 
 
@@ -95,11 +97,16 @@ def _metrics_event(step: int, total: int, metrics: dict[str, Any], created_at: d
     key = "train_loss" if "train_loss" in data else "train_mean_reward"
     value = data[key]
     shown = f", {key}={value:.4f}" if isinstance(value, (int, float)) else ""
+    # Step 0 is the held-out evaluation before training (its before → after is the job log's message event).
+    message = "Held-out evaluation before training" if step == 0 else f"Step {step}/{total}{shown}"
+    for name in ("full_valid_greedy_mean_reward", "full_valid_mean_reward", "full_valid_loss"):
+        if isinstance(data.get(name), (int, float)):
+            message += f", {name}={data[name]:.4f}"
     return FineTuningJobEvent(
         id=f"ftevent-m{step}",
         created_at=int(as_utc(created_at).timestamp()),
         level="info",
-        message=f"Step {step}/{total}{shown}",
+        message=message,
         type="metrics",
         data=data,
     )

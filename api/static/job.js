@@ -1,4 +1,5 @@
-// One job, live: charts from SSE metrics, rollout inspector, checkpoints, events, cancel, config.
+// One job, live: charts from SSE metrics, held-out evaluation before → after, environment, rollout inspector,
+// checkpoints, events, cancel, config.
 (() => {
   const jobId = location.pathname.split("/").pop();
   const steps = [], rows = [];  // rows[i] = metrics of steps[i]
@@ -19,7 +20,8 @@
     ["trunc", "Truncated fraction", () => [{ label: "truncated", values: col("completion/truncated_frac") }]],
     ["grad", "Gradient norm", () => [{ label: "grad_norm", values: col("grad_norm") }]],
     ["lr", "Learning rate", () => [{ label: "lr", values: col("lr") }]],
-    ["eval", "Eval reward", () => [{ label: "eval", values: col("eval/reward/mean") }]],
+    ["eval", "Eval reward", () => [{ label: "sampled", values: col("eval/reward/mean") },
+      { label: "greedy", values: col("eval/greedy/reward/mean") }]],
     ["loss", "Loss", () => [{ label: "train", values: col("loss") }, { label: "validation", values: col("eval/loss") }]],
     ["time", "Time per phase (s, stacked)", () => Charts.stacked(["rollout", "reward", "old_logprobs", "train", "weight_sync"]
       .map((k) => ({ label: k, values: col("time/" + k) })))],
@@ -62,22 +64,55 @@
     document.getElementById("job-error").textContent = job.error || "";
     document.getElementById("cancel").disabled = !["queued", "running", "pausing", "paused"].includes(job.status);
     document.getElementById("ckpt-metric").textContent = job.hyperparameters.method === "supervised" ? "Loss" : "Reward";
+    showEvaluation();
     document.getElementById("config").textContent = JSON.stringify({ model: job.model, training_file: job.training_file,
-      validation_file: job.validation_file, seed: job.seed, reward: job.reward, hyperparameters: job.hyperparameters,
+      validation_file: job.validation_file, environment: job.environment, seed: job.seed, reward: job.reward, hyperparameters: job.hyperparameters,
       metadata: job.metadata }, null, 2);
+  }
+
+  // "before → after" of each number the held-out evaluation has (greedy and sampled reward, or a loss).
+  const EVAL_NAMES = [["greedy_reward", "greedy reward"], ["sampled_reward", "sampled reward"], ["loss", "loss"]];
+  function showEvaluation() {
+    const ev = job.evaluation || {}, box = document.getElementById("evaluation-box");
+    box.hidden = !ev.before && !ev.after;
+    if (box.hidden) return;
+    const point = ev.after || ev.before;
+    document.getElementById("evaluation").innerHTML = EVAL_NAMES.filter(([k]) => point[k] !== null && point[k] !== undefined)
+      .map(([k, label]) => `<div class="eval-line" data-name="${k}"><b>${label}</b> ${ev.before ? GSPO.fmt(ev.before[k]) : "–"} → ${ev.after ? GSPO.fmt(ev.after[k]) : "…"}</div>`)
+      .join("") + `<div class="muted">${point.prompts} held-out prompts; before step 1 and after step ${ev.after ? ev.after.step : job.total_steps}</div>`;
+  }
+
+  async function loadEnvironment() {
+    const box = document.getElementById("environment-box");
+    box.hidden = !job.environment;
+    if (!job.environment || box.dataset.loaded) return;
+    const env = await GSPO.api(`/v1/jobs/${jobId}/environment?samples=3`);
+    document.getElementById("environment").textContent = JSON.stringify(env.environment, null, 2);
+    document.getElementById("environment-samples").innerHTML = env.samples.map((item) => `<div class="sample">
+      <b>${GSPO.esc(item.task || "")}</b> <code>${GSPO.esc(item.question || JSON.stringify(item.messages))}</code>
+      <span class="muted">answer ${GSPO.esc(String(item.answer))}</span></div>`).join("");
+    box.dataset.loaded = "1";
   }
 
   async function refresh() {
     job = await GSPO.api(`/v1/jobs/${jobId}`); showJob();
-    await loadCheckpoints(); await loadSampleSteps();
+    await loadEnvironment(); await loadCheckpoints(); await loadSampleSteps();
+  }
+
+  // A checkpoint's held-out number against the evaluation before training (greedy reward, else the sampled one).
+  function heldOut(m) {
+    const before = (job.evaluation || {}).before;
+    const key = "eval/greedy/reward/mean" in m ? ["eval/greedy/reward/mean", "greedy_reward"] : ["eval/reward/mean", "sampled_reward"];
+    if (!(key[0] in m)) return '<span class="muted">–</span>';
+    return `${before && before[key[1]] !== null ? GSPO.fmt(before[key[1]]) + " → " : ""}${GSPO.fmt(m[key[0]])}`;
   }
 
   async function loadCheckpoints() {
     const list = (await GSPO.api(`/v1/jobs/${jobId}/checkpoints`)).data;
     document.getElementById("checkpoints").innerHTML = list.map((c) => `<tr><td>${c.step}${c.final ? " (final)" : ""}</td>
-      <td>${GSPO.fmt(GSPO.headline(c.metrics).value)}</td><td>${(c.size_bytes / 1e6).toFixed(2)} MB</td><td>${GSPO.when(c.created_at)}</td>
+      <td>${GSPO.fmt(GSPO.headline(c.metrics).value)}</td><td>${heldOut(c.metrics)}</td><td>${(c.size_bytes / 1e6).toFixed(2)} MB</td><td>${GSPO.when(c.created_at)}</td>
       <td><a href="#" class="download" data-id="${c.id}" data-name="${jobId}-step-${c.step}.tar.gz">download</a></td></tr>`).join("")
-      || '<tr><td colspan="5" class="muted">no checkpoint yet</td></tr>';
+      || '<tr><td colspan="6" class="muted">no checkpoint yet</td></tr>';
     document.querySelectorAll("a.download").forEach((a) => a.onclick = async (e) => {
       e.preventDefault();
       const resp = await GSPO.api(`/v1/checkpoints/${a.dataset.id}/download`);

@@ -17,6 +17,7 @@ class SamplingSpec:
     so the trainer asks only when it uses them.
     ``max_tokens_each``: a cap per prompt (each at most ``max_tokens``), where the prompts' budgets differ
     (the later turns of multi-turn episodes); None: ``max_tokens`` for all.
+    ``greedy``: the most likely token at each position (evaluation), whatever ``temperature`` and ``top_p``.
     """
 
     n: int
@@ -27,6 +28,7 @@ class SamplingSpec:
     seed: int | None = None
     logprobs: bool = True
     max_tokens_each: tuple[int, ...] | None = None
+    greedy: bool = False
 
     def cap(self, prompt_index: int) -> int:
         """The most tokens prompt ``prompt_index`` may sample."""

@@ -192,7 +192,7 @@ class TransformersEngine:
             input_ids=input_PL.repeat_interleave(sampling.n, 0),
             attention_mask=attn_PL.repeat_interleave(sampling.n, 0),
             past_key_values=self._prompt_cache(input_PL, attn_PL, sampling.n),
-            do_sample=True,
+            do_sample=not sampling.greedy,  # greedy: the argmax, which temperature and top-p do not move
             temperature=1.0,
             top_p=1.0,
             top_k=0,

@@ -204,7 +204,9 @@ class VLLMEngine:
                     f"prompt_ids[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.cap(i)} "
                     f"must be between 1 and max_model_len {self.max_model_len}"
                 )
-        if self.plain_sampling and (sampling.temperature != 1.0 or sampling.top_p != 1.0):
+        # Only the log-probs differ by how the engine was built: greedy tokens are the same either way.
+        plain = sampling.temperature == 1.0 and sampling.top_p == 1.0
+        if self.plain_sampling and not plain and not (sampling.greedy and not sampling.logprobs):
             raise ValueError(
                 f"this engine was built for plain sampling; temperature {sampling.temperature}, "
                 f"top_p {sampling.top_p} need one built with plain_sampling=False"
@@ -214,8 +216,8 @@ class VLLMEngine:
         # text is decoded once per completion below, as the transformers engine does.
         base: dict[str, Any] = {
             "n": sampling.n,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
+            "temperature": 0.0 if sampling.greedy else sampling.temperature,  # vLLM's greedy: temperature 0
+            "top_p": 1.0 if sampling.greedy else sampling.top_p,
             "ignore_eos": sampling.ignore_eos,
             "logprobs": 0 if sampling.logprobs else None,
             "flat_logprobs": True,

@@ -350,7 +350,8 @@ def test_supervised_job_then_reinforcement_from_its_checkpoint(service):
     metrics = {
         e.data["step"]: e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"
     }
-    assert sorted(metrics) == list(range(1, 9))
+    assert sorted(metrics) == list(range(0, 9)), "step 0: the held-out evaluation before training"
+    assert metrics[8]["full_valid_loss"] < metrics[0]["full_valid_loss"]
     assert metrics[8]["train_loss"] < 0.7 * metrics[1]["train_loss"], metrics
     assert metrics[8]["full_valid_loss"] < metrics[1]["full_valid_loss"]
     best = sorted(range(1, 8), key=lambda step: (metrics[step]["full_valid_loss"], -step))[:2]

@@ -28,6 +28,27 @@ def reference_logprobs(model, prompt_ids, completion_ids, temperature=1.0, top_p
     return scores_TV.log_softmax(-1).gather(1, torch.tensor(completion_ids).unsqueeze(1)).squeeze(1)
 
 
+def greedy_path(model, prompt_ids, n_tokens) -> list[int]:
+    """The argmax continuation of ``prompt_ids``, one plain forward per token (the reference greedy decode)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            logits_V = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits_V.argmax()))
+    return ids[len(prompt_ids) :]
+
+
+def assert_greedy(engine, model, prompts) -> None:
+    """Greedy completions are the argmax path whatever the temperature, top-p and seed."""
+    for temperature, top_p, seed in ((1.0, 1.0, 1), (0.7, 0.9, 2)):
+        spec = SamplingSpec(
+            n=1, max_tokens=10, temperature=temperature, top_p=top_p, ignore_eos=True, seed=seed, logprobs=False
+        )
+        groups = engine.generate(prompts, replace(spec, greedy=True))
+        for (completion,), prompt in zip(groups, prompts, strict=True):
+            assert completion.completion_ids == greedy_path(model, prompt, 10)
+
+
 def check_contract(groups, prompts, n, max_tokens, eos_id):
     """Group shapes, lengths, finish reasons and EOS placement of ``generate``'s answer."""
     assert len(groups) == len(prompts)
@@ -86,6 +107,10 @@ def test_contract_and_logprobs_match_a_plain_forward(engine, policy, prompts, te
         ref = reference_logprobs(model, c.prompt_ids, c.completion_ids, temperature, top_p)
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
         assert c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
+
+
+def test_greedy_completions_are_the_argmax_path(engine, policy, prompts):
+    assert_greedy(engine, policy[0], prompts)
 
 
 def test_top_p_truncates_the_sampling_distribution(engine, policy, prompts):

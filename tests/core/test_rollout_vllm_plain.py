@@ -1,5 +1,6 @@
 """A vLLM engine built for plain sampling (T = 1, top-p = 1) reads raw logprobs, which are then the
-sampled distribution's: they still match the trainer's, and other sampling settings are refused."""
+sampled distribution's: they still match the trainer's, and other sampling settings are refused (greedy
+decoding, which asks for no logprobs, is not)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from gspo_core.config import GSPOConfig
 from gspo_core.policy import load_policy
 from gspo_core.rollout import SamplingSpec, make_engine, vllm_available
-from tests.core.test_rollout_hf import reference_logprobs
+from tests.core.test_rollout_hf import assert_greedy, reference_logprobs
 
 
 def test_plain_sampling_engine(tiny_model_dir):
@@ -35,5 +36,7 @@ def test_plain_sampling_engine(tiny_model_dir):
                 assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
         with pytest.raises(ValueError, match="plain sampling"):
             eng.generate(prompts, SamplingSpec(n=2, max_tokens=4, temperature=0.7))
+        # Greedy completions (an evaluation's) ask for no logprobs: any engine decodes them, whatever T and top-p.
+        assert_greedy(eng, model, prompts)
     finally:
         eng.close()

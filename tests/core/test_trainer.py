@@ -66,14 +66,28 @@ def test_metrics_samples_eval_and_checkpoints(tiny_model_dir, tmp_path):
         tiny_model_dir, tmp_path, steps=4, eval_every=2, save_every=2, logprob_gap_every=2, old_logprobs="recompute"
     )
     result = train(spec.model_copy(update={"validation_file": str(val)}), rec)
-    assert [s for s, _ in rec.steps] == [1, 2, 3, 4] and [s for s, _ in rec.samples] == [1, 2, 3, 4]
+    # Step 0: the held-out evaluation before training; the last step's metrics hold the one after.
+    before, *steps = rec.steps
+    assert [s for s, _ in rec.steps] == [0, 1, 2, 3, 4] and [s for s, _ in rec.samples] == [1, 2, 3, 4]
+    assert set(before[1]) == {
+        "eval/prompts",
+        "eval/reward/mean",
+        "eval/reward/match/mean",
+        "eval/greedy/reward/mean",
+        "eval/greedy/reward/match/mean",
+    }
+    assert before[1]["eval/prompts"] == 8
+    assert [(e.when, e.step, e.prompts) for e in rec.evaluations] == [("before", 0, 8), ("after", 4, 8)]
+    assert rec.evaluations[1].greedy_reward == rec.steps[-1][1]["eval/greedy/reward/mean"]
+    assert rec.evaluations[0].sampled_reward == before[1]["eval/reward/mean"] and rec.evaluations[0].loss is None
+    rec.steps = steps
     last = rec.steps[-1][1]
     assert [n for n in REQUIRED_METRICS if n not in last] == []
     # the sampler is asked for its logprobs (costly on vLLM) on step 1 and every logprob_gap_every steps
     assert [("logprob_gap/max" in m) for _, m in rec.steps] == [True, True, False, True]
     assert all(isinstance(v, float) for v in last.values())
     assert last["step"] == 4.0 and last["total_steps"] == 4.0 and last["grader_errors/match"] == 0.0
-    assert [("eval/reward/mean" in m) for _, m in rec.steps] == [False, True, False, True]
+    assert [("eval/greedy/reward/mean" in m) for _, m in rec.steps] == [False, True, False, True]
     assert 0.0 <= rec.steps[1][1]["eval/reward/mean"] <= 1.0
     assert 1 <= last["completion/len_mean"] <= last["completion/len_max"] <= 4
     n_rows = spec.hyperparameters.prompts_per_step * spec.hyperparameters.group_size

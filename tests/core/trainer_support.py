@@ -41,7 +41,7 @@ class Recorder(Callbacks):
     """Keeps everything the trainer reports; ``stop_after`` makes ``should_stop`` fire after N steps."""
 
     def __init__(self, stop_after: int | None = None) -> None:
-        self.steps, self.samples, self.ckpts, self.logs = [], [], [], []
+        self.steps, self.samples, self.ckpts, self.logs, self.evaluations = [], [], [], [], []
         self.stop_after, self.polls = stop_after, 0
 
     def on_step(self, step, metrics):
@@ -56,9 +56,12 @@ class Recorder(Callbacks):
     def on_log(self, message):
         self.logs.append(message)
 
+    def on_evaluation(self, evaluation):
+        self.evaluations.append(evaluation)
+
     def should_stop(self):
-        self.polls += 1
-        return self.stop_after is not None and len(self.steps) >= self.stop_after
+        self.polls += 1  # step 0 (the evaluation before training) is not a step
+        return self.stop_after is not None and len([s for s, _ in self.steps if s]) >= self.stop_after
 
     def metric(self, name: str) -> list[float]:
         return [metrics[name] for _, metrics in self.steps]

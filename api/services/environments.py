@@ -1,0 +1,62 @@
+"""A job's environment at the API: checked at submission (422 naming the field), and its first items shown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.errors import ApiError
+from api.schemas import EnvironmentOut, JobCreate
+from gspo_core.config import GSPOConfig
+from gspo_core.environments import (
+    EnvironmentSpecError,
+    ReasoningGymEnvironment,
+    check_environment,
+    default_reward,
+    environment_preview,
+    parse_environment,
+)
+from store.models import Job
+from store.settings import Settings
+
+
+def check_environment_job(
+    req: JobCreate, cfg: GSPOConfig, settings: Settings
+) -> tuple[ReasoningGymEnvironment | None, dict[str, Any] | None]:
+    """``(environment, reward)`` of the request: its environment checked (422 naming the field, listing the
+    known names), files or an environment but not both, and the environment's own reward where none is given."""
+    if req.environment is None:
+        if req.training_file is None:
+            raise ApiError(
+                422, "invalid_request", "training_file: required unless an environment is given", "training_file"
+            )
+        return None, req.reward
+    for field in ("training_file", "validation_file"):
+        if getattr(req, field) is not None:
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"{field}: give files or an environment, not both (the environment makes its own held-out split)",
+                field,
+            )
+    if cfg.method == "supervised":
+        raise ApiError(422, "invalid_environment", "environment: a supervised job trains on files", "environment")
+    try:
+        env = check_environment(req.environment)
+    except EnvironmentSpecError as exc:
+        raise ApiError(422, "invalid_environment", str(exc), exc.field) from None
+    if env.size > settings.max_file_rows:
+        raise ApiError(
+            422,
+            "invalid_environment",
+            f"environment.size: at most {settings.max_file_rows} (the operator's GSPO_MAX_FILE_ROWS)",
+            "environment.size",
+        )
+    return env, req.reward or default_reward(env.type)
+
+
+def environment_out(job: Job, samples: int) -> EnvironmentOut:
+    """The job's environment and its first ``samples`` training items; 404 for a job trained on files."""
+    if job.environment is None:
+        raise ApiError(404, "not_found", f"job {job.id} trains on files, not an environment", "job_id")
+    env = parse_environment(job.environment)
+    return EnvironmentOut(environment=job.environment, samples=environment_preview(env, samples))

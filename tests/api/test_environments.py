@@ -1,0 +1,149 @@
+"""Jobs on a reasoning-gym environment through the API: 422s naming the field, the grader in `/v1/rewards/run`,
+and a job through the live `gspo api` + `gspo worker` with its held-out evaluation before and after."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from gspo_client import Client
+from gspo_core.environments import check_environment, environment_rows
+from store.settings import Settings
+from tests.conftest import empty_database_url
+
+pytest.importorskip("reasoning_gym")
+
+ENV = {
+    "type": "reasoning_gym",
+    "tasks": [{"name": "basic_arithmetic", "config": {"max_terms": 2, "max_digits": 1}}],
+    "seed": 7,
+    "size": 16,
+    "validation_size": 4,
+    "system_prompt": None,  # the toy model's context is short: the question alone
+}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def settings(request, tmp_path):
+    """tests/api/conftest.py's, with the dry runs' grader processes at normal priority: a fresh one imports
+    reasoning-gym (seconds), which niceness 19 stretches past the dry run's budget on a loaded shared machine
+    (the niceness itself is tested in test_reward_limits.py)."""
+    return Settings(
+        data_dir=tmp_path,
+        database_url=empty_database_url(request, tmp_path),
+        models_dir=tmp_path / "models",
+        max_upload_bytes=200_000,
+        max_file_rows=500,
+        dry_run_niceness=0,
+    )
+
+
+HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "max_new_tokens": 4, "eval_prompts": 4}
+
+
+@pytest.mark.parametrize(
+    "change,field,message",
+    [
+        ({"environment": {**ENV, "tasks": [{"name": "arithmetic"}]}}, "environment.tasks[0].name", "known: "),
+        (
+            {"environment": {**ENV, "tasks": [{"name": "chain_sum", "config": {"digits": 2}}]}},
+            "environment.tasks[0].config.digits",
+            "known: .*min_digits",
+        ),
+        ({"environment": {**ENV, "type": "openenv"}}, "environment.type", "planned"),
+        ({"environment": {**ENV, "size": 501}}, "environment.size", "GSPO_MAX_FILE_ROWS"),
+        ({"environment": None}, "training_file", "required unless an environment"),
+        ({"training_file": "file_x"}, "training_file", "files or an environment, not both"),
+        (
+            {"reward": {"type": "string_check", "input": "{{item.target}}", "reference": "a", "operation": "eq"}},
+            "reward",
+            "target",
+        ),
+        ({"hyperparameters": {**HP, "method": "supervised"}}, "environment", "supervised"),
+    ],
+)
+def test_bad_environment_jobs_are_422s_naming_the_field(client, auth, model_name, change, field, message):
+    body = {"model": model_name, "environment": ENV, "hyperparameters": HP, **change}
+    r = client.post("/v1/jobs", json=body, headers=auth)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == field
+    assert re.search(message, error["message"]), error
+
+
+def test_an_environment_job_takes_the_tasks_own_scorer_and_shows_its_items(client, auth, model_name):
+    r = client.post("/v1/jobs", json={"model": model_name, "environment": ENV, "hyperparameters": HP}, headers=auth)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["environment"] == ENV and job["training_file"] is None
+    assert job["reward"] == {"type": "reasoning_gym", "name": "answer"}
+    assert job["evaluation"] == {"before": None, "after": None}
+    shown = client.get(f"/v1/jobs/{job['id']}/environment?samples=2", headers=auth).json()
+    assert shown["environment"] == ENV and len(shown["samples"]) == 2
+    item = shown["samples"][0]
+    assert item["task"] == "basic_arithmetic" and item["messages"] == [{"role": "user", "content": item["question"]}]
+    # The grader scores the item's answer with its task's scorer, beside a format grader in `multi`.
+    reward = {
+        "type": "multi",
+        "graders": {"answer": {"type": "reasoning_gym"}, "tagged": {"type": "regex", "pattern": "</answer>"}},
+        "calculate_output": "answer + 0.1 * tagged",
+    }
+    samples = [f"<answer>{item['answer']}</answer>", f"so\n{item['answer']}", "<answer>x</answer>"]
+    r = client.post("/v1/rewards/run", json={"reward": reward, "item": item, "samples": samples}, headers=auth)
+    assert r.status_code == 200, r.text
+    assert [round(res["reward"], 6) for res in r.json()["results"]] == [1.1, 1.0, 0.1]
+    bad = client.post(
+        "/v1/rewards/run",
+        json={"reward": {"type": "reasoning_gym", "extract": "first_line"}, "item": item, "samples": ["1"]},
+        headers=auth,
+    )
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "reward.extract"
+
+
+def test_a_job_on_an_environment_runs_with_its_evaluation_before_and_after(service):
+    """Through the live API and worker (the client): the environment's items are trained on, the held-out
+    split is evaluated at step 0 and after the last step, and JobOut, the metrics, the OpenAI events and the
+    checkpoints show before -> after."""
+    url, keys, tmp = service
+    with Client(url, keys[1]) as c:
+        job = c.create_job(model="toy", environment=ENV, hyperparameters={**HP, "save_every": 1})
+        deadline = time.monotonic() + 300
+        while (job := c.get_job(job["id"]))["status"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert job["status"] == "succeeded", (job, (tmp / "worker.log").read_text()[-3000:])
+        before, after = job["evaluation"]["before"], job["evaluation"]["after"]
+        assert (before["step"], after["step"], before["prompts"], after["prompts"]) == (0, 2, 4, 4)
+        for point in (before, after):
+            assert 0 <= point["greedy_reward"] <= 1 and 0 <= point["sampled_reward"] <= 1
+        steps = {row["step"]: row["metrics"] for row in c.metrics(job["id"])}
+        assert sorted(steps) == [0, 1, 2]
+        assert steps[0]["eval/greedy/reward/mean"] == before["greedy_reward"]
+        assert steps[2]["eval/greedy/reward/mean"] == after["greedy_reward"]
+        assert steps[0]["eval/reward/mean"] == before["sampled_reward"] and "reward/answer/mean" in steps[1]
+        ckpts = c.list_checkpoints(job["id"])
+        assert {k["step"]: "eval/greedy/reward/mean" in k["metrics"] for k in ckpts} == {2: True, 1: False}
+        samples = c.get_environment(job["id"], samples=1)["samples"]
+    events = httpx.get(
+        f"{url}/v1/fine_tuning/jobs/{job['id']}/events?limit=100", headers={"Authorization": f"Bearer {keys[1]}"}
+    ).json()["data"]
+    messages = [e["message"] for e in events]
+    assert any(m.startswith("Held-out evaluation before training, full_valid_greedy_mean_reward=") for m in messages)
+    after_line = f"{before['greedy_reward']:.4f} → {after['greedy_reward']:.4f}"
+    assert any(
+        m.startswith("held-out evaluation after training (4 prompts): greedy reward") and after_line in m
+        for m in messages
+    ), messages
+    # The rollouts' items are the environment's training items (the same ones this process generates).
+    train, held_out = environment_rows(check_environment(ENV))
+    assert samples == train[:1]
+    trained = [row["item"] for step in (1, 2) for row in _samples(url, keys[1], job["id"], step)]
+    assert trained and all(item in train and item not in held_out for item in trained)
+
+
+def _samples(url: str, key: str, job_id: str, step: int) -> list[dict]:
+    r = httpx.get(f"{url}/v1/jobs/{job_id}/samples?step={step}", headers={"Authorization": f"Bearer {key}"})
+    return r.json()["rows"] if r.status_code == 200 else []
