@@ -129,13 +129,15 @@ def run_ours(w: RealWorkload, root: Path, trainer: str, engine: str = "auto") ->
     prepare_process(runtime)
     steps: list[dict] = []
     t0 = time.perf_counter()
+    started: list[float] = []  # the cap's clock starts at the first step, as TRL's does (after start-up)
 
     class Rec(Callbacks):
         def on_step(self, step, metrics):
             steps.append(metrics)
 
         def should_stop(self):
-            return time.perf_counter() - t0 > w.minutes * 60
+            started[:] = started or [time.perf_counter()]
+            return time.perf_counter() - started[0] > w.minutes * 60
 
     cfg = GSPOConfig(
         steps=w.steps,

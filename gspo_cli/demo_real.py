@@ -65,7 +65,7 @@ def _watch(client, job_id: str, total: int) -> None:
 
 
 def _accuracy(point: dict | None) -> str:
-    return "?" if not point or point.get("greedy_reward") is None else f"{point['greedy_reward']:.2f}"
+    return "?" if not point or point.get("greedy_reward") is None else f"{point['greedy_reward']:.3f}"
 
 
 def run_real_demo(args) -> int:
