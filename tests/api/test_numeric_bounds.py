@@ -138,6 +138,10 @@ def _body(method: str, route: str, path: tuple, examples: tuple) -> dict:
     body = copy.deepcopy(base[0])
     if "training_file" in body:
         body["training_file"] = _state["ids"]["file_id"]
+    if path[0] == "environment":  # an environment job names no files
+        body.pop("training_file", None)
+        body.pop("validation_file", None)
+        body["environment"] = {"type": "reasoning_gym", "tasks": [{"name": "chain_sum"}]}
     for where, example in examples:
         _put(body, where, copy.deepcopy(example))
     _put(body, path, _MARK)
@@ -190,6 +194,7 @@ GRADER_SPECS: dict[str, dict] = {
     },
     "reward_model": {"type": "reward_model", "model": "toy"},
     "multi": {"type": "multi", "graders": {"a": EXAMPLE_REWARD}, "calculate_output": "2 * a"},
+    "reasoning_gym": {"type": "reasoning_gym"},
 }
 
 
