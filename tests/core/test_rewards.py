@@ -37,6 +37,7 @@ def test_every_grader_type_is_registered():
         "score_model",
         "reward_model",
         "multi",
+        "reasoning_gym",
     }
 
 
