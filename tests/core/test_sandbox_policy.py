@@ -186,6 +186,29 @@ def test_a_niced_sandbox_is_niced_in_its_sessions_autogroup_too():
         assert group == 19, res[0].reward
 
 
+def test_reading_a_sources_imports_never_parses_it_in_the_service():
+    """The imports to load early are read from the source's lines in the service's threads: a source nested
+    past the parser's depth, read by many threads at once (a step's tool calls), yields its imports and raises
+    nothing (ast.parse there raised RecursionError, or CPython 3.11's "AST constructor recursion depth
+    mismatch" SystemError for concurrent parses)."""
+    deep = "import numpy\nx = " + "(" * 5000 + ")" * 5000 + "\n"
+    found, errors = [], []
+
+    def read() -> None:
+        try:
+            for _ in range(20):
+                found.append(preimports(deep))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and found == [["numpy"]] * 160
+
+
 def test_the_environments_packages_a_source_imports_load_before_its_niced_code():
     """A niced dry run on a loaded host took 16-32 s to import numpy and sympy (over the 20 s module limit):
     the packages the source names are imported at the service's priority, and then the source's own code,
