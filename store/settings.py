@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     # Per-tenant API bounds (429 + Retry-After past them). "per tenant" caps are shared by every API
     # process when REDIS_URL is set, else they hold per process; "per process" caps are local.
     max_file_storage_bytes_per_tenant: int = Field(
-        2 * 1024**3,
+        100 * 1024**3,  # checkpoints count: one of a 135M model with its optimizer state is 2.2 GB
         validation_alias=_env("MAX_FILE_STORAGE_BYTES_PER_TENANT"),
         description="Sum of a tenant's uploaded files' and checkpoints' sizes (an upload past it is a 413, a job "
         "submitted at it a 409, a checkpoint past it fails its job)",

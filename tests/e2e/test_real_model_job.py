@@ -73,7 +73,7 @@ def test_a_gspo_job_on_smollm2_completes_over_http(smollm2_dir, tmp_path):
                 pass
             done = c.get_job(job["id"])
             log = (tmp_path / "worker.log").read_text()[-3000:]
-            assert done["status"] == "succeeded", (done, log)
+            assert done["status"] == "succeeded", (done["error"], log)
             metrics = c.metrics(job["id"])
             assert [m["step"] for m in metrics] == [1, 2]
             first, second = metrics[0]["metrics"], metrics[1]["metrics"]
