@@ -182,7 +182,9 @@ def test_one_tenants_slow_receivers_do_not_hold_the_others_deliveries(
     client, app, settings, auth, other_auth, uploaded, toy_dataset, model_name
 ):
     """Tenant A's four endpoints (as many as the sender's threads) each take a second to answer, and its
-    deliveries are older; tenant B's is sent at once, on a free thread, while A has one in flight."""
+    deliveries are older; tenant B's is sent on a free thread before A's are done, and A never has more than
+    one in flight (on a loaded machine B's may come after A's first answer: the count of A's sent is not
+    the property, their concurrency is)."""
     other_file = client.post("/v1/files", files={"file": ("toy.jsonl", toy_dataset)}, headers=other_auth).json()
     with Receiver((200,), delay=1.0) as slow, Receiver((200,)) as fast:
         for _ in range(4):
@@ -199,7 +201,8 @@ def test_one_tenants_slow_receivers_do_not_hold_the_others_deliveries(
             while not fast.hits:
                 assert time.monotonic() < deadline, "tenant B's delivery was not sent"
                 time.sleep(0.01)
-            assert len(slow.hits) == 1, "tenant A had more than one delivery in flight, or none"
+            assert 1 <= len(slow.hits) < 4, "tenant B's delivery waited for all of tenant A's"
+            assert slow.most_at_once == 1, "tenant A had more than one delivery in flight"
         finally:
             stop.set()
             thread.join(10)
