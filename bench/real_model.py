@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,27 +21,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.real_trainers import TASKS, TRAINERS, RealWorkload
+from bench.run import child_run
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _child(trainer: str, w: RealWorkload, root: str, engine: str) -> dict:
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "TORCHDYNAMO_DISABLE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-    }
-    cmd = [sys.executable, "-m", "bench.real_model", "--one", trainer, "--workload", w.to_json()]
-    cmd += ["--root", root, "--engine", engine]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
-    lines = [x for x in proc.stdout.splitlines() if x.startswith('{"trainer"')]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{trainer} run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return child_run("bench.real_model", trainer, ["--workload", w.to_json(), "--root", root, "--engine", engine])
 
 
 def run_one(trainer: str, w: RealWorkload, root: Path, engine: str) -> dict:

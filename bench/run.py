@@ -45,7 +45,8 @@ TRAINERS = (*OURS, *TRL)
 RATIOS = (("ours", "trl", ""), ("ours", "trl-keepmem", "_keepmem"), ("ours-bf16", "trl-bf16", "_bf16"))
 
 
-def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
+def child_run(module: str, trainer: str, args: list[str]) -> dict:
+    """``python -m <module> --one <trainer> <args>`` in a fresh process (clean memory numbers): its result line."""
     # No VLLM_CPU_KVCACHE_SPACE: our trainer sizes vLLM's CPU KV cache to the job (vllm_engine.cpu_kv_cache).
     env = {
         **os.environ,
@@ -56,26 +57,17 @@ def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_HOST_IP": "127.0.0.1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.run",
-        "--one",
-        trainer,
-        "--workload",
-        w.to_json(),
-        "--root",
-        root,
-        "--engine",
-        engine,
-        "--trl-engine",
-        trl_engine,
-    ]
+    cmd = [sys.executable, "-m", module, "--one", trainer, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     lines = [x for x in proc.stdout.splitlines() if x.startswith('{"trainer"')]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{trainer} run failed:\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1])
+
+
+def _child(trainer: str, w: Workload, root: str, engine: str, trl_engine: str) -> dict:
+    args = ["--workload", w.to_json(), "--root", root, "--engine", engine, "--trl-engine", trl_engine]
+    return child_run("bench.run", trainer, args)
 
 
 def summarize(runs: list[dict]) -> dict:
