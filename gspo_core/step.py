@@ -42,12 +42,12 @@ import torch
 
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
 from gspo_core.agents.episodes import EpisodeSettings, run_episodes
-from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
+from gspo_core.batching import lengths_N, micro_batches, minibatches
 from gspo_core.config import GSPOConfig
-from gspo_core.distributed import Ranks, clip_grad_norm, everywhere, gather, merge_loss_metrics, most
+from gspo_core.distributed import gather, merge_loss_metrics, most
 from gspo_core.losses import LossMetrics
-from gspo_core.packing import PackedBatch, SharedPrefixBatch
-from gspo_core.policy import Policy, checkpoint_weights, completion_logprobs, export_weights
+from gspo_core.policy import Policy, checkpoint_weights, export_weights
+from gspo_core.primitives.core import PolicyState, loss_backward, optimizer_update
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import sample_for, transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec, WeightSink
@@ -116,49 +116,6 @@ class OldLogprobs:
     logp_NT: torch.Tensor
     first_on_policy: bool
     verify: bool = False
-
-
-@dataclass
-class PolicyState:
-    """The policy's training state: the model, its optimizer and LR schedule, the autocast dtype of its
-    forwards (None: fp32), and the pad token id of its batches. In the trainer the model is sharded over
-    ``ranks`` and ``sharded`` is its FSDP root (`gspo_core.distributed.ShardedPolicy`), whose forward is
-    :func:`completion_logprobs`; each rank runs its share of every batch's rows."""
-
-    model: Policy
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    amp: torch.dtype | None
-    pad_id: int
-    sharded: torch.nn.Module | None = None
-    ranks: Ranks = field(default_factory=lambda: Ranks(0, 1))
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def logprobs(self, batch, temperature: float, with_entropy: bool = False):
-        """:func:`completion_logprobs` of ``batch`` by the current weights (through the FSDP root when sharded)."""
-        if self.sharded is not None:
-            return self.sharded(batch, temperature, self.amp, with_entropy)
-        if with_entropy:
-            return completion_logprobs(self.model, batch, temperature, self.amp, with_entropy=True)
-        return completion_logprobs(self.model, batch, temperature, self.amp)
-
-    def pack(
-        self, completions: list[Completion], idx: torch.Tensor, cfg: GSPOConfig
-    ) -> PackedBatch | SharedPrefixBatch:
-        """Rows ``idx`` as one forward batch (`gspo_core.batching.pack`), on the policy's device. The ranks' forwards
-        must call the same modules in the same order (FSDP gathers each as it runs): the rows share prompt
-        passes only where every rank's do."""
-        batch = pack(completions, idx, self.pad_id, cfg)
-        if not everywhere(isinstance(batch, SharedPrefixBatch), self.ranks):
-            batch = pack(completions, idx, self.pad_id, cfg, share=False)
-        return batch.to(self.device)
-
-    def share(self, rows_B: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous share of ``rows_B`` (all of them on one rank)."""
-        return torch.tensor_split(rows_B, self.ranks.world)[self.ranks.rank]
 
 
 @dataclass(frozen=True)
@@ -410,8 +367,6 @@ def update(
     still the ones that sampled (:func:`recompute_old_logprobs`), and the result says so
     (``sampler_rejected``): the step is then exactly a ``recompute`` step.
     """
-    # The optimizer's own: a sharded module's registered parameters are the gathered ones after a no-grad forward.
-    params = [param for group in policy.optimizer.param_groups for param in group["params"]]
     per_update: dict[str, list[float]] = {}
     extra: dict[str, float] = {}
     rejected = False
@@ -431,13 +386,11 @@ def update(
                         old = recompute_old_logprobs(policy, rollout, plan, cfg)
                     extra.update({"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(rejected)})
         else:
-            metrics = {"loss": 0.0}
-            for param in params:
-                param.grad = torch.zeros_like(param)
-        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)
+            metrics = {"loss": 0.0}  # an empty mini-batch steps AdamW with zero gradients (optimizer_update)
         extra["lr"] = policy.optimizer.param_groups[0]["lr"]  # the rate this update used
-        policy.optimizer.step()
-        policy.scheduler.step()
+        grad_norm = optimizer_update(policy, cfg.max_grad_norm)
+        if policy.scheduler is not None:
+            policy.scheduler.step()
         for name, value in {**metrics, "grad_norm": float(grad_norm)}.items():
             per_update.setdefault(name, []).append(value)
     means = {name: sum(values) / len(values) for name, values in per_update.items()}
@@ -476,17 +429,20 @@ def _minibatch_grads(
     micros += [rows[:0]] * (most(len(micros), policy.ranks) - len(micros))
     for micro_rows in micros:
         scale = len(micro_rows) / n_rows
-        batch = policy.pack(rollout.completions, micro_rows if len(micro_rows) else rows[:1], cfg)
-        micro_logp_BT, entropy = policy.logprobs(batch, cfg.temperature, with_entropy=True)
-        device, stand_in = micro_logp_BT.device, micro_rows if len(micro_rows) else rows[:1]
-        old_BT = micro_logp_BT.detach() if on_policy else old.logp_NT[stand_in][:, : micro_logp_BT.size(1)].to(device)
-        loss, loss_metrics = loss_fn(
-            micro_logp_BT, old_BT, adv_N[stand_in].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
-        )
-        (loss * scale).backward()
+        stand_in = micro_rows if len(micro_rows) else rows[:1]
+        batch = policy.pack(rollout.completions, stand_in, cfg)
+
+        def loss_of(logp_BT: torch.Tensor, stand_in: torch.Tensor = stand_in, mask_BT: torch.Tensor = batch.mask_BT):
+            device = logp_BT.device
+            old_BT = logp_BT.detach() if on_policy else old.logp_NT[stand_in][:, : logp_BT.size(1)].to(device)
+            adv = adv_N[stand_in].to(device)
+            return loss_fn(logp_BT, old_BT, adv, mask_BT, cfg.clip_eps_low, cfg.clip_eps_high)
+
+        done = loss_backward(policy, batch, loss_of, scale, cfg.temperature)
         if not len(micro_rows):
             continue
-        metrics.add(loss, loss_metrics, entropy, batch.mask_BT, len(micro_rows))
+        micro_logp_BT = done.logp_BT
+        metrics.add(done.loss, done.metrics, done.entropy, batch.mask_BT, len(micro_rows))
         if logp_BT is not None and mask_BT is not None:  # first
             span, micro_width = slice(filled, filled + len(micro_rows)), micro_logp_BT.size(1)
             logp_BT[span, :micro_width] = micro_logp_BT.detach().cpu()

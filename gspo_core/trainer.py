@@ -141,6 +141,7 @@ class Trainer:
             amp = autocast_dtype(self.cfg, self.device)
             self.sharded = shard(model, self.device, amp, self.ranks)
             optimizer, scheduler = make_optimizer(model, self.cfg)
+            self.scheduler = scheduler
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
             )
@@ -253,7 +254,7 @@ class Trainer:
 
     def resume(self, ckpt_dir: str) -> None:
         state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir, self.ranks)
+        self.step = restore(self.model, self.policy.optimizer, self.scheduler, state, ckpt_dir, self.ranks)
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
@@ -432,7 +433,7 @@ class Trainer:
                 self.model,
                 self.tokenizer,
                 self.policy.optimizer,
-                self.policy.scheduler,
+                self.scheduler,
                 self.ranks,
                 extra={"data": self.data_state()},
             )

@@ -7,6 +7,7 @@ import pytest
 
 import gspo_core.trainer
 from gspo_core import step as phases
+from gspo_core.primitives import core as policy_core
 from gspo_core.registry import LOSSES
 from tests.core.test_old_logprobs import BiasedSampler
 from tests.core.trainer_support import UPDATE_CFG, Recorder, Trainer, one_torch_thread, toy_spec, update_step
@@ -97,7 +98,7 @@ def test_a_minibatchs_metrics_come_from_the_loss_evaluations_of_its_gradient(sam
     counted.ratio_unit = real.ratio_unit
     monkeypatch.setitem(LOSSES._items, "gspo", counted)
     forwards = []
-    forward = phases.completion_logprobs
+    forward = policy_core.completion_logprobs
 
     def counted_forward(model, batch, *a, **kw):
         import torch
@@ -106,7 +107,7 @@ def test_a_minibatchs_metrics_come_from_the_loss_evaluations_of_its_gradient(sam
             forwards.append(batch.target_BT.size(0))
         return forward(model, batch, *a, **kw)
 
-    monkeypatch.setattr(phases, "completion_logprobs", counted_forward)
+    monkeypatch.setattr(policy_core, "completion_logprobs", counted_forward)
     _, metrics, _ = update_step(sampled, UPDATE_CFG.model_copy(update={"micro_batch_tokens": budget}))
     assert len(evaluations) == len(forwards) >= UPDATE_CFG.mini_batches and all(evaluations)
     assert (len(forwards) > UPDATE_CFG.mini_batches) == (budget > 0)
