@@ -165,7 +165,7 @@ def micro_batches(examples: list[Example], budget: int) -> Iterator[list[Example
 
 
 class SFTTrainer(Trainer):
-    """Supervised fine-tuning through the GSPO trainer's loop, checkpoints and resume (`gspo_core.trainer._loop`):
+    """Supervised fine-tuning through the GSPO trainer's loop, checkpoints and resume (`gspo_core.loop.run`):
     its own set-up (no rollout engine, no reward), step and evaluation. A step is one optimizer update on
     ``prompts_per_step`` rows: the mean negative log-likelihood over their trained tokens."""
 

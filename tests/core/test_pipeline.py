@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import gspo_core.trainer
+import gspo_core.loop
 from gspo_core import step as phases
 from gspo_core.primitives import core as policy_core
 from gspo_core.registry import LOSSES
@@ -40,7 +40,7 @@ def test_a_step_runs_its_phases_once_each_in_order_and_times_each(tiny_model_dir
     trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2), rec)
     calls.clear()  # resume/start-up pushes are not a step's
     try:
-        gspo_core.trainer._loop(trainer)
+        gspo_core.loop.run(trainer)
     finally:
         trainer.close()
     assert calls == PHASES * 2
@@ -68,7 +68,7 @@ def test_a_failed_sampler_check_is_returned_and_kept_as_trainer_state(tiny_model
     trainer.engine = BiasedSampler(trainer.engine, 1e-3)
     try:
         assert trainer.sampler_trusted and phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "auto"
-        gspo_core.trainer._loop(trainer)
+        gspo_core.loop.run(trainer)
         assert not trainer.sampler_trusted
         assert trainer.cfg is spec.hyperparameters and trainer.cfg.old_logprobs == "auto"
         assert phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "recompute"
