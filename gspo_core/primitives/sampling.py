@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from gspo_core.distributed import gather_state_dict
 from gspo_core.policy import disable_dropout, export_weights
 from gspo_core.primitives.types import SampledSequence, SamplingParams
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
@@ -110,7 +109,7 @@ class SamplingSession:
     def take_weights(self, training: TrainingSession) -> None:
         """``training``'s current weights into this engine (vLLM: its weight-transfer push; transformers: a copy)."""
         policy = training.policy
-        state = gather_state_dict(policy.model)
+        state = training.full_state()
         if self.model is not None:
             weights = dict(export_weights(policy.model, state))
             self.model.load_state_dict({name: tensor.to(self.model.device) for name, tensor in weights.items()})

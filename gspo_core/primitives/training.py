@@ -11,7 +11,17 @@ import torch
 
 from gspo_core.config import GSPOConfig
 from gspo_core.datum_losses import LossInputs, config_for, merge_metrics
-from gspo_core.distributed import join_group, load_sharded, save_sharded, shard
+from gspo_core.distributed import (
+    broadcast,
+    gather,
+    gather_state_dict,
+    join_group,
+    load_sharded,
+    local_device,
+    most,
+    save_sharded,
+    shard,
+)
 from gspo_core.packing import PackedBatch
 from gspo_core.policy import autocast_dtype, load_policy, save_hf
 from gspo_core.primitives.core import PolicyState, loss_backward, optimizer_update
@@ -78,7 +88,12 @@ def micro_batches(data: list[Datum], budget: int) -> list[list[Datum]]:
 
 class TrainingSession:
     """A model in training: every call is one primitive (a forward-backward, an optimizer step, a save), each
-    going through the code path the GSPO job loop's update takes (`gspo_core.primitives.core`)."""
+    going through the code path the GSPO job loop's update takes (`gspo_core.primitives.core`).
+
+    Rank-aware in one place: on N ranks (FSDP2 over torchrun's group) rank 0 is the session its caller drives,
+    and every public call first hands its name and arguments to the other ranks, which run :meth:`follow`
+    until rank 0 closes; each call then runs on every rank, each on its share of the rows.
+    """
 
     def __init__(self, policy: PolicyState, tokenizer: PreTrainedTokenizerBase, micro_batch_tokens: int) -> None:
         self.policy, self.tokenizer, self.micro_batch_tokens = policy, tokenizer, micro_batch_tokens
@@ -95,7 +110,8 @@ class TrainingSession:
         micro_batch_tokens: int = MICRO_BATCH_TOKENS,
         precision: str = "auto",
     ) -> TrainingSession:
-        """Load ``model_path`` (a local HF directory or a hub id) for full fine-tuning, or with ``lora``'s adapter."""
+        """Load ``model_path`` (a local HF directory or a hub id) for full fine-tuning, or with ``lora``'s adapter;
+        under torchrun, on every rank (each its shards)."""
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
@@ -105,54 +121,110 @@ class TrainingSession:
             if lora.target_modules:
                 lora_fields["lora_target_modules"] = list(lora.target_modules)
         cfg = GSPOConfig.model_validate({"seed": seed, "precision": precision, **lora_fields})
-        torch_device = torch.device(device) if device else _default_device()
+        torch_device = torch.device(device) if device else local_device()
         ranks = join_group(torch_device)
         model, tokenizer = load_policy(model_path, cfg, torch_device)
         amp = autocast_dtype(cfg, torch_device)
         sharded = shard(model, torch_device, amp, ranks)
+        # After sharding: the optimizer takes each rank's shards.
         params = [param for param in model.parameters() if param.requires_grad]
         fused = all(param.device.type in ("cpu", "cuda") for param in params)
         optimizer = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=fused)
         policy = PolicyState(model, optimizer, None, amp, tokenizer.pad_token_id, sharded, ranks)
         return cls(policy, tokenizer, micro_batch_tokens)
 
+    # --- the calls rank 0's caller makes -------------------------------------------------------------------
+
     def forward(self, data: list[Datum], loss: str, loss_config: dict | None = None) -> ForwardBackwardOutput:
         """The loss and log-probs of ``data`` by the current weights, with no gradient."""
-        with torch.no_grad():
-            return self._run(data, loss, loss_config, backward=False)
+        _check(data, _loss(loss), loss_config)
+        return self._lead("_run", data, loss, loss_config, False)
 
     def forward_backward(self, data: list[Datum], loss: str, loss_config: dict | None = None) -> ForwardBackwardOutput:
         """The same, and the loss's gradient added to those of earlier calls since the last :meth:`optim_step`."""
-        return self._run(data, loss, loss_config, backward=True)
-
-    def _run(self, data: list[Datum], loss: str, loss_config: dict | None, backward: bool) -> ForwardBackwardOutput:
-        loss_fn = _loss(loss)
-        config = config_for(loss_fn, loss_config)
-        _check(data, loss_fn)
-        policy = self.policy
-        metrics: dict[str, float] = {}
-        logprobs: list[list[float]] = []
-        for part in micro_batches(data, self.micro_batch_tokens):
-            batch = datum_batch(part, policy.pad_id).to(policy.device)
-            inputs = loss_inputs(part, policy.device)
-
-            def loss_of(logp_BT, inputs=inputs):
-                return loss_fn(logp_BT, inputs, config)
-
-            if backward:
-                done = loss_backward(policy, batch, loss_of)
-                logp_BT, part_metrics = done.logp_BT, done.metrics
-            else:
-                logp_BT = policy.logprobs(batch, 1.0)
-                part_metrics = loss_of(logp_BT)[1]
-            merge_metrics(metrics, part_metrics)
-            logprobs += [logp_BT[row, : len(datum.tokens)].float().cpu().tolist() for row, datum in enumerate(part)]
-        return ForwardBackwardOutput(logprobs=logprobs, metrics=metrics)
+        _check(data, _loss(loss), loss_config)
+        return self._lead("_run", data, loss, loss_config, True)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """One AdamW step with ``adam``'s settings over the gradients accumulated since the last; zeroes them."""
         if adam.learning_rate < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1 or adam.eps < 0:
             raise ValueError(f"adam: invalid settings {adam}")
+        return self._lead("_optim_step", adam)
+
+    def save_state(self, path: str, *, optimizer: bool = True) -> None:
+        """The trainable weights (and the optimizer's state) under ``path``, each rank its shards."""
+        self._lead("_save_state", path, optimizer)
+
+    def load_state(self, path: str, *, optimizer: bool = True) -> None:
+        """Weights (and the optimizer's state) saved by :meth:`save_state`, at any number of ranks."""
+        if not (Path(path) / "trainer" / ".metadata").is_file():
+            raise FileNotFoundError(f"path: {path} holds no saved training state")
+        self._lead("_load_state", path, optimizer)
+
+    def export_hf(self, path: str) -> None:
+        """A Hugging Face directory transformers and vLLM load as is (LoRA: merged, the adapter in ``adapter/``)."""
+        self._lead("_export_hf", path)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict (its own names) on rank 0, gathered from every rank's shards."""
+        return self._lead("_full_state")
+
+    def close(self) -> None:
+        """Drop the optimizer's state and the gradients, and release the other ranks from :meth:`follow`."""
+        self._lead("_close")
+
+    # --- every rank ----------------------------------------------------------------------------------------
+
+    def _lead(self, name: str, *args):
+        """Rank 0: hand the call to the other ranks (they run it too), then run it."""
+        if self.policy.ranks.world > 1:
+            broadcast((name, args), self.policy.ranks)
+        return getattr(self, name)(*args)
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: run rank 0's calls as they come, until it closes the session."""
+        while True:
+            call: tuple[str, tuple] = broadcast(None, self.policy.ranks)
+            name, args = call
+            getattr(self, name)(*args)
+            if name == "_close":
+                return
+
+    def _run(self, data: list[Datum], loss: str, loss_config: dict | None, backward: bool) -> ForwardBackwardOutput:
+        """Each rank its contiguous share of the rows, a micro-batch at a time; every rank runs as many forwards
+        (they are collective), a rank out of rows on a stand-in row whose loss counts 0."""
+        loss_fn, policy = _loss(loss), self.policy
+        config = config_for(loss_fn, loss_config)
+        share = torch.tensor_split(torch.arange(len(data)), policy.ranks.world)[policy.ranks.rank].tolist()
+        parts = [part for part in micro_batches([data[i] for i in share], self.micro_batch_tokens) if part]
+        parts += [[]] * (most(len(parts), policy.ranks) - len(parts))
+        metrics: dict[str, float] = {}
+        logprobs: list[list[float]] = []
+        for part in parts:
+            rows = part or data[:1]
+            batch = datum_batch(rows, policy.pad_id).to(policy.device)
+            inputs = loss_inputs(rows, policy.device)
+
+            def loss_of(logp_BT, inputs=inputs):
+                return loss_fn(logp_BT, inputs, config)
+
+            if backward:
+                done = loss_backward(policy, batch, loss_of, scale=1.0 if part else 0.0)
+                logp_BT, part_metrics = done.logp_BT, done.metrics
+            else:
+                with torch.no_grad():
+                    logp_BT = policy.logprobs(batch, 1.0)
+                    part_metrics = loss_of(logp_BT)[1]
+            if part:
+                merge_metrics(metrics, part_metrics)
+                logprobs += [logp_BT[row, : len(d.tokens)].float().cpu().tolist() for row, d in enumerate(part)]
+        everyone = gather((logprobs, metrics), policy.ranks)  # in rank order: the shares are contiguous
+        merged: dict[str, float] = {}
+        for _, rank_metrics in everyone:
+            merge_metrics(merged, rank_metrics)
+        return ForwardBackwardOutput(logprobs=[row for rank_rows, _ in everyone for row in rank_rows], metrics=merged)
+
+    def _optim_step(self, adam: AdamParams) -> dict[str, float]:
         for group in self.policy.optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
@@ -161,35 +233,27 @@ class TrainingSession:
         self.steps += 1
         return {"grad_norm": grad_norm, "learning_rate": adam.learning_rate}
 
-    def save_state(self, path: str, *, optimizer: bool = True) -> None:
-        """The trainable weights (and the optimizer's state) under ``path``, each rank its shards."""
+    def _save_state(self, path: str, optimizer: bool) -> None:
         save_sharded(self.policy.model, self.policy.optimizer, Path(path) / "trainer", with_optimizer=optimizer)
-        torch.save({"steps": self.steps}, Path(path) / "session.pt")
+        if self.policy.ranks.main:
+            torch.save({"steps": self.steps}, Path(path) / "session.pt")
 
-    def load_state(self, path: str, *, optimizer: bool = True) -> None:
-        """Weights (and the optimizer's state) saved by :meth:`save_state`, at any number of ranks."""
-        if not (Path(path) / "trainer" / ".metadata").is_file():
-            raise FileNotFoundError(f"path: {path} holds no saved training state")
+    def _load_state(self, path: str, optimizer: bool) -> None:
         load_sharded(self.policy.model, self.policy.optimizer, Path(path) / "trainer", with_optimizer=optimizer)
         if optimizer:
             self.steps = int(torch.load(Path(path) / "session.pt")["steps"])
 
-    def export_hf(self, path: str) -> None:
-        """A Hugging Face directory transformers and vLLM load as is (LoRA: merged, the adapter in ``adapter/``)."""
-        from gspo_core.distributed import gather_state_dict
-
+    def _export_hf(self, path: str) -> None:
         state = gather_state_dict(self.policy.model)
         if self.policy.ranks.main:
             save_hf(self.policy.model, self.tokenizer, Path(path), state, adapter_dir=Path(path) / "adapter")
 
-    def close(self) -> None:
-        """Drop the optimizer's state and the gradients (the model goes with the session's last reference)."""
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        return gather_state_dict(self.policy.model)
+
+    def _close(self) -> None:
         self.policy.optimizer.state.clear()
         self.policy.optimizer.zero_grad(set_to_none=True)
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _loss(name: str):
@@ -199,7 +263,9 @@ def _loss(name: str):
         raise ValueError(f"loss: unknown {name!r}; known: {', '.join(DATUM_LOSSES.names())}") from None
 
 
-def _check(data: list[Datum], loss_fn) -> None:
+def _check(data: list[Datum], loss_fn, loss_config: dict | None) -> None:
+    """Refuse a call rank 0's caller got wrong before any rank runs it, naming the field."""
+    config_for(loss_fn, loss_config)
     if not data:
         raise ValueError("data: empty")
     for index, datum in enumerate(data):

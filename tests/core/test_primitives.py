@@ -313,3 +313,38 @@ def test_gspo_through_the_primitives_is_the_job_loops_update(sampled):
         torch.testing.assert_close(a, b, atol=0.02 * cfg.learning_rate, rtol=0, msg=name)
     moved = max(float((a - b).abs().max()) for a, b in zip(model0.parameters(), model.parameters(), strict=True))
     assert moved > 0.5 * cfg.learning_rate  # the step trained
+
+
+@pytest.mark.slow
+def test_two_ranks_follow_rank_zero_to_the_weights_of_one(tiny_model_dir, tmp_path):
+    """Rank 1 runs rank 0's calls (FSDP2 over gloo, each rank its share of the rows): the same losses, log-probs
+    and exported weights as one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tests.core.primitives_ranks import loop
+    from tests.core.trainer_support import THREAD_ENV
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    loop(TrainingSession.create(str(tiny_model_dir), device="cpu"), tmp_path / "one")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "tests.core.primitives_ranks", str(tiny_model_dir), str(tmp_path / "two")]
+    env = {**os.environ, **THREAD_ENV, "PYTHONPATH": str(root)}
+    run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("one", "two"))
+    for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in a), (a, b)
+    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    want, got = (load_file(str(tmp_path / d / "hf" / "model.safetensors")) for d in ("one", "two"))
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(want[name], got[name], atol=1e-5, rtol=0, msg=name)
