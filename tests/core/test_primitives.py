@@ -348,3 +348,31 @@ def test_two_ranks_follow_rank_zero_to_the_weights_of_one(tiny_model_dir, tmp_pa
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(want[name], got[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.vllm
+def test_vllm_sampling_session_scores_as_the_trainer_and_takes_its_weights(session, tiny_model_dir):
+    pytest.importorskip("vllm")
+    sampler = SamplingSession.create(str(tiny_model_dir), engine="vllm", max_model_len=64)
+    try:
+        prompt = session.tokenizer("say a:", add_special_tokens=False)["input_ids"]
+        seqs = sampler.sample(prompt, 2, SamplingParams(max_tokens=5, seed=0))
+        assert len(seqs) == 2 and all(len(s.tokens) == len(s.logprobs) >= 1 for s in seqs)
+        tokens = prompt + seqs[0].tokens
+        datum = Datum(tokens=tokens[:-1], target_tokens=tokens[1:], weights=[1.0] * (len(tokens) - 1))
+        trainer_logprobs = session.forward([datum], "cross_entropy").logprobs[0]
+        scored = sampler.compute_logprobs(tokens)
+        assert scored[0] is None
+        torch.testing.assert_close(torch.tensor(scored[1:]), torch.tensor(trainer_logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(seqs[0].logprobs), torch.tensor(trainer_logprobs[len(prompt) - 1 :]), atol=1e-4, rtol=0
+        )
+        session.forward_backward([datum], "cross_entropy")
+        session.optim_step(AdamParams(learning_rate=5e-2))
+        trained = session.forward([datum], "cross_entropy").logprobs[0]
+        sampler.take_weights(session)  # the push: vLLM's weight-transfer API, no disk
+        torch.testing.assert_close(
+            torch.tensor(sampler.compute_logprobs(tokens)[1:]), torch.tensor(trained), atol=1e-4, rtol=0
+        )
+    finally:
+        sampler.close()
