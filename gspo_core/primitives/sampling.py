@@ -60,8 +60,14 @@ class SamplingSession:
             raise ValueError("n and params.max_tokens: must be at least 1")
         if params.top_k not in (-1, 0):
             raise ValueError("params.top_k: not supported (-1 only)")
+        token_stops = tuple(stop for stop in params.stop or () if isinstance(stop, int))
         spec = SamplingSpec(
-            n=n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
+            n=n,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop_token_ids=token_stops,  # the engine stops there; stop strings are cut after sampling
         )
         self.engine.wake()
         completions = self.engine.generate([list(prompt_tokens)], spec)[0]

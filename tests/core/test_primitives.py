@@ -235,6 +235,9 @@ def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session,
     first = seqs[0].tokens[0]
     cut = sampler.sample(prompt, 3, SamplingParams(max_tokens=5, seed=0, stop=[first]))
     assert cut[0].tokens == [first] and cut[0].stop_reason == "stop"
+    text = session.tokenizer.decode(seqs[0].tokens[:2])
+    by_text = sampler.sample(prompt, 3, SamplingParams(max_tokens=5, seed=0, stop=[text]))
+    assert by_text[0].tokens == seqs[0].tokens[:2] and by_text[0].stop_reason == "stop"
     # sampler log-probs are the trainer's of the same tokens (temperature 1, top_p 1)
     tokens = prompt + seqs[0].tokens
     scored = sampler.compute_logprobs(tokens)
