@@ -23,7 +23,7 @@ from gspo_core.distributed import (
     shard,
 )
 from gspo_core.packing import PackedBatch
-from gspo_core.policy import autocast_dtype, load_policy, save_hf
+from gspo_core.policy import autocast_dtype, base_model, load_policy, save_hf
 from gspo_core.primitives.core import PolicyState, loss_backward, optimizer_update
 from gspo_core.primitives.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 from gspo_core.registry import DATUM_LOSSES
@@ -137,12 +137,12 @@ class TrainingSession:
 
     def forward(self, data: list[Datum], loss: str, loss_config: dict | None = None) -> ForwardBackwardOutput:
         """The loss and log-probs of ``data`` by the current weights, with no gradient."""
-        _check(data, _loss(loss), loss_config)
+        self._check(data, loss, loss_config)
         return self._lead("_run", data, loss, loss_config, False)
 
     def forward_backward(self, data: list[Datum], loss: str, loss_config: dict | None = None) -> ForwardBackwardOutput:
         """The same, and the loss's gradient added to those of earlier calls since the last :meth:`optim_step`."""
-        _check(data, _loss(loss), loss_config)
+        self._check(data, loss, loss_config)
         return self._lead("_run", data, loss, loss_config, True)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
@@ -172,6 +172,19 @@ class TrainingSession:
     def close(self) -> None:
         """Drop the optimizer's state and the gradients, and release the other ranks from :meth:`follow`."""
         self._lead("_close")
+
+    def _check(self, data: list[Datum], loss: str, loss_config: dict | None) -> None:
+        """Refuse a call rank 0's caller got wrong before any rank runs it, naming the field."""
+        loss_fn = _loss(loss)
+        config_for(loss_fn, loss_config)
+        if not data:
+            raise ValueError("data: empty")
+        vocab_size = base_model(self.policy.model).get_input_embeddings().weight.shape[0]
+        for index, datum in enumerate(data):
+            datum.check(index, vocab_size)
+            for name in loss_fn.needs:
+                if getattr(datum, name) is None:
+                    raise ValueError(f"data[{index}].{name}: this loss needs it")
 
     # --- every rank ----------------------------------------------------------------------------------------
 
@@ -261,15 +274,3 @@ def _loss(name: str):
         return DATUM_LOSSES.get(name)
     except KeyError:
         raise ValueError(f"loss: unknown {name!r}; known: {', '.join(DATUM_LOSSES.names())}") from None
-
-
-def _check(data: list[Datum], loss_fn, loss_config: dict | None) -> None:
-    """Refuse a call rank 0's caller got wrong before any rank runs it, naming the field."""
-    config_for(loss_fn, loss_config)
-    if not data:
-        raise ValueError("data: empty")
-    for index, datum in enumerate(data):
-        datum.check(index)
-        for name in loss_fn.needs:
-            if getattr(datum, name) is None:
-                raise ValueError(f"data[{index}].{name}: this loss needs it")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -23,14 +24,20 @@ class Datum:
     advantages: list[float] | None = None
     mask: list[float] | None = None
 
-    def check(self, index: int) -> None:
-        """Refuse a row whose per-position lists do not match its tokens, naming the field."""
+    def check(self, index: int, vocab_size: int) -> None:
+        """Refuse a row whose per-position lists do not match its tokens, whose token ids are not the model's,
+        or whose numbers are not finite, naming the field."""
         if not self.tokens:
             raise ValueError(f"data[{index}].tokens: empty")
+        for name in ("tokens", "target_tokens"):
+            if any(not 0 <= token < vocab_size for token in getattr(self, name)):
+                raise ValueError(f"data[{index}].{name}: token ids must lie in [0, {vocab_size})")
         for name in ("target_tokens", "weights", "logprobs", "advantages", "mask"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.tokens):
                 raise ValueError(f"data[{index}].{name}: {len(values)} values for {len(self.tokens)} tokens")
+            if name != "target_tokens" and values is not None and not all(math.isfinite(v) for v in values):
+                raise ValueError(f"data[{index}].{name}: values must be finite")
 
 
 @dataclass(frozen=True)

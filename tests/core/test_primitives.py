@@ -165,6 +165,11 @@ def test_unknown_loss_config_key_and_missing_inputs_are_named(session):
         session.forward_backward([bare], "importance_sampling")
     with pytest.raises(ValueError, match=r"data\[0\]\.target_tokens"):
         session.forward([Datum(tokens=[1, 2, 3], target_tokens=[2, 3], weights=[1, 1, 1])], "cross_entropy")
+    with pytest.raises(ValueError, match=r"data\[0\]\.tokens: token ids must lie in \[0, 102\)"):
+        session.forward([Datum(tokens=[1, 102], target_tokens=[2, 3], weights=[1, 1])], "cross_entropy")
+    nan = replace(datum, advantages=[float("nan")] * len(datum.tokens))
+    with pytest.raises(ValueError, match=r"data\[0\]\.advantages: values must be finite"):
+        session.forward_backward([nan], "ppo")
 
 
 def test_state_round_trip_resumes_exactly(session, tmp_path, tiny_model_dir):
