@@ -117,6 +117,8 @@ class TrainingSession:
         torch.manual_seed(seed)
         lora_fields: dict[str, object] = {}
         if lora is not None:
+            if lora.rank < 1:
+                raise ValueError("lora.rank: must be at least 1")
             lora_fields = {"lora_rank": lora.rank, "lora_alpha": float(lora.alpha or lora.rank)}
             if lora.target_modules:
                 lora_fields["lora_target_modules"] = list(lora.target_modules)

@@ -227,6 +227,8 @@ def test_lora_session_trains_only_its_adapter(tiny_model_dir, tmp_path):
     assert lora.forward([datum], "cross_entropy").metrics["loss:sum"] < before
     lora.export_hf(str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "adapter").is_dir()
+    with pytest.raises(ValueError, match=r"lora\.rank"):
+        TrainingSession.create(str(tiny_model_dir), lora=LoraSpec(rank=0), device="cpu")
 
 
 def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session, tiny_model_dir):
