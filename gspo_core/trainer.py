@@ -391,7 +391,7 @@ class Trainer:
         self.sampler_trusted = False
         self.log(
             f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
-            f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on"
+            f"log-ratio (tolerance {self.cfg.sampler_tolerance():.0e}); recomputing them from now on"
         )
 
     def evaluate(self) -> dict[str, float]:
