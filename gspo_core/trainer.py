@@ -30,7 +30,7 @@ from gspo_core.distributed import (
     local_device,
     shard,
 )
-from gspo_core.platform import RuntimeOptions
+from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
@@ -172,6 +172,7 @@ class Trainer:
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
             raise
+        after_startup()  # what loading freed is not kept (vLLM's start-up: ~0.2 GB on a 135M model, docs/bench.md)
         self.step = 0
         self.sampler_trusted = True
         #: What ends the step in flight early (rank 0's; `begin_step` renews it).
