@@ -29,6 +29,11 @@ RETIRED_FIELDS = frozenset(
 )
 
 
+#: The most `GSPOConfig.sampler_tolerance` defaults to, whatever the clip range: a sampler off by more
+#: (bf16's ~1e-3) is another policy's numbers, not rounding.
+MAX_DEFAULT_SAMPLER_TOL = 1e-4
+
+
 class GSPOConfig(BaseModel):
     """Hyperparameters of one GSPO run. Defaults follow Zheng et al. 2025 (GSPO).
 
@@ -123,13 +128,14 @@ class GSPOConfig(BaseModel):
         "forward; a step where some sequence's mean logprob differs by more than rollout_logprob_tol recomputes "
         "them before its first optimizer step, and the later steps recompute.",
     )
-    rollout_logprob_tol: float = Field(
-        default=1e-5,
+    rollout_logprob_tol: float | None = Field(
+        default=None,
         ge=0.0,
         le=1.0,
-        description="old_logprobs=auto: the largest accepted |mean over a sequence's "
-        "tokens of (trainer - sampler) logprob|, i.e. error in log s_i; 30x under the 3e-4 clip range. Same-"
-        "precision (fp32) samplers measure ~1e-7, bf16 ones ~1e-3.",
+        description="old_logprobs=auto: the largest accepted |mean over a sequence's tokens of (trainer - "
+        "sampler) logprob|, i.e. error in log s_i. Default (null): a tenth of the smaller clip range, at most "
+        "1e-4 (3e-5 at GSPO's 3e-4): such an error moves a sequence's ratio by 1/10 of the clip range at most. "
+        "fp32 samplers measure 1e-7 (toy) to 1.2e-5 (49k vocabulary), bf16 ones ~1e-3 (docs/algorithm.md).",
     )
     logprob_gap_every: int = Field(
         default=10,
@@ -235,6 +241,20 @@ class GSPOConfig(BaseModel):
         if not isinstance(spec.get("schema"), dict):
             raise ValueError("json_schema.schema: a JSON schema object")
         return value
+
+    def sampler_tolerance(self) -> float:
+        """``old_logprobs=auto``'s tolerance on the error in ``log s_i`` (`rollout_logprob_tol`, or its default).
+
+        Why the clip range and not the sequence length or the vocabulary: the check already measures the
+        sequence's mean over tokens, the very quantity in GSPO's ratio ``s_i = exp(mean log-ratio)``, so an
+        error ``d`` there scales ``s_i`` by ``exp(-d)``: the gradient's weight moves by ``d`` (relative) and
+        the clip boundaries by ``d`` in log-ratio, a share ``d / clip`` of the clip range. A tenth keeps the
+        sampler's log-probs where a fp32 sampler's rounding lies (1.2e-5 at a 49k vocabulary) and turns
+        bf16's ~1e-3 to the recompute; the 1e-4 cap keeps that so for GRPO's token-level 0.2.
+        """
+        if self.rollout_logprob_tol is not None:
+            return self.rollout_logprob_tol
+        return min(min(self.clip_eps_low, self.clip_eps_high) / 10, MAX_DEFAULT_SAMPLER_TOL)
 
     @classmethod
     def from_stored(cls, values: Mapping[str, Any]) -> GSPOConfig:

@@ -27,7 +27,7 @@ from gspo_core.distributed import (
     shard,
 )
 from gspo_core.loop import TrainResult, run
-from gspo_core.platform import RuntimeOptions
+from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
@@ -118,6 +118,7 @@ class Trainer:
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
             raise
+        after_startup()  # what loading freed is not kept (vLLM's start-up: ~0.2 GB on a 135M model, docs/bench.md)
         self.step = 0
         self.sampler_trusted = True
         #: What ends the step in flight early (rank 0's; `begin_step` renews it).
@@ -337,7 +338,7 @@ class Trainer:
         self.sampler_trusted = False
         self.log(
             f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
-            f"log-ratio (tolerance {self.cfg.rollout_logprob_tol:.0e}); recomputing them from now on"
+            f"log-ratio (tolerance {self.cfg.sampler_tolerance():.0e}); recomputing them from now on"
         )
 
     def evaluate(self) -> dict[str, float]:

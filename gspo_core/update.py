@@ -164,7 +164,7 @@ def update(
                 extra.update(_sampler_gap(logp_BT, [rollout.completions[i] for i in live], mask_BT))
                 if old.verify:
                     err = _sampler_error(old.logp_NT[live], logp_BT, mask_BT)
-                    rejected = err > cfg.rollout_logprob_tol
+                    rejected = err > cfg.sampler_tolerance()
                     if rejected:
                         old = recompute_old_logprobs(policy, rollout, plan, cfg)
                     extra.update({"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(rejected)})

@@ -8,6 +8,8 @@ of gspo_core only through the small interface below, chosen once per process (:f
   process-wide state itself.
 * ``prepare_job(devices)``: what the process owner adds once a job's device count is known (vLLM in
   its own processes at N > 1).
+* ``after_startup()``: what the trainer runs once its model and engine are built (the CPU gives back
+  the heap's free pages that start-up left).
 * ``in_vllm_process()``: what our vLLM plugin registers in each process vLLM starts.
 * ``vllm_engine_args(...)``: the vLLM constructor arguments this platform wants (KV block size and
   cache sizing, eager mode, chunked prefill, sleep mode), passed through vLLM's public ``LLM(...)``.
@@ -129,6 +131,10 @@ class Platform:
             args["enable_sleep_mode"] = True  # frees the KV cache and weights during the update
         return args
 
+    def after_startup(self) -> None:
+        """By the trainer, once its model, optimizer and rollout engine are built, before the first step:
+        where this platform keeps freed memory, what the start-up freed is given back. Nothing here."""
+
     def after_weight_update(self, model: Any) -> None:
         """Run by our weight-transfer engines in each vLLM worker after a push is loaded into ``model``
         (vLLM's model module): where this platform's vLLM needs a fix-up. None here."""
@@ -149,6 +155,11 @@ def current() -> Platform:
 def prepare_job(devices: int) -> list[str]:
     """:meth:`Platform.prepare_job` of :func:`current` (the job's process owner, once N is known)."""
     return current().prepare_job(devices)
+
+
+def after_startup() -> None:
+    """:meth:`Platform.after_startup` of :func:`current` (the trainer, once built)."""
+    current().after_startup()
 
 
 def prepare_process(options: RuntimeOptions | None = None) -> list[str]:

@@ -39,6 +39,13 @@ class CpuPlatform(Platform):
             applied.append("keep_freed_memory")
         return applied
 
+    def after_startup(self) -> None:
+        """The heap's free pages given back (:func:`gspo_core.platform.heap.release_freed_memory`): with
+        ``keep_freed_memory`` they would otherwise hold the model load's and vLLM's start-up transients."""
+        from gspo_core.platform.heap import release_freed_memory
+
+        release_freed_memory()
+
     def prepare_job(self, devices: int) -> list[str]:
         """And, at N > 1, vLLM's CPU workers (one per device, tensor parallelism) bound to a share of this
         process's cores each: vLLM's own binding ("auto") wants a NUMA node per worker and refuses to

@@ -35,3 +35,23 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER))
+
+
+def release_freed_memory() -> bool:
+    """Give the kernel back the pages of the heap's free chunks (glibc's documented ``malloc_trim(0)``,
+    which also releases free pages inside the heap, not only at its top), whatever :func:`keep_freed_memory`
+    set. Why: kept freed memory pays off for what recurs (a step's tensors); what a start-up freed once
+    (vLLM's load and the CPU backend's repacking of the weights) is never asked for again at that size,
+    yet stays in RSS to the end (docs/bench.md measures it). Returns False where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

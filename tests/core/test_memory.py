@@ -43,3 +43,31 @@ def test_kept_heap_reuses_pages_the_default_heap_faults_again():
     # most passes reuse the heap's pages (memalign's split-off tails make some passes carve new ones).
     assert default > 9 * 60_000, default
     assert kept < 0.4 * default, (kept, default)
+
+
+# Start-up's transients under the kept heap: a 256 MiB block freed below a live one (the middle of the heap,
+# where glibc's automatic trim never reaches) stays in RSS until release_freed_memory gives its pages back.
+_STARTUP = """
+import torch
+from gspo_core.platform.heap import keep_freed_memory, release_freed_memory
+
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+
+assert keep_freed_memory()
+transient = torch.ones(64 * 2**20)  # 256 MiB, touched
+live = torch.ones(2**20)  # above it in the heap
+del transient
+kept = rss_mb()
+released = release_freed_memory()
+print(released, kept - rss_mb(), float(live.sum()))
+"""
+
+
+def test_start_up_transients_are_given_back_under_the_kept_heap():
+    out = subprocess.run([sys.executable, "-c", _STARTUP], capture_output=True, text=True, check=True)
+    released, dropped_mb, live = out.stdout.split()
+    assert released == "True" and float(live) == 2**20
+    assert int(dropped_mb) >= 200, dropped_mb
