@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 # finds it beside its own venv, as `.venv/bin/gspo up` does (Settings.grader_python): nothing is exported.
 GRADER_PY ?= /usr/bin/python3
 GRADER_VENV ?= .venv-graders
+# The test-only environment with PyPI `openenv` (its server classes) that tests/core/test_openenv.py runs a real
+# OpenEnv server from: apart from .venv, whose mcp and pillow pins openenv's dependencies conflict with.
+OPENENV_VENV ?= .venv-openenv
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_HOST_IP ?= 127.0.0.1
 export VLLM_NO_USAGE_STATS ?= 1
@@ -28,6 +31,9 @@ $(BIN)/.installed: pyproject.toml
 $(GRADER_VENV)/.installed: requirements-graders.txt scripts/grader-env.sh | system-deps
 	bash scripts/grader-env.sh $(GRADER_PY) $(GRADER_VENV)
 
+$(OPENENV_VENV)/.installed: scripts/openenv-env.sh
+	bash scripts/openenv-env.sh $(PY) $(OPENENV_VENV)
+
 # Debian packages (bubblewrap, python3-venv), only those missing.
 system-deps:
 	bash scripts/system-deps.sh
@@ -38,7 +44,7 @@ REAL_MODEL := .cache/real-models/SmolLM2-135M-Instruct/config.json
 $(REAL_MODEL): | $(BIN)/.installed
 	$(BIN)/python -m bench.smollm2
 
-install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(REAL_MODEL)
+install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(OPENENV_VENV)/.installed $(REAL_MODEL)
 
 demo: install
 	$(BIN)/gspo demo
@@ -59,4 +65,4 @@ bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(GRADER_VENV) .data runs test-artifacts
+	rm -rf $(VENV) $(GRADER_VENV) $(OPENENV_VENV) .data runs test-artifacts

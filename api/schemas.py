@@ -199,7 +199,8 @@ class JobCreate(BaseModel):
         None,
         description="Instead of files: where prompts and rewards come from, by `type` (docs/environments.md). "
         "reasoning_gym: procedural tasks by name, a held-out split generated beside them, and each task's own "
-        "scorer as the default reward.",
+        "scorer as the default reward. openenv: a tenant's OpenEnv server (its address under the egress policy, "
+        "its headers redacted in answers) plays each episode; its rewards are the episode's.",
     )
     reward: dict[str, Any] | None = Field(
         None,
@@ -258,7 +259,9 @@ class JobOut(BaseModel):
     finished_at: UtcDatetime | None
     training_file: str | None  # null once the file was deleted (after the job finished), or for an environment
     validation_file: str | None
-    environment: dict[str, Any] | None = Field(None, description="Where prompts come from instead of files")
+    environment: dict[str, Any] | None = Field(
+        None, description="Where prompts come from instead of files (credentials redacted)"
+    )
     reward: dict[str, Any]
     tools: list[dict[str, Any]] = Field(default_factory=list, description="The job's tools (credentials redacted)")
     hyperparameters: dict[str, Any]

@@ -81,8 +81,9 @@ class Client:
         tools: list[dict] | None = None,
         environment: dict | None = None,
     ) -> dict:
-        """A new job: trained on ``training_file`` (a file id), or on ``environment``'s items
-        (``{"type": "reasoning_gym", "tasks": [...]}``, docs/environments.md) instead."""
+        """A new job: trained on ``training_file`` (a file id), or on ``environment`` instead (its items,
+        ``{"type": "reasoning_gym", "tasks": [...]}``, or a tenant's OpenEnv server's episodes,
+        ``{"type": "openenv", "url": ..., "headers": {...}}``: docs/environments.md)."""
         body: dict = {
             "model": model,
             "reward": reward,

@@ -300,7 +300,8 @@ class JobSpec(BaseModel):
     environment: dict[str, Any] | None = Field(
         None,
         description="Where prompts and rewards come from instead of files: {'type': 'reasoning_gym', 'tasks': "
-        "[...], 'seed', 'size', 'validation_size'} (gspo_core.environments, docs/environments.md).",
+        "[...], 'seed', 'size', 'validation_size'} or {'type': 'openenv', 'url', 'headers', 'max_turns', ...} "
+        "(gspo_core.environments, docs/environments.md).",
     )
     reward: dict[str, Any] = Field(..., description="Grader spec (see gspo_core.rewards).")
     tools: list[dict[str, Any]] = Field(

@@ -26,6 +26,7 @@ from gspo_core.distributed import (
     local_device,
     shard,
 )
+from gspo_core.environments import episode_environment
 from gspo_core.loop import TrainResult, run
 from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
@@ -112,8 +113,15 @@ class Trainer:
                     rt.agent_endpoint_port,
                     rt.agent_endpoint_url,
                 )
+            # An environment whose episodes run in it (an OpenEnv server) is the rollouts' environment, its
+            # max_turns the episodes' bound.
+            episodes = episode_environment(spec.environment, grader_policy, self.cfg.max_prompt_tokens, spec.tools)
             self.agent = EpisodeSettings(
-                self.cfg.max_turns, self.cfg.max_turn_tokens, parser, self.toolbox, self.agent_endpoint
+                episodes.env.max_turns if episodes else self.cfg.max_turns,
+                self.cfg.max_turn_tokens,
+                parser,
+                self.toolbox,
+                (episodes if self.ranks.main else None) or self.agent_endpoint,
             )
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
@@ -179,7 +187,8 @@ class Trainer:
         evals = self.val_rows[: cfg.eval_prompts]  # evaluated before and after training, eval_every or not
         rows = self.rows + evals
         agent = any(tool.get("type") == "agent" for tool in self.spec.tools)
-        longest = cfg.max_prompt_tokens if agent else 1  # an agent's prompts are its own: the bound
+        agent = agent or (self.spec.environment or {}).get("type") == "openenv"
+        longest = cfg.max_prompt_tokens if agent else 1  # an agent's (a server's) prompts are its own: the bound
         # One batched tokenizer call per chunk (memory stays bounded): about what the job's first epoch
         # spends tokenizing them anyway.
         for i in range(0, len(rows), 4096):

@@ -8,20 +8,21 @@ from api.errors import ApiError
 from api.schemas import EnvironmentOut, JobCreate
 from gspo_core.config import GSPOConfig
 from gspo_core.environments import (
+    Environment,
     EnvironmentSpecError,
-    ReasoningGymEnvironment,
     check_environment,
     default_reward,
     environment_preview,
     parse_environment,
 )
+from gspo_core.rewards import redact_secrets
 from store.models import Job
 from store.settings import Settings
 
 
 def check_environment_job(
     req: JobCreate, cfg: GSPOConfig, settings: Settings
-) -> tuple[ReasoningGymEnvironment | None, dict[str, Any] | None]:
+) -> tuple[Environment | None, dict[str, Any] | None]:
     """``(environment, reward)`` of the request: its environment checked (422 naming the field, listing the
     known names), files or an environment but not both, and the environment's own reward where none is given."""
     if req.environment is None:
@@ -41,9 +42,13 @@ def check_environment_job(
     if cfg.method == "supervised":
         raise ApiError(422, "invalid_environment", "environment: a supervised job trains on files", "environment")
     try:
-        env = check_environment(req.environment)
+        env = check_environment(req.environment, settings.grader_policy()["egress_allow"])
     except EnvironmentSpecError as exc:
         raise ApiError(422, "invalid_environment", str(exc), exc.field) from None
+    if env.type == "openenv" and req.tools:
+        raise ApiError(
+            422, "invalid_environment", "tools: an openenv environment answers the model itself: give no tools", "tools"
+        )
     if env.size > settings.max_file_rows:
         raise ApiError(
             422,
@@ -59,4 +64,4 @@ def environment_out(job: Job, samples: int) -> EnvironmentOut:
     if job.environment is None:
         raise ApiError(404, "not_found", f"job {job.id} trains on files, not an environment", "job_id")
     env = parse_environment(job.environment)
-    return EnvironmentOut(environment=job.environment, samples=environment_preview(env, samples))
+    return EnvironmentOut(environment=redact_secrets(job.environment), samples=environment_preview(env, samples))

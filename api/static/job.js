@@ -88,9 +88,14 @@
     if (!job.environment || box.dataset.loaded) return;
     const env = await GSPO.api(`/v1/jobs/${jobId}/environment?samples=3`);
     document.getElementById("environment").textContent = JSON.stringify(env.environment, null, 2);
-    document.getElementById("environment-samples").innerHTML = env.samples.map((item) => `<div class="sample">
-      <b>${GSPO.esc(item.task || "")}</b> <code>${GSPO.esc(item.question || JSON.stringify(item.messages))}</code>
-      <span class="muted">answer ${GSPO.esc(String(item.answer))}</span></div>`).join("");
+    // An OpenEnv server's rows are reset seeds: each episode's first message is the server's reset observation.
+    const row = env.environment.type === "openenv"
+      ? (item) => `<b>reset seed ${GSPO.esc(String(item.seed))}</b>
+      <span class="muted">played on the server: its reset observation is the first message</span>`
+      : (item) => `<b>${GSPO.esc(item.task || "")}</b> <code>${GSPO.esc(item.question || JSON.stringify(item.messages))}</code>
+      <span class="muted">answer ${GSPO.esc(String(item.answer))}</span>`;
+    document.getElementById("environment-samples").innerHTML = env.samples.map(
+      (item) => `<div class="sample">${row(item)}</div>`).join("");
     box.dataset.loaded = "1";
   }
 

@@ -1,7 +1,8 @@
 """A job's environment: where its prompts and rewards come from when it names one instead of a dataset.
 
-One field, ``environment``, with a ``type`` discriminator. ``reasoning_gym`` (procedural tasks by name) is
-built; ``verifiers`` and ``openenv`` are planned as further types of the same field (docs/environments.md).
+One field, ``environment``, with a ``type`` discriminator. ``reasoning_gym`` (procedural tasks by name) and
+``openenv`` (a tenant's OpenEnv server, whose episodes run in it: `gspo_core.environments.openenv`) are built;
+``verifiers`` is planned as a further type of the same field (docs/environments.md).
 An environment of a dataset-like type yields the same item dicts a JSONL file would (:func:`environment_rows`),
 so the rest of the loop is unchanged. Validating a spec imports no torch; a type's library is imported only
 when the spec names that type.
@@ -9,11 +10,12 @@ when the spec names that type.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ValidationError
 
+from gspo_core.environments.openenv_spec import OpenEnvEnvironment
 from gspo_core.environments.spec import (
     DEFAULT_SYSTEM_PROMPT,
     ITEM_FIELDS,
@@ -21,11 +23,16 @@ from gspo_core.environments.spec import (
     ReasoningGymTask,
 )
 
+if TYPE_CHECKING:
+    from gspo_core.rewards.policy import GraderPolicy
+
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "ENVIRONMENT_TYPES",
     "PLANNED_TYPES",
+    "Environment",
     "EnvironmentSpecError",
+    "OpenEnvEnvironment",
     "ReasoningGymEnvironment",
     "ReasoningGymTask",
     "check_environment",
@@ -33,13 +40,19 @@ __all__ = [
     "environment_item_fields",
     "environment_preview",
     "environment_rows",
+    "episode_environment",
     "parse_environment",
 ]
 
 #: The environment types a job may name, by their ``type``.
-ENVIRONMENT_TYPES: dict[str, type[BaseModel]] = {"reasoning_gym": ReasoningGymEnvironment}
+ENVIRONMENT_TYPES: dict[str, type[BaseModel]] = {
+    "reasoning_gym": ReasoningGymEnvironment,
+    "openenv": OpenEnvEnvironment,
+}
 #: Types of the same field that are designed but not built yet (named in the error a tenant gets).
-PLANNED_TYPES = ("verifiers", "openenv")
+PLANNED_TYPES = ("verifiers",)
+#: A job's environment, as its type's spec.
+Environment = ReasoningGymEnvironment | OpenEnvEnvironment
 
 
 class EnvironmentSpecError(ValueError):
@@ -58,7 +71,7 @@ def _loc(parts: tuple[int | str, ...]) -> str:
     return out
 
 
-def parse_environment(raw: Mapping[str, Any]) -> ReasoningGymEnvironment:
+def parse_environment(raw: Mapping[str, Any]) -> Environment:
     """The spec's shape (types, bounds, unknown keys) checked, without its library: :class:`EnvironmentSpecError`
     naming the field."""
     if not isinstance(raw, Mapping):
@@ -72,42 +85,81 @@ def parse_environment(raw: Mapping[str, Any]) -> ReasoningGymEnvironment:
             "environment.type", f"{kind!r}{state} (known: {', '.join(ENVIRONMENT_TYPES)}{planned})"
         )
     try:
-        return ReasoningGymEnvironment.model_validate(dict(raw))
+        return cast(Environment, model.model_validate(dict(raw)))
     except ValidationError as exc:
         err = exc.errors()[0]
         raise EnvironmentSpecError(f"environment{_loc(tuple(err['loc']))}", err["msg"]) from None
 
 
-def check_environment(raw: Mapping[str, Any]) -> ReasoningGymEnvironment:
+def check_environment(raw: Mapping[str, Any], egress_allow: Iterable[str] | None = None) -> Environment:
     """:func:`parse_environment` plus what only the type's library can tell (task names, config fields, a first
-    item that generates); :class:`EnvironmentSpecError` naming the field and listing the known values."""
+    item that generates) or the egress policy (an OpenEnv server's URL and headers, under the operator's
+    allow-list ``egress_allow``; None: not checked here, as for the rows, and checked where it is connected
+    to); :class:`EnvironmentSpecError` naming the field and listing the known values."""
     env = parse_environment(raw)
+    if isinstance(env, OpenEnvEnvironment):
+        from gspo_core.environments import openenv
+
+        if egress_allow is not None:
+            openenv.check(env, tuple(egress_allow))
+        return env
     from gspo_core.environments import reasoning_gym
 
     reasoning_gym.check(env)
     return env
 
 
-def environment_rows(env: ReasoningGymEnvironment) -> tuple[list[dict], list[dict]]:
+def environment_rows(env: Environment) -> tuple[list[dict], list[dict]]:
     """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are."""
+    if isinstance(env, OpenEnvEnvironment):
+        from gspo_core.environments import openenv
+
+        return openenv.rows(env)
     from gspo_core.environments import reasoning_gym
 
     return reasoning_gym.rows(env)
 
 
-def environment_preview(env: ReasoningGymEnvironment, n: int) -> list[dict]:
+def environment_preview(env: Environment, n: int) -> list[dict]:
     """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest."""
+    if isinstance(env, OpenEnvEnvironment):
+        from gspo_core.environments import openenv
+
+        return openenv.first_rows(env, n)
     from gspo_core.environments import reasoning_gym
 
     return reasoning_gym.first_rows(env, n)
 
 
-def environment_item_fields(env: ReasoningGymEnvironment) -> set[str]:
+def environment_item_fields(env: Environment) -> set[str]:
     """The item fields every row of the environment has (what graders may name as ``{{item.x}}``)."""
+    if isinstance(env, OpenEnvEnvironment):
+        from gspo_core.environments.openenv import ITEM_FIELDS as OPENENV_FIELDS
+
+        return set(OPENENV_FIELDS)
     return set(ITEM_FIELDS)
 
 
 def default_reward(env_type: str | None) -> dict[str, Any]:
     """The reward of a job that names an environment (by its ``type``) and no grader: the environment's own
     scoring (its ``answer`` score)."""
+    if env_type == "openenv":
+        return {"type": "openenv"}  # the episode's reward is the server's (`gspo_core.rewards.openenv_grader`)
     return {"type": "reasoning_gym", "name": "answer"} if env_type == "reasoning_gym" else {}
+
+
+def episode_environment(
+    raw: Mapping[str, Any] | None, policy: GraderPolicy, max_prompt_tokens: int, tools: list | None = None
+):
+    """The factory of the rollouts' environment for an environment whose episodes run in it (``openenv``), with
+    its ``max_turns``; None for a dataset-like one. Its URL is checked again under the worker's policy; it
+    comes without ``tools`` (the server is what answers the model)."""
+    if raw is None or raw.get("type") != "openenv":
+        return None
+    if tools:
+        raise EnvironmentSpecError("tools", "an openenv environment answers the model itself: give no tools")
+    from gspo_core.environments.openenv import OpenEnvFactory
+
+    env = check_environment(raw, policy.egress_allow)
+    assert isinstance(env, OpenEnvEnvironment)
+    return OpenEnvFactory(env, policy, max_prompt_tokens)

@@ -8,6 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from gspo_core.rewards import graders as _graders  # noqa: F401  (registers the local graders)
 from gspo_core.rewards import multi as _multi  # noqa: F401
+from gspo_core.rewards import openenv_grader as _openenv  # noqa: F401
 from gspo_core.rewards import python_grader as _python  # noqa: F401
 from gspo_core.rewards import reasoning_gym_grader as _reasoning_gym  # noqa: F401
 from gspo_core.rewards import remote as _remote  # noqa: F401

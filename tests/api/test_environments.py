@@ -42,6 +42,14 @@ def settings(request, tmp_path):
     )
 
 
+#: A tenant's OpenEnv server (never contacted at submit: only its address and headers are checked).
+OPENENV = {
+    "type": "openenv",
+    "url": "https://env.example.com/guess",
+    "headers": {"Authorization": "Bearer tenant-secret"},
+    "max_turns": 4,
+    "size": 8,
+}
 HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "max_new_tokens": 4, "eval_prompts": 4}
 
 
@@ -54,7 +62,18 @@ HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "ma
             "environment.tasks[0].config.digits",
             "known: .*min_digits",
         ),
-        ({"environment": {**ENV, "type": "openenv"}}, "environment.type", "planned"),
+        ({"environment": {**ENV, "type": "verifiers"}}, "environment.type", "planned"),
+        ({"environment": {**OPENENV, "url": "http://127.0.0.1:8000"}}, "environment.url", "loopback"),
+        ({"environment": {**OPENENV, "url": "http://169.254.169.254/"}}, "environment.url", "not reachable"),
+        ({"environment": {**OPENENV, "url": "ftp://env.example.com"}}, "environment.url", "http"),
+        ({"environment": {**OPENENV, "headers": {"Host": "x"}}}, "environment.headers.Host", "Host"),
+        ({"environment": {**OPENENV, "max_turns": 65}}, "environment.max_turns", "less than or equal"),
+        ({"environment": {**OPENENV, "size": 501}}, "environment.size", "GSPO_MAX_FILE_ROWS"),
+        (
+            {"environment": OPENENV, "tools": [{"type": "agent", "server_url": "https://agent.example.com"}]},
+            "tools",
+            "give no tools",
+        ),
         ({"environment": {**ENV, "size": 501}}, "environment.size", "GSPO_MAX_FILE_ROWS"),
         ({"environment": None}, "training_file", "required unless an environment"),
         ({"training_file": "file_x"}, "training_file", "files or an environment, not both"),
@@ -80,6 +99,19 @@ def test_openapi_shows_the_environment_types_whole(client):
     schema = client.get("/openapi.json").json()["components"]["schemas"]["JobCreate"]["properties"]["environment"]
     text = json.dumps(schema)
     assert "$ref" not in text and '"reasoning_gym"' in text and "validation_size" in text and "weight" in text
+
+
+def test_an_openenv_job_takes_the_servers_reward_and_never_shows_its_headers(client, auth, model_name):
+    """The job's reward is the server's (`openenv`); JobOut and the environment's page redact the headers; the
+    rows are the reset seeds."""
+    r = client.post("/v1/jobs", json={"model": model_name, "environment": OPENENV, "hyperparameters": HP}, headers=auth)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["reward"] == {"type": "openenv"} and "tenant-secret" not in r.text
+    assert job["environment"]["headers"] == {"Authorization": "[redacted]"} and job["environment"]["max_turns"] == 4
+    shown = client.get(f"/v1/jobs/{job['id']}/environment?samples=2", headers=auth)
+    assert "tenant-secret" not in shown.text and "tenant-secret" not in client.get("/v1/jobs", headers=auth).text
+    assert [item["seed"] for item in shown.json()["samples"]] == [0, 1]
 
 
 def test_an_environment_job_takes_the_tasks_own_scorer_and_shows_its_items(client, auth, model_name):

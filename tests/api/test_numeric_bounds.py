@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.schemas import EXAMPLE_REWARD
+from gspo_core.environments import ReasoningGymEnvironment
 from gspo_core.rewards import GRADERS
 from gspo_core.rewards.base import Grader
 from tests.api.test_schemathesis import APP, _state
@@ -141,7 +142,12 @@ def _body(method: str, route: str, path: tuple, examples: tuple) -> dict:
     if path[0] == "environment":  # an environment job names no files
         body.pop("training_file", None)
         body.pop("validation_file", None)
-        body["environment"] = {"type": "reasoning_gym", "tasks": [{"name": "chain_sum"}]}
+        openenv = path[1] not in ReasoningGymEnvironment.model_fields  # a field of the openenv type alone
+        body["environment"] = (
+            {"type": "openenv", "url": "https://env.example.com"}
+            if openenv
+            else {"type": "reasoning_gym", "tasks": [{"name": "chain_sum"}]}
+        )
     for where, example in examples:
         _put(body, where, copy.deepcopy(example))
     _put(body, path, _MARK)
@@ -195,6 +201,7 @@ GRADER_SPECS: dict[str, dict] = {
     "reward_model": {"type": "reward_model", "model": "toy"},
     "multi": {"type": "multi", "graders": {"a": EXAMPLE_REWARD}, "calculate_output": "2 * a"},
     "reasoning_gym": {"type": "reasoning_gym"},
+    "openenv": {"type": "openenv"},
 }
 
 

@@ -138,7 +138,7 @@ def test_the_grader_extracts_the_answer_and_scores_it_inside_multi():
 @pytest.mark.parametrize(
     "change,field,message",
     [
-        ({"type": "gym"}, "environment.type", "'gym' is not a known type .*reasoning_gym.*verifiers, openenv"),
+        ({"type": "gym"}, "environment.type", "'gym' is not a known type .*reasoning_gym, openenv; planned: verifiers"),
         ({"type": "verifiers"}, "environment.type", "planned but not available yet"),
         ({"tasks": [{"name": "basic_arithmetics"}]}, "environment.tasks[0].name", "known: .*basic_arithmetic, "),
         (

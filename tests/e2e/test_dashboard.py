@@ -132,3 +132,21 @@ def test_an_environment_job_page_shows_its_items_and_before_to_after(page, embed
     final = page.locator("#checkpoints tr").first.inner_text()  # newest first: the final one, evaluated
     assert f"{before['greedy_reward']:.3f} → {after['greedy_reward']:.3f}" in final, final
     page.screenshot(path=str(ARTIFACTS / "dashboard-environment-job.png"), full_page=True)
+
+
+def test_an_openenv_job_page_shows_its_server_with_the_headers_redacted(page, embedded_service):
+    """A job on a tenant's OpenEnv server (made here and cancelled: the page shows its spec, not its run): the
+    environment box shows the server and its turns, never the header's value, and the rows as reset seeds."""
+    from gspo_client import Client
+    from tests.api.test_environments import HP, OPENENV
+
+    url, key, *_ = embedded_service
+    with Client(url, key) as c:
+        job = c.create_job(model="toy", environment=OPENENV, hyperparameters=HP, name="openenv")
+        c.cancel_job(job["id"])
+    page.goto(f"{url}/jobs/{job['id']}")
+    page.wait_for_selector("#environment-samples .sample")
+    shown = page.locator("#environment").inner_text()
+    assert OPENENV["url"] in shown and '"max_turns": 4' in shown and "[redacted]" in shown
+    assert "tenant-secret" not in page.content()
+    assert page.locator("#environment-samples .sample").first.inner_text().startswith("reset seed 0")
