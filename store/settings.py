@@ -244,6 +244,13 @@ class Settings(BaseSettings):
         validation_alias=_env("SESSION_IDLE_SECONDS"),
         description="A session with no heartbeat or request for this long is closed and its models released",
     )
+    tinker_long_poll_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=40,  # the SDK gives up on a retrieve_future after 45 s
+        validation_alias=_env("TINKER_LONG_POLL_SECONDS"),
+        description="How long retrieve_future waits for an unfinished request before answering try_again (408)",
+    )
     # Devices: what this worker has (it takes only jobs asking for at most as many), and the most a job may ask.
     worker_devices: int = Field(
         1, ge=1, validation_alias=_env("WORKER_DEVICES"), description="Devices (GPUs) this worker runs one job on"

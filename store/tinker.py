@@ -16,15 +16,16 @@ from store.models import (
     new_id,
     utcnow,
 )
-from store.usage import QueuePolicy, as_utc
+from store.usage import QueuePolicy
 
 
 class SessionCapReached(RuntimeError):
     """The tenant already has as many open sessions as it may."""
 
 
-def open_session(s: Session, tenant_id: str, tags: list[str], cap: int) -> TinkerSession:
-    """A new active session; :class:`SessionCapReached` at the tenant's cap of open sessions."""
+def open_session(s: Session, tenant_id: str, tags: list[str], cap: int, idle_seconds: float) -> TinkerSession:
+    """A new active session (the tenant's idle ones closed first); :class:`SessionCapReached` at its cap."""
+    close_idle(s, idle_seconds, tenant_id=tenant_id)
     active = s.scalar(
         select(func.count())
         .select_from(TinkerSession)
@@ -159,19 +160,41 @@ def finish(s: Session, request_id: str, result: dict | None, error: str | None =
     s.commit()
 
 
-def close_idle(s: Session, idle_seconds: float, worker: str) -> list[str]:
-    """Close this worker's sessions idle for ``idle_seconds`` (no heartbeat, no request): their ids."""
+def close_idle(s: Session, idle_seconds: float, tenant_id: str | None = None) -> list[str]:
+    """Close the active sessions (of one tenant, or all) idle for ``idle_seconds`` (no heartbeat, no request)."""
     cutoff = utcnow() - timedelta(seconds=idle_seconds)
-    rows = s.scalars(
-        select(TinkerSession).where(TinkerSession.status == "active", TinkerSession.lease_owner == worker)
-    ).all()
+    query = select(TinkerSession).where(TinkerSession.status == "active", TinkerSession.heartbeat_at < cutoff)
+    if tenant_id is not None:
+        query = query.where(TinkerSession.tenant_id == tenant_id)
     closed = []
-    for row in rows:
-        if as_utc(row.heartbeat_at) < cutoff:
-            close(s, row, f"idle for more than {idle_seconds:.0f} s")
-            closed.append(row.id)
+    for row in s.scalars(query).all():
+        close(s, row, f"idle for more than {idle_seconds:.0f} s")
+        closed.append(row.id)
     s.commit()
     return closed
+
+
+def reap_lost(s: Session) -> int:
+    """Requests running on a worker whose lease ran out (it died): expired, which the SDK sees as a 410 and
+    sends again; the session is free for another worker. Returns how many requests expired."""
+    now = utcnow()
+    lost = select(TinkerSession.id).where(
+        TinkerSession.status == "active", TinkerSession.lease_owner.is_not(None), TinkerSession.lease_expires_at < now
+    )
+    expired = s.execute(
+        update(TinkerRequest)
+        .where(TinkerRequest.session_id.in_(lost), TinkerRequest.status == "running")
+        .values(status="expired", error="the session's worker stopped while running it", finished_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    s.execute(
+        update(TinkerSession)
+        .where(TinkerSession.id.in_(lost))
+        .values(lease_owner=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    s.commit()
+    return int(expired.rowcount or 0)  # type: ignore[attr-defined]
 
 
 def close(s: Session, session: TinkerSession, reason: str) -> None:

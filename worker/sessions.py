@@ -86,7 +86,8 @@ def _housekeeping(host: SessionHost, db: Database, settings: Settings, name: str
     """Renew this worker's leases, close its idle sessions, free the models of sessions no longer active."""
     with db.session() as s:
         tinker.renew_lease(s, name, settings.lease_seconds)
-        tinker.close_idle(s, settings.session_idle_seconds, name)
+        tinker.reap_lost(s)
+        tinker.close_idle(s, settings.session_idle_seconds)
         gone = tinker.closed_sessions(s, sorted(host.sessions()))
     for session_id in gone:
         log.info("releasing the models of session %s", session_id)

@@ -28,7 +28,7 @@ from api.tinker_schemas import (
     SessionRef,
 )
 from store import tinker
-from store.models import TinkerModel
+from store.models import TinkerModel, utcnow
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -70,7 +70,7 @@ def create_session(body: CreateSession, tenant: TinkerTenantDep, s: SessionDep, 
 @router.post("/session_heartbeat")
 def session_heartbeat(body: SessionRef, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     row = svc.session_of(s, tenant.id, body.session_id)
-    row.heartbeat_at = tinker.utcnow()
+    row.heartbeat_at = utcnow()
     s.commit()
     return {"type": "session_heartbeat"}
 
@@ -244,8 +244,10 @@ def asample(body: Sample, tenant: TinkerTenantDep, s: SessionDep) -> dict:
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: RetrieveFuture, request: Request, tenant: TinkerTenantDep, db: DatabaseDep) -> Response:
-    state = await svc.wait_future(db, tenant.id, body.request_id)
+async def retrieve_future(
+    body: RetrieveFuture, request: Request, tenant: TinkerTenantDep, db: DatabaseDep, settings: SettingsDep
+) -> Response:
+    state = await svc.wait_future(db, tenant.id, body.request_id, settings.tinker_long_poll_seconds)
     if state.status == "expired":
         raise ApiError(410, "gone", f"request {body.request_id} was lost with its worker; send it again")
     if state.status in ("pending", "running"):

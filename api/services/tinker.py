@@ -25,7 +25,6 @@ LOSSES = frozenset(
 )
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 CHECKPOINT_SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
-LONG_POLL_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,9 @@ class FutureState:
 
 def open_session(s: Session, settings: Settings, tenant_id: str, tags: list[str]) -> TinkerSession:
     try:
-        row = tinker.open_session(s, tenant_id, tags, settings.max_active_sessions_per_tenant)
+        row = tinker.open_session(
+            s, tenant_id, tags, settings.max_active_sessions_per_tenant, settings.session_idle_seconds
+        )
     except tinker.SessionCapReached as exc:
         raise ApiError(429, "rate_limit_exceeded", str(exc), headers={"Retry-After": "30"}) from exc
     s.commit()
@@ -135,15 +136,15 @@ def _future_state(db: Database, tenant_id: str, request_id: str) -> FutureState 
         return FutureState(row.kind, row.status, row.result, row.error, row.error_category, ahead)
 
 
-async def wait_future(db: Database, tenant_id: str, request_id: str, poll_s: float = 0.1) -> FutureState:
-    """The request once finished, or as it stands after a long poll (the SDK polls again at once)."""
+async def wait_future(db: Database, tenant_id: str, request_id: str, wait_s: float, poll_s: float = 0.1) -> FutureState:
+    """The request once finished, or as it stands after ``wait_s`` (the SDK polls again at once)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + LONG_POLL_SECONDS
+    deadline = loop.time() + wait_s
     while True:
         state = await run_in_threadpool(_future_state, db, tenant_id, request_id)
         if state is None:
             raise not_found("future", request_id)
-        if state.status in ("done", "failed") or loop.time() >= deadline:
+        if state.status in ("done", "failed", "expired") or loop.time() >= deadline:
             return state
         await asyncio.sleep(poll_s)
 
