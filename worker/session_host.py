@@ -94,7 +94,8 @@ class SessionHost:
         else:
             trainer.export_hf(str(directory))
             size = put_dir(self.objects, f"{prefix}/model", directory)
-        result = {"type": "save_weights", "path": payload["path"]}
+        kind = "save_weights" if payload["kind"] == "training" else "save_weights_for_sampler"
+        result = {"type": kind, "path": payload["path"]}
         if payload.get("sampling_session_id"):
             result["sampling_session_id"] = payload["sampling_session_id"]
         return Outcome(result), Saved(payload["kind"], payload["name"], str(directory), prefix, size)

@@ -98,8 +98,9 @@ def _mean_loss(out: types.ForwardBackwardOutput, data: list[types.Datum]) -> flo
 def test_train_sample_save_and_load_with_the_sdk(tinker_service):
     url, keys = tinker_service
     service = _client(url, keys[0])
-    assert "toy" in [m.model_name for m in service.get_server_capabilities().supported_models]
-    training = service.create_lora_training_client(base_model="toy", rank=4, seed=0)
+    rest = service.create_rest_client()
+    assert "toy" in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    training = service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()
     assert training.get_info().model_data.model_name == "toy"
     data = [_datum([*PROMPT, 11, 12]), _datum([7, 8, 9, 10, 11, 12, 13])]
     losses = []
@@ -139,7 +140,6 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service):
     assert first(moved) != pytest.approx(first(before), abs=1e-4)
     assert first(back) == pytest.approx(first(before), abs=1e-4)
 
-    rest = service.create_rest_client()
     run_id = training.model_id
     paths = [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
     assert state.path in paths and sampler_path in paths
@@ -172,7 +172,7 @@ def test_bad_requests_raise_the_sdks_exceptions(tinker_service):
     service = _client(url, keys[0])
     with pytest.raises(tinker.BadRequestError):
         service.create_lora_training_client(base_model="no-such-model", rank=4).result()
-    training = service.create_lora_training_client(base_model="toy", rank=4)
+    training = service.create_lora_training_client(base_model="toy", rank=4).result()
     with pytest.raises(tinker.BadRequestError):
         training.forward_backward([_datum(PROMPT)], "no_such_loss").result()
     mismatched = types.Datum(model_input=types.ModelInput.from_ints(PROMPT), loss_fn_inputs={"target_tokens": [1]})
