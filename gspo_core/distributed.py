@@ -175,23 +175,30 @@ def gather_state_dict(policy: Policy, everywhere: bool = False) -> dict[str, tor
 SHARDED = StateDictOptions(ignore_frozen_params=True)
 
 
-def save_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Each rank writes its own shards of the trainable weights and their optimizer state under ``path``
-    with ``torch.distributed.checkpoint`` (rank 0 adds the metadata: every tensor's global shape and where
-    each piece lies), so nothing is gathered. A collective; one rank writes whole tensors."""
+def save_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path, with_optimizer: bool = True) -> None:
+    """Each rank writes its own shards of the trainable weights and (``with_optimizer``) their optimizer state
+    under ``path`` with ``torch.distributed.checkpoint`` (rank 0 adds the metadata: every tensor's global shape
+    and where each piece lies), so nothing is gathered. A collective; one rank writes whole tensors."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=SHARDED)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
+    dcp.save(state, checkpoint_id=path)
 
 
-def load_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Read this rank's shards of a :func:`save_sharded` directory into the policy and optimizer, whatever
-    the number of ranks that wrote it: DCP reads each rank's piece of every tensor from the saved pieces
-    it overlaps (resharding). A collective."""
+def load_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path, with_optimizer: bool = True) -> None:
+    """Read this rank's shards of a :func:`save_sharded` directory into the policy and (``with_optimizer``)
+    the optimizer, whatever the number of ranks that wrote it: DCP reads each rank's piece of every tensor
+    from the saved pieces it overlaps (resharding). A collective."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=SHARDED)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # fills them in place
+    state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
+    dcp.load(state, checkpoint_id=path)  # fills them in place
     # Not strict: the frozen parameters are absent on purpose (a trainable one missing fails in dcp.load).
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
-    set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
+    if with_optimizer:
+        set_state_dict(
+            policy, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options
+        )
+    else:
+        set_model_state_dict(policy, model_state, options=options)
 
 
 def load_full_state(

@@ -284,15 +284,20 @@ def _lora_delta(layer: Any, adapter: str, state: dict[str, torch.Tensor], path: 
 
 
 def save_hf(
-    model: Policy, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state: dict[str, torch.Tensor] | None = None
+    model: Policy,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    state: dict[str, torch.Tensor] | None = None,
+    adapter_dir: Path | None = None,
 ) -> None:
     """Hugging Face directory that transformers and vLLM load as is (merged model for LoRA), from ``state``
-    (the model's full state dict, as :func:`export_weights` takes it; default the model's own)."""
+    (the model's full state dict, as :func:`export_weights` takes it; default the model's own); a LoRA
+    adapter also goes to ``adapter_dir`` (default: ``adapter`` beside ``out_dir``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     state = model.state_dict() if state is None else state
     if is_peft(model):
         # peft saves the adapter's tensors out of the state dict it is given (the live ones may be shards)
-        model.save_pretrained(str(out_dir.parent / "adapter"), state_dict=state)
+        model.save_pretrained(str(adapter_dir or out_dir.parent / "adapter"), state_dict=state)
         # export_weights yields the given tensors of layers without an adapter: clone them
         merged = {name: tensor.clone() for name, tensor in export_weights(model, state)}
         base_model(model).save_pretrained(str(out_dir), state_dict=merged, safe_serialization=True)

@@ -35,4 +35,6 @@ class Registry(Generic[F]):
 
 
 LOSSES: Registry = Registry("loss")
+#: The training primitives' losses over `gspo_core.primitives.Datum` rows (`gspo_core.datum_losses`).
+DATUM_LOSSES: Registry = Registry("loss")
 ADVANTAGES: Registry = Registry("advantage estimator")

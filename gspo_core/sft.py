@@ -20,6 +20,7 @@ from gspo_core.distributed import join_group, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import autocast_dtype, completion_logprobs, load_policy
+from gspo_core.primitives.core import optimizer_update
 from gspo_core.trainer import Trainer, batch_indices, make_optimizer, seed_everything
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def micro_batches(examples: list[Example], budget: int) -> Iterator[list[Example
 
 
 class SFTTrainer(Trainer):
-    """Supervised fine-tuning through the GSPO trainer's loop, checkpoints and resume (`gspo_core.trainer._loop`):
+    """Supervised fine-tuning through the GSPO trainer's loop, checkpoints and resume (`gspo_core.loop.run`):
     its own set-up (no rollout engine, no reward), step and evaluation. A step is one optimizer update on
     ``prompts_per_step`` rows: the mean negative log-likelihood over their trained tokens."""
 
@@ -184,6 +185,7 @@ class SFTTrainer(Trainer):
         # One update per step: the LR schedule counts steps, not GSPO's mini-batches.
         optimizer, scheduler = make_optimizer(model, self.cfg.model_copy(update={"mini_batches": 1}))
         amp = autocast_dtype(self.cfg, self.device)
+        self.scheduler = scheduler
         self.policy = phases.PolicyState(
             model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, None, self.ranks
         )
@@ -233,11 +235,9 @@ class SFTTrainer(Trainer):
             loss = self._nll(batch) / trained  # micro-batches add up to the step's token mean
             loss.backward()
             nll += float(loss.detach())
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         lr = policy.optimizer.param_groups[0]["lr"]
-        policy.optimizer.step()
-        policy.scheduler.step()
+        grad_norm = optimizer_update(policy, cfg.max_grad_norm)
+        self.scheduler.step()
         tokens = sum(len(e.ids) for e in examples)
         elapsed = time.perf_counter() - start
         metrics = {

@@ -42,16 +42,23 @@ import torch
 
 from gspo_core import advantages as _advantages  # noqa: F401  (registers the estimators)
 from gspo_core.agents.episodes import EpisodeSettings, run_episodes
-from gspo_core.batching import lengths_N, micro_batches, minibatches, pack
+from gspo_core.batching import lengths_N, micro_batches, minibatches  # noqa: F401  (micro_batches: tests read it here)
 from gspo_core.config import GSPOConfig
-from gspo_core.distributed import Ranks, clip_grad_norm, everywhere, gather, merge_loss_metrics, most
-from gspo_core.losses import LossMetrics
-from gspo_core.packing import PackedBatch, SharedPrefixBatch
-from gspo_core.policy import Policy, checkpoint_weights, completion_logprobs, export_weights
-from gspo_core.registry import ADVANTAGES, LOSSES
+from gspo_core.policy import Policy, checkpoint_weights, export_weights
+from gspo_core.primitives.core import PolicyState  # noqa: F401  (the step's policy state, by its old name)
+from gspo_core.registry import ADVANTAGES
 from gspo_core.rewards import sample_for, transcript_sample
 from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec, WeightSink
 from gspo_core.stopping import NEVER, StopCheck
+from gspo_core.update import (  # noqa: F401  (phases 4 and 5, read here as the step's map names them)
+    MinibatchPlan,
+    OldLogprobs,
+    UpdateResult,
+    _has_sampler_logprobs,
+    old_logprobs,
+    recompute_old_logprobs,
+    update,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -77,98 +84,6 @@ class Scores:
     rewards_N: torch.Tensor
     grades: list[GradeResult]
     metrics: dict[str, float]
-
-
-@dataclass(frozen=True)
-class MinibatchPlan:
-    """The update's mini-batches, drawn once per step: ``batches[k]`` the rows of mini-batch ``k`` (every
-    rollout row exactly once, in update order), ``live[k]`` those of them that run forward and backward.
-
-    Rows of mini-batches after the first whose advantage is exactly 0 (groups whose rewards all tie) are
-    left out of ``live``: every registered loss is a sum of per-row terms times the row's advantage, with no
-    KL, so their gradient is exactly 0 and the update is the same. Mini-batch 0 keeps every row: its
-    forward is on-policy and gives the trainer-vs-sampler metrics over all of them.
-    """
-
-    batches: tuple[torch.Tensor, ...]
-    live: tuple[torch.Tensor, ...]
-
-    @property
-    def skipped(self) -> int:
-        """Rows left out of the forward and backward."""
-        return sum(len(batch) - len(live) for batch, live in zip(self.batches, self.live, strict=True))
-
-    def later_live_rows(self) -> torch.Tensor:
-        """The rows whose old log-probs the update reads from `OldLogprobs` (mini-batch 0's come from its own
-        on-policy forward): the live rows of the later mini-batches (none with one mini-batch)."""
-        return torch.cat(self.live[1:]) if len(self.live) > 1 else torch.zeros(0, dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class OldLogprobs:
-    """The old policy's log-probs ``logp_NT`` ``[N, T]`` (0 on padding and on rows the update never reads).
-
-    ``first_on_policy``: mini-batch 0 takes its own forward's detached log-probs instead (it runs before any
-    optimizer step, so they are exactly the old policy's). ``verify``: these are the sampler's, accepted only
-    if they pass the check on that forward (``old_logprobs=auto``, see :func:`update`).
-    """
-
-    logp_NT: torch.Tensor
-    first_on_policy: bool
-    verify: bool = False
-
-
-@dataclass
-class PolicyState:
-    """The policy's training state: the model, its optimizer and LR schedule, the autocast dtype of its
-    forwards (None: fp32), and the pad token id of its batches. In the trainer the model is sharded over
-    ``ranks`` and ``sharded`` is its FSDP root (`gspo_core.distributed.ShardedPolicy`), whose forward is
-    :func:`completion_logprobs`; each rank runs its share of every batch's rows."""
-
-    model: Policy
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    amp: torch.dtype | None
-    pad_id: int
-    sharded: torch.nn.Module | None = None
-    ranks: Ranks = field(default_factory=lambda: Ranks(0, 1))
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def logprobs(self, batch, temperature: float, with_entropy: bool = False):
-        """:func:`completion_logprobs` of ``batch`` by the current weights (through the FSDP root when sharded)."""
-        if self.sharded is not None:
-            return self.sharded(batch, temperature, self.amp, with_entropy)
-        if with_entropy:
-            return completion_logprobs(self.model, batch, temperature, self.amp, with_entropy=True)
-        return completion_logprobs(self.model, batch, temperature, self.amp)
-
-    def pack(
-        self, completions: list[Completion], idx: torch.Tensor, cfg: GSPOConfig
-    ) -> PackedBatch | SharedPrefixBatch:
-        """Rows ``idx`` as one forward batch (`gspo_core.batching.pack`), on the policy's device. The ranks' forwards
-        must call the same modules in the same order (FSDP gathers each as it runs): the rows share prompt
-        passes only where every rank's do."""
-        batch = pack(completions, idx, self.pad_id, cfg)
-        if not everywhere(isinstance(batch, SharedPrefixBatch), self.ranks):
-            batch = pack(completions, idx, self.pad_id, cfg, share=False)
-        return batch.to(self.device)
-
-    def share(self, rows_B: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous share of ``rows_B`` (all of them on one rank)."""
-        return torch.tensor_split(rows_B, self.ranks.world)[self.ranks.rank]
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    """What :func:`update` did: its metrics, the old log-probs it used (recomputed ones where the
-    sampler's failed their check), and whether they failed (the trainer then stops trusting the sampler)."""
-
-    metrics: dict[str, float]
-    old: OldLogprobs
-    sampler_rejected: bool = False
 
 
 class Timer(dict[str, float]):
@@ -333,190 +248,7 @@ def _with_signal(idx: torch.Tensor, adv_N: torch.Tensor) -> torch.Tensor:
     return idx[(adv != 0) if adv.dim() == 1 else (adv != 0).any(-1)]
 
 
-# --- 4. old log-probs ---------------------------------------------------------------------------------------
-
-#: Token budget of one no-grad forward: the whole rollout goes in one batch unless it is larger.
-OLD_LOGPROBS_TOKENS_PER_FORWARD = 65_536
-
-
-def old_logprobs(
-    policy: PolicyState, rollout: Rollout, plan: MinibatchPlan, cfg: GSPOConfig, mode: str | None = None
-) -> OldLogprobs:
-    """The old policy's log-probs of the rows the update reads, by ``mode`` (default ``cfg.old_logprobs``;
-    the trainer passes :func:`old_logprob_mode`).
-
-    ``rollout``: the sampler's own. ``auto``: the sampler's too, to be checked by :func:`update` against
-    mini-batch 0's on-policy forward. ``recompute`` (and ``auto`` with one mini-batch or without sampler
-    logprobs): batched no-grad forwards of :meth:`MinibatchPlan.later_live_rows` -- mini-batch 0's come
-    from the update's own first forward, which runs before any optimizer step (a quarter of the pass saved
-    at 4 mini-batches), and zero-advantage rows are never read.
-    """
-    mode = mode or cfg.old_logprobs
-    completions = rollout.completions
-    if mode == "rollout" or (mode == "auto" and len(plan.batches) > 1 and _has_sampler_logprobs(completions)):
-        logp_NT = torch.zeros(len(completions), _width(completions))
-        for row, completion in enumerate(completions):
-            logp_NT[row, : len(completion.logprobs)] = torch.tensor(completion.logprobs, dtype=torch.float32)
-        return OldLogprobs(logp_NT, first_on_policy=mode == "auto", verify=mode == "auto")
-    return recompute_old_logprobs(policy, rollout, plan, cfg)
-
-
-def recompute_old_logprobs(policy: PolicyState, rollout: Rollout, plan: MinibatchPlan, cfg: GSPOConfig) -> OldLogprobs:
-    """Old log-probs of the later mini-batches' live rows by the current weights, in batched no-grad
-    forwards (split only past :data:`OLD_LOGPROBS_TOKENS_PER_FORWARD` tokens)."""
-    completions, rows = rollout.completions, plan.later_live_rows()
-    logp_NT = torch.zeros(len(completions), _width(completions))
-    if len(rows):
-        mine = policy.share(rows)  # each rank its share; every rank runs as many forwards (they are collective)
-        tokens = int(lengths_N(completions)[mine].sum())
-        forwards = most(max(1, -(-tokens // OLD_LOGPROBS_TOKENS_PER_FORWARD)), policy.ranks)
-        with torch.inference_mode():
-            for idx in torch.tensor_split(mine, forwards):
-                batch = policy.pack(completions, idx if len(idx) else rows[:1], cfg)
-                logp_BT = policy.logprobs(batch, cfg.temperature)
-                if len(idx):
-                    logp_NT[idx, : logp_BT.size(1)] = (logp_BT.float() * batch.mask_BT).cpu()
-        for theirs, their_NT in gather((mine, logp_NT[mine]), policy.ranks):
-            logp_NT[theirs] = their_NT
-    return OldLogprobs(logp_NT, first_on_policy=True)
-
-
-def _width(completions: list[Completion]) -> int:
-    return max(1, max(len(completion.completion_ids) for completion in completions))
-
-
-def _has_sampler_logprobs(completions: list[Completion]) -> bool:
-    return all(len(completion.logprobs) == len(completion.completion_ids) for completion in completions)
-
-
-# --- 5. train -----------------------------------------------------------------------------------------------
-
-
-def update(
-    policy: PolicyState,
-    rollout: Rollout,
-    old: OldLogprobs,
-    adv_N: torch.Tensor,
-    plan: MinibatchPlan,
-    cfg: GSPOConfig,
-) -> UpdateResult:
-    """``cfg.mini_batches`` optimizer updates over the rollout with the registered loss, one per mini-batch
-    of ``plan`` (a mini-batch over ``cfg.micro_batch_tokens`` accumulates its gradient over micro-batches;
-    a mini-batch left empty still steps AdamW, with zero gradients).
-
-    Mini-batch 0's forward runs before any optimizer step, so it is on-policy: it gives the trainer-vs-sampler
-    gap metrics, and, with ``old.verify`` (``old_logprobs=auto``), the check of the sampler's log-probs. A
-    check that fails recomputes the later mini-batches' old log-probs right there, while the weights are
-    still the ones that sampled (:func:`recompute_old_logprobs`), and the result says so
-    (``sampler_rejected``): the step is then exactly a ``recompute`` step.
-    """
-    # The optimizer's own: a sharded module's registered parameters are the gathered ones after a no-grad forward.
-    params = [param for group in policy.optimizer.param_groups for param in group["params"]]
-    per_update: dict[str, list[float]] = {}
-    extra: dict[str, float] = {}
-    rejected = False
-    for k, (rows, live) in enumerate(zip(plan.batches, plan.live, strict=True)):
-        policy.optimizer.zero_grad(set_to_none=True)
-        if len(live):
-            metrics, logp_BT, mask_BT = _minibatch_grads(
-                policy, rollout, old, adv_N, live, len(rows), cfg, first=k == 0
-            )
-            if logp_BT is not None and mask_BT is not None:
-                # Mini-batch 0: on-policy, before the optimizer step: a failed check can still recompute in time.
-                extra.update(_sampler_gap(logp_BT, [rollout.completions[i] for i in live], mask_BT))
-                if old.verify:
-                    err = _sampler_error(old.logp_NT[live], logp_BT, mask_BT)
-                    rejected = err > cfg.rollout_logprob_tol
-                    if rejected:
-                        old = recompute_old_logprobs(policy, rollout, plan, cfg)
-                    extra.update({"old_logprobs/sampler_err_max": err, "old_logprobs/recomputed": float(rejected)})
-        else:
-            metrics = {"loss": 0.0}
-            for param in params:
-                param.grad = torch.zeros_like(param)
-        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)
-        extra["lr"] = policy.optimizer.param_groups[0]["lr"]  # the rate this update used
-        policy.optimizer.step()
-        policy.scheduler.step()
-        for name, value in {**metrics, "grad_norm": float(grad_norm)}.items():
-            per_update.setdefault(name, []).append(value)
-    means = {name: sum(values) / len(values) for name, values in per_update.items()}
-    means["ratio/min"], means["ratio/max"] = min(per_update["ratio/min"]), max(per_update["ratio/max"])
-    means["update/rows_skipped_frac"] = plan.skipped / len(rollout.completions)
-    return UpdateResult(metrics={**means, **extra}, old=old, sampler_rejected=rejected)
-
-
-def _minibatch_grads(
-    policy: PolicyState,
-    rollout: Rollout,
-    old: OldLogprobs,
-    adv_N: torch.Tensor,
-    rows: torch.Tensor,
-    n_rows: int,
-    cfg: GSPOConfig,
-    first: bool,
-) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
-    """Forward and backward of this rank's share of the live ``rows`` of a mini-batch of ``n_rows`` rows, a
-    micro-batch of ``cfg.micro_batch_tokens`` at a time, each loss scaled as a share of the mean over all
-    ``n_rows`` rows (left-out rows and other ranks' rows add 0 here), so the gradients of all micro-batches of
-    all ranks add up to the one-batch ones. The metrics come from these same loss evaluations
-    (`gspo_core.losses.LossMetrics`), added up over the ranks. Returns ``(metrics, logp_BT, mask_BT)``; for
-    mini-batch 0 (``first``) also the detached log-probs and mask ``[len(rows), T]`` of all ``rows`` (every
-    rank's), on the CPU (else None, None)."""
-    loss_fn = LOSSES.get(cfg.loss)
-    on_policy = first and old.first_on_policy
-    width = old.logp_NT.size(1)
-    mine = policy.share(rows)
-    logp_BT = torch.zeros(len(mine), width) if first else None
-    mask_BT = torch.zeros(len(mine), width) if first else None
-    metrics, filled = LossMetrics(loss_fn, n_rows), 0
-    micros = [part for part in micro_batches(rollout.completions, mine, cfg.micro_batch_tokens) if len(part)]
-    # Forwards and backwards are collective: a rank with fewer micro-batches runs the rest on a stand-in row
-    # with a zero loss scale (a zero gradient).
-    micros += [rows[:0]] * (most(len(micros), policy.ranks) - len(micros))
-    for micro_rows in micros:
-        scale = len(micro_rows) / n_rows
-        batch = policy.pack(rollout.completions, micro_rows if len(micro_rows) else rows[:1], cfg)
-        micro_logp_BT, entropy = policy.logprobs(batch, cfg.temperature, with_entropy=True)
-        device, stand_in = micro_logp_BT.device, micro_rows if len(micro_rows) else rows[:1]
-        old_BT = micro_logp_BT.detach() if on_policy else old.logp_NT[stand_in][:, : micro_logp_BT.size(1)].to(device)
-        loss, loss_metrics = loss_fn(
-            micro_logp_BT, old_BT, adv_N[stand_in].to(device), batch.mask_BT, cfg.clip_eps_low, cfg.clip_eps_high
-        )
-        (loss * scale).backward()
-        if not len(micro_rows):
-            continue
-        metrics.add(loss, loss_metrics, entropy, batch.mask_BT, len(micro_rows))
-        if logp_BT is not None and mask_BT is not None:  # first
-            span, micro_width = slice(filled, filled + len(micro_rows)), micro_logp_BT.size(1)
-            logp_BT[span, :micro_width] = micro_logp_BT.detach().cpu()
-            mask_BT[span, :micro_width] = batch.mask_BT.cpu()
-        filled += len(micro_rows)
-    if logp_BT is not None and mask_BT is not None:  # the ranks' shares are contiguous, in rank order
-        logp_BT, mask_BT = (torch.cat(part) for part in zip(*gather((logp_BT, mask_BT), policy.ranks), strict=True))
-    return merge_loss_metrics(metrics, policy.ranks).result(), logp_BT, mask_BT
-
-
-def _sampler_error(sampler_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
-    """``old_logprobs=auto``'s check: the largest per-sequence error in ``log s_i`` the sampler's log-probs
-    ``sampler_BT`` would cause, measured against mini-batch 0's on-policy forward ``logp_BT``."""
-    sampler_BT = sampler_BT[:, : logp_BT.size(1)].to(logp_BT.device)
-    err_B = ((logp_BT - sampler_BT) * mask_BT).sum(-1).abs() / mask_BT.sum(-1).clamp(min=1)
-    return float(err_B.max()) if err_B.numel() else 0.0
-
-
-def _sampler_gap(logp_BT: torch.Tensor, completions: list[Completion], mask_BT: torch.Tensor) -> dict[str, float]:
-    """Trainer-vs-sampler logprob gap on an on-policy forward, when the sampler returned its own."""
-    if not _has_sampler_logprobs(completions):
-        return {}  # not asked for this step (sampler_logprobs_needed)
-    sampler_BT = torch.zeros_like(mask_BT)
-    for row, completion in enumerate(completions):
-        sampler_BT[row, : len(completion.logprobs)] = torch.tensor(completion.logprobs, dtype=sampler_BT.dtype)
-    gap_BT = (logp_BT - sampler_BT).abs() * mask_BT
-    return {
-        "logprob_gap/mean": float(gap_BT.sum() / mask_BT.sum().clamp(min=1)),
-        "logprob_gap/max": float(gap_BT.max()),
-    }
+# --- 4. old log-probs and 5. train: gspo_core.update -----------------------------------------------------
 
 
 # --- 6. weight sync, and what a step reports ----------------------------------------------------------------

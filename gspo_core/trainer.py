@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from gspo_core import step as phases
 from gspo_core.agents import build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
 from gspo_core.agents.tools import agent_spec
-from gspo_core.callbacks import Callbacks, Evaluation
-from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
-from gspo_core.config import GSPOConfig, JobSpec
+from gspo_core.callbacks import Callbacks
+from gspo_core.checkpoint import load_trainer_state, restore
+from gspo_core.config import JobSpec
 from gspo_core.data import DataError, check_row_tools, render_prompt, spec_rows
 from gspo_core.distributed import (
     Ranks,
@@ -30,11 +26,13 @@ from gspo_core.distributed import (
     local_device,
     shard,
 )
+from gspo_core.loop import TrainResult, run
 from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
+from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
 from gspo_core.stopping import NEVER, StepStopped, StopCheck
 
 if TYPE_CHECKING:
@@ -42,59 +40,6 @@ if TYPE_CHECKING:
 
     from gspo_core.agents.remote import AgentEndpoint
     from gspo_core.rollout.weight_push import Push
-
-
-@dataclass
-class TrainResult:
-    """How a run ended: the last completed step, its checkpoint, and whether it was asked to stop."""
-
-    final_step: int
-    final_checkpoint: str | None
-    stopped: bool
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def make_optimizer(
-    model: torch.nn.Module, cfg: GSPOConfig
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW + LR schedule over ``steps * mini_batches`` updates (constant or warmup + cosine)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    # The fused kernel is the same update in one pass per tensor instead of a handful of kernels per
-    # tensor (docs/bench.md).
-    fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay, fused=fused
-    )
-    total = cfg.steps * cfg.mini_batches
-    warmup = cfg.warmup_steps * cfg.mini_batches
-
-    def factor(updates_done: int) -> float:
-        if warmup and updates_done < warmup:
-            return (updates_done + 1) / warmup
-        if cfg.lr_schedule == "cosine":
-            progress = (updates_done - warmup) / max(1, total - warmup)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def batch_indices(n_rows: int, step: int, per_step: int, seed: int, shuffle: bool) -> list[int]:
-    """Row indices for a 1-based ``step``: a pure function of the step, so resume needs no cursor."""
-    indices = []
-    for drawn in range((step - 1) * per_step, step * per_step):
-        epoch, position = divmod(drawn, n_rows)
-        order = list(range(n_rows))
-        if shuffle:
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        indices.append(order[position])
-    return indices
 
 
 class Trainer:
@@ -141,6 +86,7 @@ class Trainer:
             amp = autocast_dtype(self.cfg, self.device)
             self.sharded = shard(model, self.device, amp, self.ranks)
             optimizer, scheduler = make_optimizer(model, self.cfg)
+            self.scheduler = scheduler
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
             )
@@ -253,7 +199,7 @@ class Trainer:
 
     def resume(self, ckpt_dir: str) -> None:
         state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.policy.optimizer, self.policy.scheduler, state, ckpt_dir, self.ranks)
+        self.step = restore(self.model, self.policy.optimizer, self.scheduler, state, ckpt_dir, self.ranks)
         self.saved = (self.step, str(ckpt_dir))
         data = state.get("data", {})
         if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
@@ -413,36 +359,6 @@ class Trainer:
             )
         return out
 
-    def evaluate_around(self, when: Literal["before", "after"]) -> dict[str, float]:
-        """The held-out evaluation before the first step or after the last: its metrics, and its summary
-        reported (:meth:`gspo_core.callbacks.Callbacks.on_evaluation`)."""
-        metrics = self.evaluate()
-        if self.ranks.main:
-            prompts = min(len(self.val_rows), self.cfg.eval_prompts)
-            self.callbacks.on_evaluation(Evaluation.of(when, self.step, prompts, metrics))
-        return metrics
-
-    def checkpoint(self, final: bool) -> str:
-        """Save the current step (once: a step already saved is not written again): every rank writes its
-        shards of the trainer state, rank 0 the export; rank 0 reports the checkpoint."""
-        if self.saved is None or self.saved[0] != self.step:
-            path = save_checkpoint(
-                self.spec.output_dir,
-                self.step,
-                self.model,
-                self.tokenizer,
-                self.policy.optimizer,
-                self.policy.scheduler,
-                self.ranks,
-                extra={"data": self.data_state()},
-            )
-            if self.ranks.main:
-                self.callbacks.on_checkpoint(self.step, str(path), final)
-            self.saved = (self.step, str(path))
-        elif final and self.ranks.main:
-            self.callbacks.on_checkpoint(self.step, self.saved[1], final)
-        return self.saved[1]
-
     @property
     def tool_schemas(self) -> list[dict] | None:
         """The job's tools as the chat template's ``tools=`` (None: no tools)."""
@@ -470,46 +386,6 @@ class Trainer:
             self.peer_push.close()
 
 
-def _loop(trainer: Trainer) -> TrainResult:
-    """Steps to the last (or a stop), with the held-out evaluation before the first step (as step 0's
-    metrics), every ``eval_every`` steps, and after the last."""
-    cfg = trainer.cfg
-    metrics: dict[str, float] = {}
-    last_ckpt = trainer.saved[1] if trainer.saved else None
-    if trainer.step == 0 and trainer.val_rows:
-        try:
-            before = trainer.evaluate_around("before")
-        except StepStopped:  # asked to stop before the first step: nothing trained, nothing to compare
-            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
-        if trainer.ranks.main:
-            trainer.callbacks.on_step(0, before)
-    while trainer.step < cfg.steps:
-        if not trainer.begin_step():
-            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
-        step = trainer.step + 1
-        try:
-            metrics, rows = trainer.run_step(step)
-        except StepStopped:  # asked to stop mid-step: its half-done rollout is not trained on
-            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
-        trainer.step = step
-        stopped = False
-        try:
-            if trainer.val_rows and step == cfg.steps:
-                metrics.update(trainer.evaluate_around("after"))
-            elif cfg.eval_every and trainer.val_rows and step % cfg.eval_every == 0:
-                metrics.update(trainer.evaluate())
-        except StepStopped:  # the step trained: it is recorded and saved, its evaluation is not
-            stopped = True
-        if trainer.ranks.main:
-            trainer.callbacks.on_samples(step, rows)
-            trainer.callbacks.on_step(step, metrics)
-        if stopped:
-            return TrainResult(trainer.step, trainer.checkpoint(final=False), stopped=True, metrics=metrics)
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            last_ckpt = trainer.checkpoint(final=step == cfg.steps)
-    return TrainResult(trainer.step, last_ckpt, stopped=False, metrics=metrics)
-
-
 def train(
     spec: JobSpec,
     callbacks: Callbacks | None = None,
@@ -531,6 +407,6 @@ def train(
     try:
         if resume_from:
             trainer.resume(resume_from)
-        return _loop(trainer)
+        return run(trainer)
     finally:
         trainer.close(engine=engine is None)

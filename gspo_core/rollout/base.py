@@ -18,6 +18,7 @@ class SamplingSpec:
     ``max_tokens_each``: a cap per prompt (each at most ``max_tokens``), where the prompts' budgets differ
     (the later turns of multi-turn episodes); None: ``max_tokens`` for all.
     ``greedy``: the most likely token at each position (evaluation), whatever ``temperature`` and ``top_p``.
+    ``stop_token_ids``: tokens that end a completion as EOS does (kept in it; finish reason ``stop``).
     """
 
     n: int
@@ -29,6 +30,7 @@ class SamplingSpec:
     logprobs: bool = True
     max_tokens_each: tuple[int, ...] | None = None
     greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def cap(self, prompt_index: int) -> int:
         """The most tokens prompt ``prompt_index`` may sample."""

@@ -129,7 +129,7 @@ class TransformersEngine:
         fork = torch.random.fork_rng(
             devices=[device] if device.type == "cuda" else [], enabled=sampling.seed is not None
         )
-        eos = None if sampling.ignore_eos else sorted(self.eos_ids)
+        eos = None if sampling.ignore_eos else sorted(self.eos_ids | set(sampling.stop_token_ids))
         amp = torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
         try:
             self.policy.eval()
@@ -223,7 +223,8 @@ class TransformersEngine:
         tokens = new_T.tolist()[: sampling.cap(prompt_index)]  # a batch samples up to its longest cap
         length, finish = len(tokens), "length"
         if not sampling.ignore_eos:
-            stop_at = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
+            ends = self.eos_ids | set(sampling.stop_token_ids)
+            stop_at = next((i for i, token in enumerate(tokens) if token in ends), None)
             if stop_at is not None:  # keep the EOS token: the policy must learn to stop
                 length, finish = stop_at + 1, "stop"
         tokens = tokens[:length]

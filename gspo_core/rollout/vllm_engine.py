@@ -219,6 +219,7 @@ class VLLMEngine:
             "temperature": 0.0 if sampling.greedy else sampling.temperature,  # vLLM's greedy: temperature 0
             "top_p": 1.0 if sampling.greedy else sampling.top_p,
             "ignore_eos": sampling.ignore_eos,
+            "stop_token_ids": list(sampling.stop_token_ids) or None,
             "logprobs": 0 if sampling.logprobs else None,
             "flat_logprobs": True,
             "detokenize": False,

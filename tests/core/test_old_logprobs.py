@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import gspo_core.trainer
+import gspo_core.loop
 from gspo_core import step as phases
 from gspo_core.platform import RuntimeOptions
 from gspo_core.rollout import vllm_available
@@ -81,7 +81,7 @@ def test_auto_turns_to_recompute_for_the_rest_of_the_job(tiny_model_dir, tmp_pat
     trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
     trainer.engine = engine = BiasedSampler(trainer.engine, 1e-3)
     try:
-        gspo_core.trainer._loop(trainer)
+        gspo_core.loop.run(trainer)
     finally:
         trainer.close()
     assert rec.steps[0][1]["old_logprobs/recomputed"] == 1.0
@@ -147,7 +147,7 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
     try:
         built = trainer.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else trainer.engine.amp_dtype
         assert built == torch.bfloat16
-        gspo_core.trainer._loop(trainer)
+        gspo_core.loop.run(trainer)
     finally:
         trainer.close()
     first = rec.steps[0][1]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-import gspo_core.trainer
+import gspo_core.loop
 from gspo_core import step as phases
+from gspo_core.primitives import core as policy_core
 from gspo_core.registry import LOSSES
 from tests.core.test_old_logprobs import BiasedSampler
 from tests.core.trainer_support import UPDATE_CFG, Recorder, Trainer, one_torch_thread, toy_spec, update_step
@@ -39,7 +40,7 @@ def test_a_step_runs_its_phases_once_each_in_order_and_times_each(tiny_model_dir
     trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2), rec)
     calls.clear()  # resume/start-up pushes are not a step's
     try:
-        gspo_core.trainer._loop(trainer)
+        gspo_core.loop.run(trainer)
     finally:
         trainer.close()
     assert calls == PHASES * 2
@@ -67,7 +68,7 @@ def test_a_failed_sampler_check_is_returned_and_kept_as_trainer_state(tiny_model
     trainer.engine = BiasedSampler(trainer.engine, 1e-3)
     try:
         assert trainer.sampler_trusted and phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "auto"
-        gspo_core.trainer._loop(trainer)
+        gspo_core.loop.run(trainer)
         assert not trainer.sampler_trusted
         assert trainer.cfg is spec.hyperparameters and trainer.cfg.old_logprobs == "auto"
         assert phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "recompute"
@@ -97,7 +98,7 @@ def test_a_minibatchs_metrics_come_from_the_loss_evaluations_of_its_gradient(sam
     counted.ratio_unit = real.ratio_unit
     monkeypatch.setitem(LOSSES._items, "gspo", counted)
     forwards = []
-    forward = phases.completion_logprobs
+    forward = policy_core.completion_logprobs
 
     def counted_forward(model, batch, *a, **kw):
         import torch
@@ -106,7 +107,7 @@ def test_a_minibatchs_metrics_come_from_the_loss_evaluations_of_its_gradient(sam
             forwards.append(batch.target_BT.size(0))
         return forward(model, batch, *a, **kw)
 
-    monkeypatch.setattr(phases, "completion_logprobs", counted_forward)
+    monkeypatch.setattr(policy_core, "completion_logprobs", counted_forward)
     _, metrics, _ = update_step(sampled, UPDATE_CFG.model_copy(update={"micro_batch_tokens": budget}))
     assert len(evaluations) == len(forwards) >= UPDATE_CFG.mini_batches and all(evaluations)
     assert (len(forwards) > UPDATE_CFG.mini_batches) == (budget > 0)

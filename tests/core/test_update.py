@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gspo_core import step as phases
+from gspo_core.primitives import core as policy_core
 from gspo_core.rollout.base import Completion
 from tests.core.trainer_support import UPDATE_CFG, one_torch_thread, update_step
 
@@ -90,14 +91,14 @@ def test_micro_batched_update_is_the_one_batch_update(sampled, monkeypatch, mode
     grads_whole = list(seen)
     seen.clear()
     sizes = []
-    real = phases.completion_logprobs
+    real = policy_core.completion_logprobs
 
     def forward(model, batch, *a, **kw):  # the update's forwards (the old-logprob pass runs in inference mode)
         if torch.is_grad_enabled():
             sizes.append(batch.target_BT.size(0))
         return real(model, batch, *a, **kw)
 
-    monkeypatch.setattr(phases, "completion_logprobs", forward)
+    monkeypatch.setattr(policy_core, "completion_logprobs", forward)
     split = update_step(sampled, cfg.model_copy(update={"micro_batch_tokens": budget}))
     _assert_same_update(split, whole, seen, grads_whole)
     row_tokens = {len(c.prompt_ids) + len(c.completion_ids) for c in sampled[2]}

@@ -1,0 +1,131 @@
+"""A sampling session: token prompts in, sampled tokens with log-probs out, a training session's weights taken in."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from gspo_core.policy import disable_dropout, export_weights
+from gspo_core.primitives.types import SampledSequence, SamplingParams
+from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
+from gspo_core.rollout.base import SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from gspo_core.primitives.training import TrainingSession
+
+
+class SamplingSession:
+    """A rollout engine (vLLM, or transformers ``generate`` on a model of its own) over one model's weights."""
+
+    def __init__(
+        self, engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
+    ) -> None:
+        #: ``model``: the transformers engine's own copy of the weights (None for vLLM, which holds its own).
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+
+    @classmethod
+    def create(
+        cls, model_path: str, *, engine: str = "auto", seed: int = 0, max_model_len: int = 2048
+    ) -> SamplingSession:
+        """An engine over ``model_path``: vLLM where installed (``engine="auto"``), else transformers."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kind = engine_kind(engine)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = None
+        if kind == "transformers":
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+            disable_dropout(model)
+        built = make_engine(
+            kind,
+            model_dir=model_path,
+            policy=cast(Any, model),
+            tokenizer=tokenizer,
+            seed=seed,
+            max_model_len=max_model_len,
+        )
+        return cls(built, tokenizer, model)
+
+    def sample(self, prompt_tokens: list[int], n: int, params: SamplingParams) -> list[SampledSequence]:
+        """``n`` continuations of ``prompt_tokens``, each with the sampler's log-prob of every token."""
+        if not prompt_tokens:
+            raise ValueError("prompt_tokens: empty")
+        if n < 1 or params.max_tokens < 1:
+            raise ValueError("n and params.max_tokens: must be at least 1")
+        if params.top_k not in (-1, 0):
+            raise ValueError("params.top_k: not supported (-1 only)")
+        token_stops = tuple(stop for stop in params.stop or () if isinstance(stop, int))
+        spec = SamplingSpec(
+            n=n,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop_token_ids=token_stops,  # the engine stops there; stop strings are cut after sampling
+        )
+        self.engine.wake()
+        completions = self.engine.generate([list(prompt_tokens)], spec)[0]
+        return [self._stopped(c.completion_ids, c.logprobs, c.finish_reason, params.stop) for c in completions]
+
+    def _stopped(self, tokens: list[int], logprobs: list[float], reason: str, stop) -> SampledSequence:
+        """The sequence cut after its first stop token or stop string (kept), if any."""
+        end = None
+        if stop and isinstance(stop[0], int):
+            end = next((i + 1 for i, token in enumerate(tokens) if token in stop), None)
+        elif stop:
+            end = next(
+                (k for k in range(1, len(tokens) + 1) if any(s in self.tokenizer.decode(tokens[:k]) for s in stop)),
+                None,
+            )
+        if end is None:
+            return SampledSequence(list(tokens), list(logprobs), reason)
+        return SampledSequence(list(tokens[:end]), list(logprobs[:end]), "stop")
+
+    def compute_logprobs(self, tokens: list[int]) -> list[float | None]:
+        """The log-prob of each token given those before it by the current weights (None for the first)."""
+        if not tokens:
+            raise ValueError("tokens: empty")
+        if self.model is None:
+            return self._vllm_logprobs(tokens)
+        ids = torch.tensor([tokens], device=next(self.model.parameters()).device)
+        with torch.no_grad():
+            logp_LV = self.model(input_ids=ids).logits[0].float().log_softmax(-1)
+        taken = logp_LV[:-1].gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        return [None, *taken.tolist()]
+
+    def _vllm_logprobs(self, tokens: list[int]) -> list[float | None]:
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+
+        llm = cast(Any, self.engine).llm
+        out = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(tokens))],
+            VLLMParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )[0]
+        scored = zip(out.prompt_logprobs[1:], tokens[1:], strict=True)
+        return [None, *(float(entry[token].logprob) for entry, token in scored)]
+
+    def take_weights(self, training: TrainingSession) -> None:
+        """``training``'s current weights into this engine (vLLM: its weight-transfer push; transformers: a copy)."""
+        policy = training.policy
+        state = training.full_state()
+        if self.model is not None:
+            weights = dict(export_weights(policy.model, state))
+            self.model.load_state_dict({name: tensor.to(self.model.device) for name, tensor in weights.items()})
+            return
+        from gspo_core.step import push_weights
+
+        self.engine.wake()
+        push_weights(policy.model, self.engine, state)
+
+    def close(self) -> None:
+        """Release the engine."""
+        self.engine.close()
+        self.model = None
