@@ -81,6 +81,7 @@ class SessionHost:
             beta2=adam["beta2"],
             eps=adam["eps"],
             weight_decay=adam["weight_decay"],
+            grad_clip_norm=adam["grad_clip_norm"],
         )
         return Outcome({"type": "optim_step", "metrics": self.trainer(model_id).optim_step(params)})
 
