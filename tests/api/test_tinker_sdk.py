@@ -118,7 +118,7 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service):
     state = training.save_state("after-4").result()
     assert state.path.startswith("tinker://") and "/weights/after-4" in state.path
     sampler_path = training.save_weights_for_sampler("s4").result().path
-    sampling = service.create_sampling_client(model_path=sampler_path)
+    sampling = service.create_sampling_client(model_path=sampler_path).result()
     res = sampling.sample(
         types.ModelInput.from_ints(PROMPT), num_samples=2, sampling_params=types.SamplingParams(max_tokens=5, seed=1)
     ).result()
@@ -160,7 +160,7 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service):
     r = httpx.get(f"{url}/api/v1/training_runs/{run_id}/checkpoints", headers=other)
     assert r.status_code == 404
     with pytest.raises(tinker.NotFoundError):
-        _client(url, keys[1]).create_sampling_client(model_path=sampler_path)
+        _client(url, keys[1]).create_sampling_client(model_path=sampler_path).result()
     rest.delete_checkpoint(run_id, "sampler_weights/s4").result()
     assert sampler_path not in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
 
