@@ -79,3 +79,12 @@ def test_results_encode_as_the_sdk_decodes_them():
     assert sample.sequences[0].logprobs == pytest.approx([-0.1, -0.2])
     assert sample.prompt_logprobs is not None and sample.prompt_logprobs[0] is None
     assert math.isclose(sample.prompt_logprobs[1], -1.5)
+
+
+def test_the_api_accepts_exactly_the_losses_the_primitives_register():
+    """The API checks loss names without importing torch: its list must be the primitives' registry."""
+    import gspo_core.datum_losses  # noqa: F401  (registers them)
+    from api.services.tinker import LOSSES
+    from gspo_core.registry import DATUM_LOSSES
+
+    assert sorted(LOSSES) == DATUM_LOSSES.names()
