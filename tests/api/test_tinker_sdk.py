@@ -167,8 +167,8 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service):
 
 def test_bad_requests_raise_the_sdks_exceptions(tinker_service):
     url, keys = tinker_service
-    with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=url, api_key="tml-not-a-key")
+    with pytest.raises(tinker.AuthenticationError):  # the SDK connects on first use
+        tinker.ServiceClient(base_url=url, api_key="tml-not-a-key").create_lora_training_client("toy", rank=4)
     service = _client(url, keys[0])
     with pytest.raises(tinker.BadRequestError):
         service.create_lora_training_client(base_model="no-such-model", rank=4).result()
