@@ -152,7 +152,7 @@ class SessionHost:
 
 def _datum(index: int, row: dict) -> prim.Datum:
     inputs = row["inputs"]
-    unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages", "mask"}
+    unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages", "mask", "sequence_ratio_mask"}
     if unknown:
         raise SessionRequestError(f"data[{index}].loss_fn_inputs: unknown inputs {sorted(unknown)}")
     n = len(row["tokens"])
@@ -165,4 +165,5 @@ def _datum(index: int, row: dict) -> prim.Datum:
         weights=inputs.get("weights"),
         logprobs=inputs.get("logprobs"),
         advantages=inputs.get("advantages"),
+        mask=inputs.get("sequence_ratio_mask", inputs.get("mask")),  # Tinker's name, or ours
     )
