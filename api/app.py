@@ -27,6 +27,8 @@ from api.routers import (
     metrics,
     openai_webhooks,
     rewards,
+    tinker,
+    tinker_runs,
     ui,
     usage,
     webhooks,
@@ -153,6 +155,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         webhooks.router,
         openai_webhooks.router,
         health.router,
+        tinker.router,
+        tinker_runs.router,
     ):
         app.include_router(router)
     app.include_router(ui.router)

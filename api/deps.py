@@ -118,6 +118,27 @@ def current_tenant(request: Request, authorization: Annotated[str | None, Header
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
 
 
+def tinker_tenant(
+    request: Request,
+    x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Tenant:
+    """The tenant of the Tinker SDK's ``X-API-Key: tml-<key>`` (the SDK demands the ``tml-`` prefix, so
+    ``tml-<our key>`` is our key), or of a bearer key; 401 otherwise."""
+    key = (x_api_key or "").removeprefix("tml-") or _bearer(authorization)
+    s = request.app.state.db.read_session()
+    try:
+        tenant = authenticate(s, key)
+    finally:
+        s.close()
+    if tenant is None:
+        raise ApiError(401, "unauthorized", "missing or invalid API key (X-API-Key: tml-<key>)")
+    return tenant
+
+
+TinkerTenantDep = Annotated[Tenant, Depends(tinker_tenant)]
+
+
 async def metrics_auth(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
     """The operator's ``GSPO_METRICS_TOKEN`` as a bearer token; /metrics is off (404) while it is unset."""
     if not settings.metrics_token:

@@ -92,6 +92,17 @@ def start_worker(
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL if quiet else None)
 
 
+def session_worker_command() -> list[str]:
+    """The Tinker API's session worker (worker.sessions): it holds sessions' models and runs their requests."""
+    return [sys.executable, "-m", "worker.sessions"]
+
+
+def start_session_worker(rollout_engine: str | None = None) -> subprocess.Popen:
+    """`gspo up`'s session worker, beside its job worker, so the embedded service serves the Tinker API too."""
+    env = {**os.environ, **({"GSPO_ROLLOUT_ENGINE": rollout_engine} if rollout_engine else {})}
+    return subprocess.Popen(session_worker_command(), env=env, start_new_session=True)
+
+
 def stop_worker(proc: subprocess.Popen, timeout: float = 60) -> None:
     """SIGTERM (the running job checkpoints and is requeued); SIGKILL the group if it hangs."""
     if proc.poll() is None:
@@ -213,6 +224,7 @@ def up(args) -> int:
     migrate()
     key = up_key(args.tenant)
     worker = SupervisedWorker(logging.getLevelName(level), args.rollout_engine)
+    sessions = start_session_worker(args.rollout_engine)
     print(f"GSPO service on http://{args.host}:{args.port}  (dashboard: /, API docs: /docs)")
     print(f"API key for tenant {args.tenant!r}: {key}")
     print(f"data directory: {_settings().data_dir.resolve()}")
@@ -222,6 +234,7 @@ def up(args) -> int:
     try:
         run_api(args.host, args.port, log_level=logs.uvicorn_level(level))
     finally:
+        stop_worker(sessions)
         worker.stop()
     return 0
 
@@ -232,7 +245,8 @@ def api_cmd(args) -> int:
 
 
 def worker_cmd(args) -> int:
-    cmd = worker_command(args.loglevel)
+    """A job worker (Celery) or, with GSPO_WORKER_MODE=sessions, a session worker: the operator's choice."""
+    cmd = session_worker_command() if _settings().worker_mode == "sessions" else worker_command(args.loglevel)
     os.execv(cmd[0], cmd)  # become the worker, so SIGTERM from an orchestrator reaches Celery itself
 
 

@@ -227,3 +227,72 @@ class WebhookDelivery(Base):
     history: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class TinkerSession(Base):
+    """A client's session (Tinker API): its models and requests live and die with it; a session worker
+    holds its models while ``lease_owner``'s lease runs."""
+
+    __tablename__ = "tinker_sessions"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ts"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="active")  # active | closed
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    closed_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class TinkerModel(Base):
+    """A training run (``kind`` training) or a sampler (``kind`` sampling) of a session."""
+
+    __tablename__ = "tinker_models"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    base_model: Mapped[str] = mapped_column(String(512))
+    # The sampler's weights: a tinker:// path of a sampler checkpoint, or NULL for the base model.
+    model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    lora: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="active")  # active | unloaded
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TinkerCheckpoint(Base):
+    """Saved weights of a training run: ``kind`` training (state, with the optimizer) or sampler (HF export)."""
+
+    __tablename__ = "tinker_checkpoints"
+    __table_args__ = (UniqueConstraint("model_id", "kind", "name", name="uq_tinker_checkpoints_name"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("tck"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    model_id: Mapped[str] = mapped_column(String(40), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # training | sampler
+    name: Mapped[str] = mapped_column(String(200))
+    directory: Mapped[str] = mapped_column(String(1024))  # on the session worker's disk
+    object_prefix: Mapped[str] = mapped_column(String(512))  # the copy in object storage (<prefix>/model/...)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TinkerRequest(Base):
+    """One queued call on a session (the client's future): the session worker runs a session's requests
+    in the order they arrived and writes ``result`` (JSON) or ``error``."""
+
+    __tablename__ = "tinker_requests"
+    __table_args__ = (Index("ix_tinker_requests_session_status", "session_id", "status", "created_at"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("tr"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"))
+    model_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    payload: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | running | done | failed
+    result: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_category: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -230,6 +230,27 @@ class Settings(BaseSettings):
     # A queued job older than this while the broker queue is empty lost its message: send it again.
     resend_lost_after_seconds: float = Field(60.0, validation_alias=_env("RESEND_LOST_AFTER_SECONDS"))
     worker_queue: str = Field("gpu", validation_alias=_env("WORKER_QUEUE"))
+    # What `gspo worker` serves: queued jobs (Celery) or Tinker API sessions (worker.sessions).
+    worker_mode: Literal["jobs", "sessions"] = Field(
+        "jobs", validation_alias=_env("WORKER_MODE"), description="What a worker serves: jobs or sessions"
+    )
+    # Tinker API sessions (api/routers/tinker.py, worker/sessions.py).
+    max_active_sessions_per_tenant: int = Field(
+        4, ge=1, validation_alias=_env("MAX_ACTIVE_SESSIONS_PER_TENANT"), description="Open sessions per tenant"
+    )
+    session_idle_seconds: float = Field(
+        300.0,
+        gt=0,
+        validation_alias=_env("SESSION_IDLE_SECONDS"),
+        description="A session with no heartbeat or request for this long is closed and its models released",
+    )
+    tinker_long_poll_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=40,  # the SDK gives up on a retrieve_future after 45 s
+        validation_alias=_env("TINKER_LONG_POLL_SECONDS"),
+        description="How long retrieve_future waits for an unfinished request before answering try_again (408)",
+    )
     # Devices: what this worker has (it takes only jobs asking for at most as many), and the most a job may ask.
     worker_devices: int = Field(
         1, ge=1, validation_alias=_env("WORKER_DEVICES"), description="Devices (GPUs) this worker runs one job on"

@@ -1,0 +1,103 @@
+"""Request bodies of the Tinker-compatible routes, as the `tinker` SDK 0.38 sends them (unknown fields ignored)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class CreateSession(_Body):
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    sdk_version: str = ""
+
+
+class SessionRef(_Body):
+    session_id: str = Field(max_length=64)
+
+
+class LoraConfig(_Body):
+    rank: int = Field(ge=1, le=512)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModel(_Body):
+    session_id: str = Field(max_length=64)
+    model_seq_id: int = Field(0, ge=0)
+    base_model: str = Field(min_length=1, max_length=512)
+    lora_config: LoraConfig | None = None
+
+
+class ModelRef(_Body):
+    model_id: str = Field(max_length=64)
+
+
+class AdamParams(_Body):
+    learning_rate: float = Field(1e-4, ge=0, le=1)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    grad_clip_norm: float = Field(0.0, ge=0)
+
+
+class OptimStep(_Body):
+    model_id: str = Field(max_length=64)
+    adam_params: AdamParams = Field(default_factory=AdamParams)
+    seq_id: int | None = None
+
+
+class SaveWeights(_Body):
+    model_id: str = Field(max_length=64)
+    path: str | None = Field(None, max_length=100)
+    seq_id: int | None = None
+    sampling_session_seq_id: int | None = None
+
+
+class LoadWeights(_Body):
+    model_id: str | None = Field(None, max_length=64)
+    path: str = Field(max_length=400)
+    optimizer: bool = False
+    seq_id: int | None = None
+    session_id: str | None = Field(None, max_length=64)
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = Field(None, max_length=512)
+
+
+class CreateSamplingSession(_Body):
+    session_id: str = Field(max_length=64)
+    sampling_session_seq_id: int = 0
+    base_model: str | None = Field(None, max_length=512)
+    model_path: str | None = Field(None, max_length=400)
+
+
+class SamplingParams(_Body):
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(1.0, ge=0, le=10)
+    top_k: int = -1
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class Sample(_Body):
+    num_samples: int = Field(1, ge=1, le=256)
+    prompt: dict[str, Any]
+    sampling_params: SamplingParams
+    sampling_session_id: str | None = Field(None, max_length=64)
+    base_model: str | None = None
+    model_path: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+
+
+class RetrieveFuture(_Body):
+    request_id: str = Field(max_length=64)
+    allow_metadata_only: bool = False

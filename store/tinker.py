@@ -1,0 +1,261 @@
+"""Tinker API sessions: the session cap, the request queue (futures) and its leases, run by worker.sessions."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.orm import Session
+
+from store.models import (
+    TinkerCheckpoint,
+    TinkerModel,
+    TinkerRequest,
+    TinkerSession,
+    UsageRecord,
+    new_id,
+    utcnow,
+)
+from store.usage import QueuePolicy
+
+
+class SessionCapReached(RuntimeError):
+    """The tenant already has as many open sessions as it may."""
+
+
+def open_session(s: Session, tenant_id: str, tags: list[str], cap: int, idle_seconds: float) -> TinkerSession:
+    """A new active session (the tenant's idle ones closed first); :class:`SessionCapReached` at its cap."""
+    close_idle(s, idle_seconds, tenant_id=tenant_id)
+    active = s.scalar(
+        select(func.count())
+        .select_from(TinkerSession)
+        .where(TinkerSession.tenant_id == tenant_id, TinkerSession.status == "active")
+    )
+    if int(active or 0) >= cap:
+        raise SessionCapReached(f"{active} sessions are open, the most this tenant may have; close one first")
+    row = TinkerSession(tenant_id=tenant_id, tags=tags)
+    s.add(row)
+    s.flush()
+    return row
+
+
+def owned(s: Session, model: type, row_id: str, tenant_id: str):
+    """The tenant's row ``row_id`` of ``model``, else None (another tenant's row is as absent as a missing one)."""
+    row = s.get(model, row_id)
+    return row if row is not None and row.tenant_id == tenant_id else None
+
+
+class ModelExists(RuntimeError):
+    """The session already has a model of that sequence number."""
+
+
+def new_model(
+    s: Session,
+    session: TinkerSession,
+    kind: str,
+    base_model: str,
+    *,
+    lora: dict | None,
+    model_path: str | None,
+    seq: int | None = None,
+) -> TinkerModel:
+    """A session's model; a training model's id is ``<session>:train:<seq>``, the id the SDK derives itself."""
+    model_id = f"{session.id}:train:{seq}" if seq is not None else new_id("smp")
+    if s.get(TinkerModel, model_id) is not None:
+        raise ModelExists(f"model {model_id} exists already")
+    row = TinkerModel(
+        id=model_id,
+        tenant_id=session.tenant_id,
+        session_id=session.id,
+        kind=kind,
+        base_model=base_model,
+        lora=lora,
+        model_path=model_path,
+    )
+    s.add(row)
+    s.flush()
+    return row
+
+
+def enqueue(s: Session, session: TinkerSession, kind: str, payload: dict, model_id: str | None) -> TinkerRequest:
+    """A pending request: the session worker runs it after every earlier request of the session."""
+    row = TinkerRequest(
+        tenant_id=session.tenant_id, session_id=session.id, model_id=model_id, kind=kind, payload=payload
+    )
+    s.add(row)
+    session.heartbeat_at = utcnow()
+    s.flush()
+    return row
+
+
+def queued_ahead(s: Session, request: TinkerRequest) -> int:
+    """How many of the session's requests run before this one."""
+    return int(
+        s.scalar(
+            select(func.count())
+            .select_from(TinkerRequest)
+            .where(
+                TinkerRequest.session_id == request.session_id,
+                TinkerRequest.status.in_(("pending", "running")),
+                TinkerRequest.created_at < request.created_at,
+            )
+        )
+        or 0
+    )
+
+
+def claim_next(s: Session, worker: str, lease_seconds: float) -> TinkerRequest | None:
+    """The oldest pending request of an active session this worker holds or may take (no live lease),
+    marked running, with the session's lease extended to ``worker``; None when there is none."""
+    now = utcnow()
+    free = or_(
+        TinkerSession.lease_owner.is_(None),
+        TinkerSession.lease_owner == worker,
+        TinkerSession.lease_expires_at < now,
+    )
+    busy = select(TinkerRequest.session_id).where(TinkerRequest.status == "running")
+    candidate = s.scalar(
+        select(TinkerRequest)
+        .join(TinkerSession, TinkerSession.id == TinkerRequest.session_id)
+        .where(TinkerRequest.status == "pending", TinkerSession.status == "active", free)
+        .where(TinkerRequest.session_id.not_in(busy))
+        .order_by(TinkerRequest.created_at, TinkerRequest.id)
+        .limit(1)
+    )
+    if candidate is None:
+        return None
+    # Guarded: of two workers racing for one session, only one extends the lease.
+    taken = s.execute(
+        update(TinkerSession)
+        .where(TinkerSession.id == candidate.session_id, free)
+        .values(lease_owner=worker, lease_expires_at=now + timedelta(seconds=lease_seconds))
+    )
+    if taken.rowcount != 1:  # type: ignore[attr-defined]
+        s.rollback()
+        return None
+    candidate.status = "running"
+    s.commit()
+    return candidate
+
+
+def renew_lease(s: Session, worker: str, lease_seconds: float) -> None:
+    s.execute(
+        update(TinkerSession)
+        .where(TinkerSession.lease_owner == worker, TinkerSession.status == "active")
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+    )
+    s.commit()
+
+
+def finish(s: Session, request_id: str, result: dict | None, error: str | None = None, category: str = "user") -> None:
+    row = s.get(TinkerRequest, request_id)
+    if row is None:
+        return
+    row.status = "failed" if error is not None else "done"
+    row.result, row.error = result, error
+    row.error_category = category if error is not None else None
+    row.finished_at = utcnow()
+    if row.model_id is not None:
+        s.execute(update(TinkerModel).where(TinkerModel.id == row.model_id).values(last_request_at=row.finished_at))
+    s.commit()
+
+
+def close_idle(s: Session, idle_seconds: float, tenant_id: str | None = None) -> list[str]:
+    """Close the active sessions (of one tenant, or all) idle for ``idle_seconds`` (no heartbeat, no request)."""
+    cutoff = utcnow() - timedelta(seconds=idle_seconds)
+    query = select(TinkerSession).where(TinkerSession.status == "active", TinkerSession.heartbeat_at < cutoff)
+    if tenant_id is not None:
+        query = query.where(TinkerSession.tenant_id == tenant_id)
+    closed = []
+    for row in s.scalars(query).all():
+        close(s, row, f"idle for more than {idle_seconds:.0f} s")
+        closed.append(row.id)
+    s.commit()
+    return closed
+
+
+def reap_lost(s: Session) -> int:
+    """Requests running on a worker whose lease ran out (it died): expired, which the SDK sees as a 410 and
+    sends again; the session is free for another worker. Returns how many requests expired."""
+    now = utcnow()
+    lost = select(TinkerSession.id).where(
+        TinkerSession.status == "active", TinkerSession.lease_owner.is_not(None), TinkerSession.lease_expires_at < now
+    )
+    expired = s.execute(
+        update(TinkerRequest)
+        .where(TinkerRequest.session_id.in_(lost), TinkerRequest.status == "running")
+        .values(status="expired", error="the session's worker stopped while running it", finished_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    s.execute(
+        update(TinkerSession)
+        .where(TinkerSession.id.in_(lost))
+        .values(lease_owner=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    s.commit()
+    return int(expired.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def close(s: Session, session: TinkerSession, reason: str) -> None:
+    """Close a session: its pending requests fail, its models are unloaded."""
+    session.status, session.closed_reason, session.lease_owner = "closed", reason, None
+    s.execute(
+        update(TinkerRequest)
+        .where(TinkerRequest.session_id == session.id, TinkerRequest.status.in_(("pending", "running")))
+        .values(status="failed", error=f"session closed: {reason}", error_category="user", finished_at=utcnow())
+    )
+    s.execute(update(TinkerModel).where(TinkerModel.session_id == session.id).values(status="unloaded"))
+
+
+def closed_sessions(s: Session, session_ids: list[str]) -> list[str]:
+    if not session_ids:
+        return []
+    return list(
+        s.scalars(select(TinkerSession.id).where(TinkerSession.id.in_(session_ids), TinkerSession.status != "active"))
+    )
+
+
+def record_checkpoint(
+    s: Session, model: TinkerModel, kind: str, name: str, directory: str, object_prefix: str, size: int
+) -> None:
+    row = s.scalar(
+        select(TinkerCheckpoint).where(
+            TinkerCheckpoint.model_id == model.id, TinkerCheckpoint.kind == kind, TinkerCheckpoint.name == name
+        )
+    )
+    if row is None:
+        row = TinkerCheckpoint(tenant_id=model.tenant_id, model_id=model.id, kind=kind, name=name)
+        s.add(row)
+    row.directory, row.object_prefix, row.size_bytes, row.created_at = directory, object_prefix, size, utcnow()
+    s.commit()
+
+
+def find_checkpoint(s: Session, tenant_id: str, model_id: str, kind: str, name: str) -> TinkerCheckpoint | None:
+    return s.scalar(
+        select(TinkerCheckpoint).where(
+            TinkerCheckpoint.tenant_id == tenant_id,
+            TinkerCheckpoint.model_id == model_id,
+            TinkerCheckpoint.kind == kind,
+            TinkerCheckpoint.name == name,
+        )
+    )
+
+
+def add_usage(
+    s: Session, policy: QueuePolicy, request: TinkerRequest, worker: str, seconds: float, sampled: int, trained: int
+) -> None:
+    """Count one request's device time and tokens in the tenant's usage (a usage row per session, worker and
+    budget period, ``job_id`` being the session's id), so sessions spend the same budget as jobs."""
+    period = policy.period_start(utcnow())
+    key = (UsageRecord.job_id == request.session_id, UsageRecord.run_id == worker, UsageRecord.period_start == period)
+    row = s.scalar(select(UsageRecord).where(*key))
+    if row is None:
+        row = UsageRecord(
+            tenant_id=request.tenant_id, job_id=request.session_id, run_id=worker, attempt=1, period_start=period
+        )
+        row.device_seconds, row.tokens_sampled, row.tokens_trained = 0.0, 0, 0
+        s.add(row)
+    row.device_seconds += seconds
+    row.tokens_sampled += sampled
+    row.tokens_trained += trained

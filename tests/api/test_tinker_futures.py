@@ -1,0 +1,135 @@
+"""Tinker API sessions and futures in the app itself (no worker): the session cap and idle close, queue order,
+try_again (408) with the queue state, a lost worker's request (410), results, another tenant's 404s."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from store import tinker
+from store.models import TinkerRequest
+from store.settings import Settings
+from tests.conftest import empty_database_url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def settings(request, tmp_path):
+    (tmp_path / "models" / "toy").mkdir(parents=True)
+    (tmp_path / "models" / "toy" / "config.json").write_text("{}")
+    return Settings(
+        data_dir=tmp_path,
+        database_url=empty_database_url(request, tmp_path),
+        models_dir=tmp_path / "models",
+        max_active_sessions_per_tenant=2,
+        session_idle_seconds=2,
+        tinker_long_poll_seconds=0.2,
+    )
+
+
+def _tml(auth: dict) -> dict:
+    return {"X-API-Key": "tml-" + auth["Authorization"].removeprefix("Bearer ")}
+
+
+def _session(client, headers) -> str:
+    r = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()["session_id"]
+
+
+def _model(client, headers, session_id: str) -> tuple[str, str]:
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "toy", "lora_config": {"rank": 2}}
+    r = client.post("/api/v1/create_model", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()["model_id"], r.json()["request_id"]
+
+
+def _retrieve(client, headers, request_id: str):
+    return client.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers)
+
+
+def test_session_cap_is_a_429_and_idle_sessions_free_their_place(client, auth):
+    headers = _tml(auth)
+    _session(client, headers)
+    _session(client, headers)
+    r = client.post("/api/v1/create_session", json={"tags": []}, headers=headers)
+    assert r.status_code == 429 and "sessions" in r.json()["error"]["message"]
+    time.sleep(2.5)  # both idle past session_idle_seconds: closed on the next create_session
+    _session(client, headers)
+
+
+def test_futures_wait_in_order_then_answer_the_result(client, app, auth, other_auth):
+    headers = _tml(auth)
+    session_id = _session(client, headers)
+    model_id, create_id = _model(client, headers, session_id)
+    assert model_id == f"{session_id}:train:0"  # the id the SDK derives itself
+    step = client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {}}, headers=headers)
+    step_id = step.json()["request_id"]
+
+    r = _retrieve(client, headers, step_id)
+    assert r.status_code == 408
+    assert r.json() == {
+        "type": "try_again",
+        "request_id": step_id,
+        "queue_state": "active",
+        "queue_state_reason": "1 requests ahead",
+    }
+    assert _retrieve(client, headers, create_id).json()["queue_state"] == "paused_capacity"  # no worker took it
+    assert _retrieve(client, _tml(other_auth), create_id).status_code == 404
+    assert _retrieve(client, headers, "tr_missing").status_code == 404
+
+    with app.state.db.session() as s:  # a worker takes the first request, in arrival order
+        claimed = tinker.claim_next(s, "w1", 30)
+        assert claimed is not None and claimed.id == create_id
+        assert tinker.claim_next(s, "w2", 30) is None  # the session is w1's, and busy
+        tinker.finish(s, create_id, {"type": "create_model", "model_id": model_id})
+        assert tinker.claim_next(s, "w2", 30) is None  # still w1's lease
+        claimed = tinker.claim_next(s, "w1", 30)
+        assert claimed is not None and claimed.id == step_id
+        tinker.finish(s, step_id, None, "ValueError: bad", "user")
+    assert _retrieve(client, headers, create_id).json() == {"type": "create_model", "model_id": model_id}
+    assert _retrieve(client, headers, step_id).json() == {"error": "ValueError: bad", "category": "user"}
+
+
+def test_a_request_lost_with_its_worker_is_a_410(client, app, auth):
+    headers = _tml(auth)
+    session_id = _session(client, headers)
+    _, create_id = _model(client, headers, session_id)
+    with app.state.db.session() as s:
+        assert tinker.claim_next(s, "w1", 0.01) is not None
+    time.sleep(0.05)
+    with app.state.db.session() as s:
+        assert tinker.reap_lost(s) == 1
+        assert s.get(TinkerRequest, create_id).status == "expired"
+    assert _retrieve(client, headers, create_id).status_code == 410
+
+
+def test_bad_requests_name_their_field(client, auth, other_auth):
+    headers = _tml(auth)
+    assert (
+        client.post("/api/v1/create_session", json={"tags": []}, headers={"X-API-Key": "tml-nope"}).status_code == 401
+    )
+    session_id = _session(client, headers)
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "../etc", "lora_config": {"rank": 2}}
+    r = client.post("/api/v1/create_model", json=body, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "base_model"
+    model_id, _ = _model(client, headers, session_id)
+    r = client.post("/api/v1/get_info", json={"model_id": model_id}, headers=_tml(other_auth))
+    assert r.status_code == 404
+    fb = {
+        "model_id": model_id,
+        "forward_backward_input": {
+            "loss_fn": "nope",
+            "data": [{"model_input": {"chunks": [{"tokens": [1, 2]}]}, "loss_fn_inputs": {"target_tokens": [2, 3]}}],
+        },
+    }
+    r = client.post("/api/v1/forward_backward", json=fb, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "loss_fn"
+    fb["forward_backward_input"]["loss_fn"] = "cross_entropy"
+    fb["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"] = [2]
+    r = client.post("/api/v1/forward_backward", json=fb, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "data[0]"
+    r = client.post(
+        "/api/v1/load_weights", json={"model_id": model_id, "path": "s3://x", "optimizer": False}, headers=headers
+    )
+    assert r.status_code == 400 and r.json()["error"]["field"] == "path"

@@ -1,0 +1,209 @@
+"""The unmodified `tinker` SDK (0.38) against a live `gspo api` and a session worker (`gspo worker` with
+GSPO_WORKER_MODE=sessions) on the toy model: train, sample with log-probs, save and load, tenancy, errors."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import uuid
+from contextlib import ExitStack
+from io import BytesIO
+
+import httpx
+import pytest
+
+from store.db import Database, run_migrations
+from store.settings import Settings
+from store.tenants import create_tenant_and_key
+from tests.worker.conftest import ROOT, wait_for
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+PROMPT = [5, 6, 7, 8, 9, 10]  # toy-tokenizer ids of plain characters
+
+
+@pytest.fixture(scope="module")
+def tinker_service(tmp_path_factory, tiny_model_dir):
+    """``(url, keys of 3 tenants)``: `gspo api` + a session worker sharing a SQLite database and data dir."""
+    tmp = tmp_path_factory.mktemp("tinker")
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+        "GSPO_WORKER_MODE": "sessions",
+        "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
+    }
+    settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
+    run_migrations(settings.resolved_database_url())
+    db = Database(settings.resolved_database_url())
+    with db.session() as s:
+        keys = [create_tenant_and_key(s, f"{n}-{uuid.uuid4().hex[:6]}")[1] for n in ("acme", "globex", "initech")]
+    db.dispose()
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT), "TINKER_TELEMETRY": "0"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = [sys.executable, "-m", "gspo_cli.main"]
+    commands = {"api": ["api", "--host", "127.0.0.1", "--port", str(port)], "worker": ["worker"]}
+    with ExitStack() as stack:
+        procs = [
+            stack.enter_context(
+                subprocess.Popen(
+                    [*cli, *args],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=stack.enter_context(open(tmp / f"{name}.log", "w")),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            for name, args in commands.items()
+        ]
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _up(url), 60, "API up")
+        yield url, keys
+        for p in procs:
+            p.terminate()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/api/v1/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _client(url: str, key: str):
+    return tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
+
+
+def _datum(tokens: list[int]) -> types.Datum:
+    """Next-token cross-entropy on every position but the first."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] + [1.0] * (len(tokens) - 2)},
+    )
+
+
+def _mean_loss(out: types.ForwardBackwardOutput, data: list[types.Datum]) -> float:
+    logps = [lp for o in out.loss_fn_outputs for lp in o["logprobs"].tolist()]
+    weights = [w for d in data for w in d.loss_fn_inputs["weights"].tolist()]
+    return -sum(lp * w for lp, w in zip(logps, weights, strict=True)) / sum(weights)
+
+
+def test_train_sample_save_and_load_with_the_sdk(tinker_service):
+    url, keys = tinker_service
+    service = _client(url, keys[0])
+    rest = service.create_rest_client()
+    assert "toy" in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    training = service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()
+    assert training.get_info().model_data.model_name == "toy"
+    data = [_datum([*PROMPT, 11, 12]), _datum([7, 8, 9, 10, 11, 12, 13])]
+    losses = []
+    for _ in range(4):
+        fb = training.forward_backward(data, "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=5e-3))
+        out = fb.result()
+        step.result()
+        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [
+            len(d.model_input.to_ints()) for d in data
+        ]
+        losses.append(_mean_loss(out, data))
+    assert losses[-1] < losses[0], losses
+
+    state = training.save_state("after-4").result()
+    assert state.path.startswith("tinker://") and "/weights/after-4" in state.path
+    sampler_path = training.save_weights_for_sampler("s4").result().path
+    sampling = service.create_sampling_client(model_path=sampler_path).result()
+    res = sampling.sample(
+        types.ModelInput.from_ints(PROMPT), num_samples=2, sampling_params=types.SamplingParams(max_tokens=5, seed=1)
+    ).result()
+    assert len(res.sequences) == 2
+    for seq in res.sequences:
+        assert 1 <= len(seq.tokens) <= 5 and len(seq.logprobs) == len(seq.tokens)
+        assert all(lp <= 0 and math.isfinite(lp) for lp in seq.logprobs)
+    prompt_logprobs = sampling.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
+    assert prompt_logprobs[0] is None and all(lp is not None and lp <= 0 for lp in prompt_logprobs[1:])
+
+    # load_state brings back the weights saved at step 4: the same forward log-probs after more training
+    before = training.forward(data, "cross_entropy").result()
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    moved = training.forward(data, "cross_entropy").result()
+    training.load_state(state.path).result()
+    back = training.forward(data, "cross_entropy").result()
+    first = lambda o: o.loss_fn_outputs[0]["logprobs"].tolist()  # noqa: E731
+    assert first(moved) != pytest.approx(first(before), abs=1e-4)
+    assert first(back) == pytest.approx(first(before), abs=1e-4)
+
+    run_id = training.model_id
+    paths = [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+    assert state.path in paths and sampler_path in paths
+    archive = httpx.get(
+        f"{url}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/s4/archive",
+        headers={"X-API-Key": f"tml-{keys[0]}"},
+        timeout=60,
+    )
+    assert archive.status_code == 200, archive.text
+    with tarfile.open(fileobj=BytesIO(archive.content), mode="r:gz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("config.json") for n in names), names
+
+    # another tenant: the model, its future and its checkpoints are 404s
+    other = {"X-API-Key": f"tml-{keys[1]}"}
+    r = httpx.post(f"{url}/api/v1/get_info", json={"model_id": run_id}, headers=other)
+    assert r.status_code == 404
+    r = httpx.get(f"{url}/api/v1/training_runs/{run_id}/checkpoints", headers=other)
+    assert r.status_code == 404
+    with pytest.raises(tinker.NotFoundError):
+        _client(url, keys[1]).create_sampling_client(model_path=sampler_path).result()
+    rest.delete_checkpoint(run_id, "sampler_weights/s4").result()
+    assert sampler_path not in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+
+
+def test_bad_requests_raise_the_sdks_exceptions(tinker_service):
+    url, keys = tinker_service
+    with pytest.raises(tinker.AuthenticationError):  # the SDK connects on first use
+        tinker.ServiceClient(base_url=url, api_key="tml-not-a-key").create_lora_training_client("toy", rank=4)
+    service = _client(url, keys[0])
+    with pytest.raises(tinker.BadRequestError):
+        service.create_lora_training_client(base_model="no-such-model", rank=4).result()
+    training = service.create_lora_training_client(base_model="toy", rank=4).result()
+    with pytest.raises(tinker.BadRequestError):
+        training.forward_backward([_datum(PROMPT)], "no_such_loss").result()
+    mismatched = types.Datum(model_input=types.ModelInput.from_ints(PROMPT), loss_fn_inputs={"target_tokens": [1]})
+    with pytest.raises(tinker.BadRequestError):
+        training.forward_backward([mismatched], "cross_entropy").result()
+
+
+def test_session_cap_and_futures_protocol(tinker_service):
+    url, keys = tinker_service
+    headers = {"X-API-Key": f"tml-{keys[2]}"}
+    body = {"tags": [], "sdk_version": "0.38.0"}
+    sessions = [httpx.post(f"{url}/api/v1/create_session", json=body, headers=headers) for _ in range(3)]
+    assert all(r.status_code == 200 for r in sessions)
+    r = httpx.post(f"{url}/api/v1/create_session", json=body, headers=headers)
+    assert r.status_code == 429 and "sessions" in r.text
+    # an unknown future is a 404; another tenant's future too
+    r = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": "tr_nope"}, headers=headers)
+    assert r.status_code == 404
+    session_id = sessions[0].json()["session_id"]
+    create = {"session_id": session_id, "model_seq_id": 0, "base_model": "toy", "lora_config": {"rank": 2}}
+    future = httpx.post(f"{url}/api/v1/create_model", json=create, headers=headers).json()
+    r = httpx.post(
+        f"{url}/api/v1/retrieve_future",
+        json={"request_id": future["request_id"]},
+        headers={"X-API-Key": f"tml-{keys[1]}"},
+        timeout=30,
+    )
+    assert r.status_code == 404
+    r = httpx.post(
+        f"{url}/api/v1/retrieve_future", json={"request_id": future["request_id"]}, headers=headers, timeout=30
+    )
+    assert r.status_code in (200, 408)
+    if r.status_code == 408:
+        assert r.json()["type"] == "try_again" and r.json()["queue_state"] in ("active", "paused_capacity")
