@@ -8,6 +8,10 @@ BIN := $(VENV)/bin
 # finds it beside its own venv, as `.venv/bin/gspo up` does (Settings.grader_python): nothing is exported.
 GRADER_PY ?= /usr/bin/python3
 GRADER_VENV ?= .venv-graders
+# The environments venv (requirements-envs.txt + the operator's ENVS_REQUIREMENTS files) that verifiers environments
+# run in, beside the service's: verifiers pins openai and mcp below the project's (scripts/envs-env.sh).
+ENVS_VENV ?= .venv-envs
+ENVS_REQUIREMENTS ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_HOST_IP ?= 127.0.0.1
 export VLLM_NO_USAGE_STATS ?= 1
@@ -28,6 +32,9 @@ $(BIN)/.installed: pyproject.toml
 $(GRADER_VENV)/.installed: requirements-graders.txt scripts/grader-env.sh | system-deps
 	bash scripts/grader-env.sh $(GRADER_PY) $(GRADER_VENV)
 
+$(ENVS_VENV)/.installed: requirements-envs.txt scripts/envs-env.sh $(ENVS_REQUIREMENTS)
+	bash scripts/envs-env.sh $(PY) $(ENVS_VENV) $(ENVS_REQUIREMENTS)
+
 # Debian packages (bubblewrap, python3-venv), only those missing.
 system-deps:
 	bash scripts/system-deps.sh
@@ -38,7 +45,7 @@ REAL_MODEL := .cache/real-models/SmolLM2-135M-Instruct/config.json
 $(REAL_MODEL): | $(BIN)/.installed
 	$(BIN)/python -m bench.smollm2
 
-install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(REAL_MODEL)
+install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(ENVS_VENV)/.installed $(REAL_MODEL)
 
 demo: install
 	$(BIN)/gspo demo
@@ -59,4 +66,4 @@ bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(GRADER_VENV) .data runs test-artifacts
+	rm -rf $(VENV) $(GRADER_VENV) $(ENVS_VENV) .data runs test-artifacts

@@ -8,20 +8,22 @@ from api.errors import ApiError
 from api.schemas import EnvironmentOut, JobCreate
 from gspo_core.config import GSPOConfig
 from gspo_core.environments import (
+    AnyEnvironment,
     EnvironmentSpecError,
-    ReasoningGymEnvironment,
+    VerifiersEnvironment,
     check_environment,
     default_reward,
     environment_preview,
     parse_environment,
 )
+from gspo_core.environments.verifiers_env import check_allowed
 from store.models import Job
 from store.settings import Settings
 
 
 def check_environment_job(
     req: JobCreate, cfg: GSPOConfig, settings: Settings
-) -> tuple[ReasoningGymEnvironment | None, dict[str, Any] | None]:
+) -> tuple[AnyEnvironment | None, dict[str, Any] | None]:
     """``(environment, reward)`` of the request: its environment checked (422 naming the field, listing the
     known names), files or an environment but not both, and the environment's own reward where none is given."""
     if req.environment is None:
@@ -42,6 +44,8 @@ def check_environment_job(
         raise ApiError(422, "invalid_environment", "environment: a supervised job trains on files", "environment")
     try:
         env = check_environment(req.environment)
+        if isinstance(env, VerifiersEnvironment):  # only what the operator installed and allowed
+            check_allowed(env, settings.allowed_verifiers())
     except EnvironmentSpecError as exc:
         raise ApiError(422, "invalid_environment", str(exc), exc.field) from None
     if env.size > settings.max_file_rows:
