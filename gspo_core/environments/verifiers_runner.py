@@ -117,7 +117,7 @@ class Runner:
             for name, value in trace.metrics.items():
                 if isinstance(value, (int, float)):
                     metrics[name] = metrics.get(name, 0.0) + float(value)
-        if not episode.ok and not any(t.rewards for t in episode.traces):
+        if not episode.ok:  # an episode that broke anywhere is not trained on (the worker drops and counts it)
             errors = [e.message for e in episode.errors] + [e.message for t in episode.traces for e in t.errors]
             return {"error": "; ".join(errors)[-500:] or "episode failed", "kind": "episode_error"}
         return {"reward": sum(t.reward for t in episode.traces), "metrics": metrics}

@@ -38,6 +38,7 @@ def test_every_grader_type_is_registered():
         "reward_model",
         "multi",
         "reasoning_gym",
+        "verifiers",
     }
 
 

@@ -3,6 +3,8 @@ environments venv plays each episode against the job's chat endpoint, its rubric
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from gspo_core.config import JobSpec
@@ -71,11 +73,24 @@ def test_a_job_on_a_verifiers_environment_trains_on_its_rubric(tiny_model_dir, t
     assert metrics["verifiers/chars/mean"] >= 0
 
 
-def test_only_allowed_environments_run_and_a_missing_one_is_named(tiny_model_dir):
+def test_only_allowed_environments_run_a_failed_episode_is_an_error_and_a_missing_one_is_named():
     env = check_environment(ENV)
     with pytest.raises(EnvironmentSpecError) as info:
         VerifiersRunner(env, runtime(allowed=("other",)))
     assert info.value.field == "environment.id" and "allowed: other" in info.value.message
+    runner = VerifiersRunner(env, runtime())
+    try:
+        train_rows, held_out = runner.rows()
+        assert [row["answer"] for row in train_rows + held_out] == ["ok", "yes", "no", "hi"]
+        with socket.socket() as sock:  # a port nothing listens on: the episode's model call fails
+            sock.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{sock.getsockname()[1]}/s/x/v1"
+        result = runner.rollout(train_rows[0], dead, "key", 60.0)
+        assert result.reward is None and result.error == "episode_error"
+        assert runner.rollout(train_rows[0], dead, "key", 60.0).error == "episode_error"  # the runner lives on
+    finally:
+        runner.close()
+    assert runner.proc.returncode == 0
     missing = check_environment({**ENV, "id": "no_such_env"})
     runner = VerifiersRunner(missing, runtime(allowed=("no_such_env",)))
     try:
@@ -84,3 +99,26 @@ def test_only_allowed_environments_run_and_a_missing_one_is_named(tiny_model_dir
     finally:
         runner.close()
     assert runner.proc.returncode == 0
+
+
+def test_the_verifiers_grader_reads_the_episodes_own_scores():
+    from gspo_core.rewards import RewardSpecError, build_reward
+    from gspo_core.rewards.base import sample_for
+
+    episode = {**sample_for("ok", 1), "environment": {"reward": 0.75, "metrics": {"said_it": 1.0, "chars": 2.0}}}
+    dry = sample_for("ok", 1)  # a dry run's sample: no episode, no scores
+    spec = {
+        "type": "multi",
+        "graders": {"env": {"type": "verifiers"}, "chars": {"type": "verifiers", "score": "chars"}},
+        "calculate_output": "env + 0.1 * chars",
+    }
+    reward = build_reward(spec)
+    try:
+        got, none = reward.score_batch([{}, {}], [episode, dry])
+    finally:
+        reward.close()
+    assert got.reward == pytest.approx(0.95) and got.scores == {"env": 0.75, "chars": 2.0}
+    assert none.reward == 0.0 and set(none.errors) == {"env", "chars"}
+    with pytest.raises(RewardSpecError) as info:
+        build_reward({"type": "verifiers", "scores": "x"})
+    assert info.value.field == "scores"
