@@ -195,6 +195,7 @@ GRADER_SPECS: dict[str, dict] = {
     "reward_model": {"type": "reward_model", "model": "toy"},
     "multi": {"type": "multi", "graders": {"a": EXAMPLE_REWARD}, "calculate_output": "2 * a"},
     "reasoning_gym": {"type": "reasoning_gym"},
+    "verifiers": {"type": "verifiers", "score": "reward"},
 }
 
 
