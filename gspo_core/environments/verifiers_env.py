@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: The fields of every row of a verifiers environment (what graders may name as ``{{item.x}}``).
 VERIFIERS_ITEM_FIELDS = ("messages", "task", "answer", "info")
+#: verifiers' own taskset settings, which every taskset has and a tenant never sets: ``task`` plugs functions in
+#: by import path or file (code the worker would run), ``system_prompt`` reads a file of the worker's.
+FRAMEWORK_ARGS = frozenset({"id", "task", "system_prompt"})
 
 
 class VerifiersEnvironment(BaseModel):
@@ -34,6 +37,13 @@ class VerifiersEnvironment(BaseModel):
         0, ge=0, le=10_000, strict=True, description="Tasks after the training ones held out for evaluation."
     )
     timeout_s: float = Field(300.0, ge=1.0, le=3600.0, description="One episode's wall-clock limit.")
+
+    @field_validator("args")
+    @classmethod
+    def _own_fields_only(cls, args: dict[str, Any]) -> dict[str, Any]:
+        if bad := sorted(set(args) & FRAMEWORK_ARGS):
+            raise ValueError(f"{bad[0]!r} is verifiers' own setting, not one of the environment's config fields")
+        return args
 
 
 def check_allowed(env: VerifiersEnvironment, allowed: Collection[str]) -> None:

@@ -86,6 +86,11 @@ class Runner:
 
     async def load(self, req: dict) -> dict:
         env_cls, config_cls = vf.environment_class(req["id"]), vf.env_config_type(req["id"])
+        # Only the taskset's own fields: verifiers' shared ones plug in code and files (the worker checked too).
+        own = set(vf.taskset_config_type(req["id"]).model_fields) - set(vf.TasksetConfig.model_fields)
+        if unknown := sorted(set(req["args"]) - own):
+            known = ", ".join(sorted(own)) or "none"
+            return {"error": f"args: {unknown[0]!r} is not a config field of {req['id']} (known: {known})"}
         roles = {name for name, f in config_cls.model_fields.items() if isinstance(f.default, vf.AgentConfig)}
         default = vf.default_harness_id(req["id"])
         harness = {"id": HARNESS_ID} if default == "bash" else {"id": default}

@@ -35,6 +35,8 @@ def test_the_spec_is_checked_without_the_library():
         ({"size": 0}, "environment.size"),
         ({"timeout_s": 0}, "environment.timeout_s"),
         ({"module": "os"}, "environment.module"),
+        ({"args": {"task": {"rewards": {"x": {"fn": "/tmp/evil.py:f"}}}}}, "environment.args"),  # code by path
+        ({"args": {"system_prompt": "/etc/passwd"}}, "environment.args"),  # a file of the worker's
     ]:
         with pytest.raises(EnvironmentSpecError) as info:
             check_environment({**ENV, **change})
@@ -91,6 +93,12 @@ def test_only_allowed_environments_run_a_failed_episode_is_an_error_and_a_missin
     finally:
         runner.close()
     assert runner.proc.returncode == 0
+    unknown = VerifiersRunner(check_environment({**ENV, "args": {"words": ["a"], "colour": 1}}), runtime())
+    try:
+        with pytest.raises(RunnerError, match=r"'colour' is not a config field of vf_toy \(known: repeat, words\)"):
+            unknown.rows()
+    finally:
+        unknown.close()
     missing = check_environment({**ENV, "id": "no_such_env"})
     runner = VerifiersRunner(missing, runtime(allowed=("no_such_env",)))
     try:
