@@ -348,10 +348,7 @@ def installed_grader_python() -> str | None:
     """The grader environment's interpreter that the install step built beside the running venv
     (``<checkout>/.venv-graders`` next to ``<checkout>/.venv``), so a service started as the README says
     (``.venv/bin/gspo up``) finds it as one started by ``make`` does; None outside a venv or without one."""
-    if sys.prefix == sys.base_prefix:
-        return None
-    python = Path(sys.prefix).parent / ".venv-graders" / "bin" / "python"
-    return str(python) if python.exists() else None
+    return installed_venv_python(".venv-graders")
 
 
 @lru_cache(maxsize=1)
