@@ -47,9 +47,10 @@ def test_a_job_on_a_verifiers_environment_trains_on_its_rubric(tiny_model_dir, t
     """Through the trainer: the environment's tasks are the rows, every episode is played by the runner against
     the job's endpoint, each completion's reward is its task's own @vf.reward of that completion, its metrics
     reach the step's, and the held-out task is evaluated the same way."""
+    env = {**ENV, "args": {"repeat": 1, "fail_on": "yes"}, "size": 2}  # "yes": its episodes break
     spec = JobSpec(
         model=str(tiny_model_dir),
-        environment=ENV,
+        environment=env,
         reward={"type": "verifiers"},
         hyperparameters=HP,
         output_dir=str(tmp_path / "out"),
@@ -59,20 +60,22 @@ def test_a_job_on_a_verifiers_environment_trains_on_its_rubric(tiny_model_dir, t
         train(spec, rec, runtime=runtime())
     steps = dict(rec.steps)
     metrics = steps[1]
-    assert metrics["rollouts_dropped"] == 0 and metrics["turns/mean"] == 1
-    assert metrics["reward/mean"] == pytest.approx(metrics["verifiers/said_it/mean"])
+    # Both prompts train (size 2): "yes"'s two episodes broke in the environment, dropped and counted.
+    assert metrics["rollouts_dropped"] == 2 and metrics["agent_errors/episode_error"] == 2
+    assert metrics["turns/mean"] == 1
     assert "eval/reward/mean" in steps[0]  # the held-out task, before training
     ((_, rows),) = rec.samples
-    seen = 0
+    assert sorted(row["item"]["answer"] for row in rows) == ["ok", "yes"]
     for row in rows:
         assert row["item"]["task"] == "vf_toy" and row["item"]["messages"][0]["content"].startswith("Say ")
         for shown in row["completions"]:
             said = shown["messages"][-1]
-            assert said["role"] == "assistant" and shown["trained_tokens"] > 0
-            assert shown["reward"] == (1.0 if row["item"]["answer"] in said["content"].lower() else 0.0)
-            seen += 1
-    assert seen == 4
-    assert metrics["verifiers/chars/mean"] >= 0
+            assert said["role"] == "assistant" and shown["dropped"] == (row["item"]["answer"] == "yes")
+            assert (shown["trained_tokens"] > 0) != shown["dropped"]  # a dropped episode trains no token
+            if not shown["dropped"]:  # the task's own @vf.reward of exactly this completion
+                assert shown["reward"] == (1.0 if row["item"]["answer"] in said["content"].lower() else 0.0)
+    ok = [c for row in rows if row["item"]["answer"] == "ok" for c in row["completions"]]
+    assert metrics["verifiers/chars/mean"] == pytest.approx(sum(len(c["messages"][-1]["content"]) for c in ok) / 2)
 
 
 def test_only_allowed_environments_run_a_failed_episode_is_an_error_and_a_missing_one_is_named():
@@ -95,7 +98,9 @@ def test_only_allowed_environments_run_a_failed_episode_is_an_error_and_a_missin
     assert runner.proc.returncode == 0
     unknown = VerifiersRunner(check_environment({**ENV, "args": {"words": ["a"], "colour": 1}}), runtime())
     try:
-        with pytest.raises(RunnerError, match=r"'colour' is not a config field of vf_toy \(known: repeat, words\)"):
+        with pytest.raises(
+            RunnerError, match=r"'colour' is not a config field of vf_toy \(known: fail_on, repeat, words\)"
+        ):
             unknown.rows()
     finally:
         unknown.close()
