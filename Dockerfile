@@ -10,6 +10,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 COPY requirements-graders.txt /tmp/requirements-graders.txt
 RUN python3 -m venv /opt/graders && /opt/graders/bin/pip install -r /tmp/requirements-graders.txt
 ENV GSPO_GRADER_PYTHON=/opt/graders/bin/python
+# The environments venv (requirements-envs.txt) that verifiers environments run in, apart from the service's (its
+# openai and mcp pins are below ours); a derived image adds the operator's allowed environment packages with
+# /opt/envs/bin/pip and names them in GSPO_VERIFIERS_ENVIRONMENTS (docs/environments.md).
+COPY requirements-envs.txt /tmp/requirements-envs.txt
+RUN python3 -m venv /opt/envs && /opt/envs/bin/pip install -r /tmp/requirements-envs.txt
+ENV GSPO_ENVS_PYTHON=/opt/envs/bin/python
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app

@@ -11,6 +11,10 @@ GRADER_VENV ?= .venv-graders
 # The test-only environment with PyPI `openenv` (its server classes) that tests/core/test_openenv.py runs a real
 # OpenEnv server from: apart from .venv, whose mcp and pillow pins openenv's dependencies conflict with.
 OPENENV_VENV ?= .venv-openenv
+# The environments venv (requirements-envs.txt + the operator's ENVS_REQUIREMENTS files) that verifiers environments
+# run in, beside the service's: verifiers pins openai and mcp below the project's (scripts/envs-env.sh).
+ENVS_VENV ?= .venv-envs
+ENVS_REQUIREMENTS ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_HOST_IP ?= 127.0.0.1
 export VLLM_NO_USAGE_STATS ?= 1
@@ -34,6 +38,9 @@ $(GRADER_VENV)/.installed: requirements-graders.txt scripts/grader-env.sh | syst
 $(OPENENV_VENV)/.installed: scripts/openenv-env.sh
 	bash scripts/openenv-env.sh $(PY) $(OPENENV_VENV)
 
+$(ENVS_VENV)/.installed: requirements-envs.txt scripts/envs-env.sh $(ENVS_REQUIREMENTS)
+	bash scripts/envs-env.sh $(PY) $(ENVS_VENV) $(ENVS_REQUIREMENTS)
+
 # Debian packages (bubblewrap, python3-venv), only those missing.
 system-deps:
 	bash scripts/system-deps.sh
@@ -44,7 +51,7 @@ REAL_MODEL := .cache/real-models/SmolLM2-135M-Instruct/config.json
 $(REAL_MODEL): | $(BIN)/.installed
 	$(BIN)/python -m bench.smollm2
 
-install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(OPENENV_VENV)/.installed $(REAL_MODEL)
+install: system-deps $(BIN)/.installed $(GRADER_VENV)/.installed $(ENVS_VENV)/.installed $(OPENENV_VENV)/.installed $(REAL_MODEL)
 
 demo: install
 	$(BIN)/gspo demo
@@ -65,4 +72,4 @@ bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(GRADER_VENV) $(OPENENV_VENV) .data runs test-artifacts
+	rm -rf $(VENV) $(GRADER_VENV) $(ENVS_VENV) $(OPENENV_VENV) .data runs test-artifacts

@@ -196,13 +196,17 @@ def grader_sample(completion: Completion, prompt: str) -> dict:
     the API's dry runs read a given one (`gspo_core.rewards.transcript_sample`)."""
     turns = completion.extra.get("messages")
     if "agent" in completion.extra:
-        return sample_for(
+        sample = sample_for(
             completion.text,
             completion.sampled_tokens,
             completion.finish_reason,
             completion.extra.get("tool_calls", []),
             turns or [],
         )
+        agent = completion.extra["agent"]
+        if "environment_reward" in agent:  # a verifiers environment's episode: its scores (the `verifiers` grader)
+            sample["environment"] = {"reward": agent["environment_reward"], "metrics": agent["environment_metrics"]}
+        return sample
     answer = [{"role": "assistant", "content": completion.text}]
     messages = [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)]
     return transcript_sample(messages, completion.sampled_tokens, completion.finish_reason)

@@ -27,6 +27,7 @@ from gspo_core.distributed import (
     shard,
 )
 from gspo_core.environments import episode_environment
+from gspo_core.environments.verifiers_env import verifiers_spec
 from gspo_core.loop import TrainResult, run
 from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.agents.remote import AgentEndpoint
+    from gspo_core.environments.verifiers_episodes import VerifiersRunner
     from gspo_core.rollout.weight_push import Push
 
 
@@ -73,7 +75,8 @@ class Trainer:
         seed_everything(self.cfg.seed)
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
-        self.rows, self.val_rows = spec_rows(spec)
+        self.env_runner = self._env_runner()
+        self.rows, self.val_rows = self._rows()
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
         self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
@@ -100,10 +103,22 @@ class Trainer:
             self.peer_push = self._peer_push()
             parser = pick_format(self.cfg.tool_format, tokenizer)
             agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
+            rt = self.runtime
+            if self.env_runner is not None:  # a verifiers environment plays the episodes against the endpoint
+                from gspo_core.environments.verifiers_episodes import VerifiersEndpoint
+
+                self.agent_endpoint = VerifiersEndpoint(
+                    self.env_runner,
+                    grader_policy,
+                    parser,
+                    self.cfg.max_prompt_tokens,
+                    rt.agent_endpoint_host,
+                    rt.agent_endpoint_port,
+                    rt.agent_endpoint_url,
+                )
             if agent is not None:
                 from gspo_core.agents.remote import AgentEndpoint
 
-                rt = self.runtime
                 self.agent_endpoint = AgentEndpoint(
                     agent,
                     grader_policy,
@@ -132,6 +147,27 @@ class Trainer:
         #: What ends the step in flight early (rank 0's; `begin_step` renews it).
         self.stop: StopCheck = NEVER
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
+
+    def _env_runner(self) -> VerifiersRunner | None:
+        """Rank 0's runner of the job's verifiers environment (None for any other job)."""
+        env = verifiers_spec(self.spec.environment)
+        if env is None or not self.ranks.main:
+            return None
+        from gspo_core.environments.verifiers_episodes import VerifiersRunner
+
+        return VerifiersRunner(env, self.runtime)
+
+    def _rows(self) -> tuple[list[dict], list[dict]]:
+        """The job's ``(training rows, validation rows)``: a verifiers environment's from its runner (rank 0's,
+        to every rank), else its files' or its environment's (`gspo_core.data.spec_rows`)."""
+        if verifiers_spec(self.spec.environment) is None:
+            return spec_rows(self.spec)
+        try:
+            return broadcast(self.env_runner.rows() if self.env_runner is not None else None, self.ranks)
+        except BaseException:
+            if self.env_runner is not None:
+                self.env_runner.close()
+            raise
 
     def _peer_push(self) -> Push | None:
         """On ranks 1..N-1, where the transport takes every rank's copy of the weights (CUDA IPC): their side
@@ -187,7 +223,8 @@ class Trainer:
         evals = self.val_rows[: cfg.eval_prompts]  # evaluated before and after training, eval_every or not
         rows = self.rows + evals
         agent = any(tool.get("type") == "agent" for tool in self.spec.tools)
-        agent = agent or (self.spec.environment or {}).get("type") == "openenv"
+        env_type = (self.spec.environment or {}).get("type")
+        agent = agent or env_type == "openenv" or verifiers_spec(self.spec.environment) is not None
         longest = cfg.max_prompt_tokens if agent else 1  # an agent's (a server's) prompts are its own: the bound
         # One batched tokenizer call per chunk (memory stays bounded): about what the job's first epoch
         # spends tokenizing them anyway.
@@ -387,6 +424,8 @@ class Trainer:
         if self.agent_endpoint is not None:
             self.agent_endpoint.close()
             self.agent_endpoint = None
+        if self.env_runner is not None:  # closed with its endpoint, or alone when the endpoint never opened
+            self.env_runner.close()
 
     def close(self, engine: bool = True) -> None:
         self.close_graders()

@@ -188,6 +188,25 @@ class Settings(BaseSettings):
         validation_alias=_env("AGENT_ENDPOINT_URL"),
         description="The base URL agents reach it at, e.g. behind a proxy (empty: http://<host>:<port>)",
     )
+    # verifiers environments (docs/environments.md): which ones tenants may name, and the venv they run in.
+    verifiers_environments: str = Field(
+        "",
+        max_length=4000,
+        validation_alias=_env("VERIFIERS_ENVIRONMENTS"),
+        description="Comma-separated ids of the verifiers environments tenants may name (none: the type is refused)",
+    )
+    envs_python: str | None = Field(
+        None,
+        validation_alias=_env("ENVS_PYTHON"),
+        description="Interpreter of the environments venv (verifiers and the allowed environment packages); "
+        "default <checkout>/.venv-envs beside the running venv",
+    )
+    envs_path: str = Field(
+        "",
+        max_length=4000,
+        validation_alias=_env("ENVS_PATH"),
+        description="Colon-separated directories the environment runner also imports environments from",
+    )
     rank_timeout_s: int = Field(
         1800,
         ge=5,
@@ -290,6 +309,8 @@ class Settings(BaseSettings):
             self.models_dir = self.data_dir / "models"
         if self.grader_python is None:
             self.grader_python = installed_grader_python()
+        if self.envs_python is None:
+            self.envs_python = installed_venv_python(".venv-envs")
         return self
 
     def resolved_database_url(self) -> str:
@@ -322,20 +343,33 @@ class Settings(BaseSettings):
             "agent_endpoint_port": self.agent_endpoint_port,
             "agent_endpoint_url": self.agent_endpoint_url,
             "rank_timeout_s": self.rank_timeout_s,
+            "envs_python": self.envs_python or "",
+            "verifiers_environments": self.allowed_verifiers(),
+            "envs_path": tuple(d for d in self.envs_path.split(":") if d),
         }
+
+    def allowed_verifiers(self) -> tuple[str, ...]:
+        """The verifiers environment ids tenants may name."""
+        return tuple(i.strip() for i in self.verifiers_environments.split(",") if i.strip())
 
     def broker_is_embedded(self) -> bool:
         return not self.redis_url
+
+
+def installed_venv_python(name: str) -> str | None:
+    """The interpreter of the venv ``name`` that the install step built beside the running venv; None outside a
+    venv or without one."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    python = Path(sys.prefix).parent / name / "bin" / "python"
+    return str(python) if python.exists() else None
 
 
 def installed_grader_python() -> str | None:
     """The grader environment's interpreter that the install step built beside the running venv
     (``<checkout>/.venv-graders`` next to ``<checkout>/.venv``), so a service started as the README says
     (``.venv/bin/gspo up``) finds it as one started by ``make`` does; None outside a venv or without one."""
-    if sys.prefix == sys.base_prefix:
-        return None
-    python = Path(sys.prefix).parent / ".venv-graders" / "bin" / "python"
-    return str(python) if python.exists() else None
+    return installed_venv_python(".venv-graders")
 
 
 @lru_cache(maxsize=1)

@@ -10,11 +10,13 @@ from gspo_core.config import GSPOConfig
 from gspo_core.environments import (
     Environment,
     EnvironmentSpecError,
+    VerifiersEnvironment,
     check_environment,
     default_reward,
     environment_preview,
     parse_environment,
 )
+from gspo_core.environments.verifiers_env import check_allowed
 from gspo_core.rewards import redact_secrets
 from store.models import Job
 from store.settings import Settings
@@ -43,6 +45,8 @@ def check_environment_job(
         raise ApiError(422, "invalid_environment", "environment: a supervised job trains on files", "environment")
     try:
         env = check_environment(req.environment, settings.grader_policy()["egress_allow"])
+        if isinstance(env, VerifiersEnvironment):  # only what the operator installed and allowed
+            check_allowed(env, settings.allowed_verifiers())
     except EnvironmentSpecError as exc:
         raise ApiError(422, "invalid_environment", str(exc), exc.field) from None
     if env.type == "openenv" and req.tools:

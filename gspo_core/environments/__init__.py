@@ -1,8 +1,8 @@
 """A job's environment: where its prompts and rewards come from when it names one instead of a dataset.
 
 One field, ``environment``, with a ``type`` discriminator. ``reasoning_gym`` (procedural tasks by name) and
-``openenv`` (a tenant's OpenEnv server, whose episodes run in it: `gspo_core.environments.openenv`) are built;
-``verifiers`` is planned as a further type of the same field (docs/environments.md).
+``openenv`` (a tenant's OpenEnv server, whose episodes run in it: `gspo_core.environments.openenv`) and
+``verifiers`` (an operator-allowed environment package, run in its own venv) are built (docs/environments.md).
 An environment of a dataset-like type yields the same item dicts a JSONL file would (:func:`environment_rows`),
 so the rest of the loop is unchanged. Validating a spec imports no torch; a type's library is imported only
 when the spec names that type.
@@ -22,6 +22,10 @@ from gspo_core.environments.spec import (
     ReasoningGymEnvironment,
     ReasoningGymTask,
 )
+from gspo_core.environments.verifiers_env import VERIFIERS_ITEM_FIELDS, VerifiersEnvironment
+
+#: A job's environment, as its type's spec.
+Environment = ReasoningGymEnvironment | OpenEnvEnvironment | VerifiersEnvironment
 
 if TYPE_CHECKING:
     from gspo_core.rewards.policy import GraderPolicy
@@ -35,6 +39,7 @@ __all__ = [
     "OpenEnvEnvironment",
     "ReasoningGymEnvironment",
     "ReasoningGymTask",
+    "VerifiersEnvironment",
     "check_environment",
     "default_reward",
     "environment_item_fields",
@@ -48,11 +53,10 @@ __all__ = [
 ENVIRONMENT_TYPES: dict[str, type[BaseModel]] = {
     "reasoning_gym": ReasoningGymEnvironment,
     "openenv": OpenEnvEnvironment,
+    "verifiers": VerifiersEnvironment,
 }
 #: Types of the same field that are designed but not built yet (named in the error a tenant gets).
-PLANNED_TYPES = ("verifiers",)
-#: A job's environment, as its type's spec.
-Environment = ReasoningGymEnvironment | OpenEnvEnvironment
+PLANNED_TYPES: tuple[str, ...] = ()
 
 
 class EnvironmentSpecError(ValueError):
@@ -79,7 +83,7 @@ def parse_environment(raw: Mapping[str, Any]) -> Environment:
     kind = raw.get("type")
     model = ENVIRONMENT_TYPES.get(kind) if isinstance(kind, str) else None
     if model is None:
-        planned = f"; planned: {', '.join(PLANNED_TYPES)}" if kind not in PLANNED_TYPES else ""
+        planned = f"; planned: {', '.join(PLANNED_TYPES)}" if PLANNED_TYPES and kind not in PLANNED_TYPES else ""
         state = " is planned but not available yet" if kind in PLANNED_TYPES else " is not a known type"
         raise EnvironmentSpecError(
             "environment.type", f"{kind!r}{state} (known: {', '.join(ENVIRONMENT_TYPES)}{planned})"
@@ -95,8 +99,12 @@ def check_environment(raw: Mapping[str, Any], egress_allow: Iterable[str] | None
     """:func:`parse_environment` plus what only the type's library can tell (task names, config fields, a first
     item that generates) or the egress policy (an OpenEnv server's URL and headers, under the operator's
     allow-list ``egress_allow``; None: not checked here, as for the rows, and checked where it is connected
-    to); :class:`EnvironmentSpecError` naming the field and listing the known values."""
+    to); :class:`EnvironmentSpecError` naming the field and listing the known values. A ``verifiers``
+    environment's library is the worker's alone (its id is checked against the operator's list by
+    `gspo_core.environments.verifiers_env.check_allowed`)."""
     env = parse_environment(raw)
+    if isinstance(env, VerifiersEnvironment):
+        return env
     if isinstance(env, OpenEnvEnvironment):
         from gspo_core.environments import openenv
 
@@ -110,24 +118,30 @@ def check_environment(raw: Mapping[str, Any], egress_allow: Iterable[str] | None
 
 
 def environment_rows(env: Environment) -> tuple[list[dict], list[dict]]:
-    """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are."""
+    """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are (a ``verifiers``
+    environment's come from its runner: `gspo_core.environments.verifiers_env.VerifiersRunner.rows`)."""
     if isinstance(env, OpenEnvEnvironment):
         from gspo_core.environments import openenv
 
         return openenv.rows(env)
     from gspo_core.environments import reasoning_gym
 
+    if isinstance(env, VerifiersEnvironment):
+        raise EnvironmentSpecError("environment.type", "a verifiers environment's rows come from its runner")
     return reasoning_gym.rows(env)
 
 
 def environment_preview(env: Environment, n: int) -> list[dict]:
-    """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest."""
+    """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest; none
+    for a ``verifiers`` environment (only the worker imports it: its rows are the rollouts' items)."""
     if isinstance(env, OpenEnvEnvironment):
         from gspo_core.environments import openenv
 
         return openenv.first_rows(env, n)
     from gspo_core.environments import reasoning_gym
 
+    if isinstance(env, VerifiersEnvironment):
+        return []
     return reasoning_gym.first_rows(env, n)
 
 
@@ -137,7 +151,7 @@ def environment_item_fields(env: Environment) -> set[str]:
         from gspo_core.environments.openenv import ITEM_FIELDS as OPENENV_FIELDS
 
         return set(OPENENV_FIELDS)
-    return set(ITEM_FIELDS)
+    return set(VERIFIERS_ITEM_FIELDS if isinstance(env, VerifiersEnvironment) else ITEM_FIELDS)
 
 
 def default_reward(env_type: str | None) -> dict[str, Any]:
@@ -145,6 +159,8 @@ def default_reward(env_type: str | None) -> dict[str, Any]:
     scoring (its ``answer`` score)."""
     if env_type == "openenv":
         return {"type": "openenv"}  # the episode's reward is the server's (`gspo_core.rewards.openenv_grader`)
+    if env_type == "verifiers":
+        return {"type": "verifiers", "name": "rubric"}  # the episode's own reward (its tasks' @vf.reward sum)
     return {"type": "reasoning_gym", "name": "answer"} if env_type == "reasoning_gym" else {}
 
 

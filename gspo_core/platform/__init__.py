@@ -49,6 +49,9 @@ class RuntimeOptions:
     ``rank_timeout_s``: how long a rank of a job on several devices waits in a collective before the attempt
     is given up (a rank that hangs without dying); it must exceed the longest rollout phase, during which
     ranks 1..N-1 wait for rank 0's samples (docs/scaling.md, Failure handling).
+    ``envs_python`` / ``verifiers_environments`` / ``envs_path``: the environments venv's interpreter, the
+    verifiers environment ids jobs may name, and directories its runner also imports them from
+    (`gspo_core.environments.verifiers_env`).
     """
 
     rollout_engine: str = "auto"
@@ -58,6 +61,9 @@ class RuntimeOptions:
     agent_endpoint_port: int = 0
     agent_endpoint_url: str = ""
     rank_timeout_s: int = 1800
+    envs_python: str = ""
+    verifiers_environments: tuple[str, ...] = ()
+    envs_path: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rollout_engine not in ENGINE_KINDS:
@@ -80,7 +86,9 @@ class RuntimeOptions:
         known = {f.name for f in fields(cls)}
         if unknown := sorted(set(values) - known):
             raise ValueError(f"unknown runtime option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**dict(values))
+        # Lists (a YAML section, a JSON round trip) are the tuples the frozen fields hold.
+        plain: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        return cls(**plain)
 
 
 class Platform:

@@ -13,6 +13,7 @@ from gspo_core.rewards import python_grader as _python  # noqa: F401
 from gspo_core.rewards import reasoning_gym_grader as _reasoning_gym  # noqa: F401
 from gspo_core.rewards import remote as _remote  # noqa: F401
 from gspo_core.rewards import reward_model as _reward_model  # noqa: F401
+from gspo_core.rewards import verifiers_grader as _verifiers  # noqa: F401
 from gspo_core.rewards.base import (
     GRADERS,
     Grader,

@@ -21,6 +21,7 @@ from store.objects import put_dir
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
 from tests.conftest import empty_database_url
+from tests.support.verifiers_support import envs_settings
 from tests.worker.conftest import ROOT, wait_for
 
 
@@ -149,6 +150,7 @@ def service(tmp_path_factory, tiny_model_dir):
         "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
         "GSPO_ROLLOUT_ENGINE": "transformers",
         "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
+        **envs_settings(),  # the test verifiers environment, allowed (tests/api/test_environments.py)
     }
     settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
     run_migrations(settings.resolved_database_url())

@@ -14,6 +14,7 @@ from gspo_client import Client
 from gspo_core.environments import check_environment, environment_rows
 from store.settings import Settings
 from tests.conftest import empty_database_url
+from tests.support.verifiers_support import envs_python
 
 pytest.importorskip("reasoning_gym")
 
@@ -62,7 +63,6 @@ HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "ma
             "environment.tasks[0].config.digits",
             "known: .*min_digits",
         ),
-        ({"environment": {**ENV, "type": "verifiers"}}, "environment.type", "planned"),
         ({"environment": {**OPENENV, "url": "http://127.0.0.1:8000"}}, "environment.url", "loopback"),
         ({"environment": {**OPENENV, "url": "http://169.254.169.254/"}}, "environment.url", "not reachable"),
         ({"environment": {**OPENENV, "url": "ftp://env.example.com"}}, "environment.url", "http"),
@@ -74,6 +74,12 @@ HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "ma
             "tools",
             "give no tools",
         ),
+        (
+            {"environment": {"type": "verifiers", "id": "vf_toy"}},
+            "environment.id",
+            "'vf_toy' is not an allowed environment .allowed: none",
+        ),
+        ({"environment": {"type": "verifiers", "id": "vf_toy", "module": "os"}}, "environment.module", "Extra"),
         ({"environment": {**ENV, "size": 501}}, "environment.size", "GSPO_MAX_FILE_ROWS"),
         ({"environment": None}, "training_file", "required unless an environment"),
         ({"training_file": "file_x"}, "training_file", "files or an environment, not both"),
@@ -187,3 +193,40 @@ def test_a_job_on_an_environment_runs_with_its_evaluation_before_and_after(servi
 def _samples(url: str, key: str, job_id: str, step: int) -> list[dict]:
     r = httpx.get(f"{url}/v1/jobs/{job_id}/samples?step={step}", headers={"Authorization": f"Bearer {key}"})
     return r.json()["rows"] if r.status_code == 200 else []
+
+
+VF_ENV = {"type": "verifiers", "id": "vf_toy", "args": {"repeat": 1}, "size": 4}
+
+
+def test_a_job_on_a_verifiers_environment_runs_through_the_service(service):
+    """Through the live API and worker, whose operator allowed the test environment (tests/api/conftest.py): its
+    rubric is the default reward, its episodes are in the inspector, its metrics in the job's, the job page's
+    environment shows it; an id the operator did not allow is a 422 listing the allowed ones."""
+    envs_python()
+    url, keys, tmp = service
+    auth = {"Authorization": f"Bearer {keys[2]}"}
+    refused = httpx.post(
+        f"{url}/v1/jobs",
+        json={"model": "toy", "environment": {**VF_ENV, "id": "gsm8k"}, "hyperparameters": HP},
+        headers=auth,
+    )
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "environment.id"
+    assert "(allowed: vf_toy)" in refused.json()["error"]["message"]
+    with Client(url, keys[2]) as c:
+        job = c.create_job(model="toy", environment=VF_ENV, hyperparameters={**HP, "steps": 1})
+        assert job["reward"] == {"type": "verifiers", "name": "rubric"}
+        deadline = time.monotonic() + 300
+        while (job := c.get_job(job["id"]))["status"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert job["status"] == "succeeded", (job, (tmp / "worker.log").read_text()[-3000:])
+        ((step, metrics),) = [(row["step"], row["metrics"]) for row in c.metrics(job["id"])]
+        assert step == 1 and metrics["rollouts_dropped"] == 0
+        assert metrics["reward/rubric/mean"] == pytest.approx(metrics["verifiers/said_it/mean"])
+        assert c.get_environment(job["id"])["environment"] == VF_ENV
+    rows = _samples(url, keys[2], job["id"], 1)
+    assert rows and all(row["item"]["task"] == "vf_toy" for row in rows)
+    for row in rows:
+        for shown in row["completions"]:
+            said = shown["messages"][-1]["content"]
+            assert shown["reward"] == (1.0 if row["item"]["answer"] in said.lower() else 0.0)

@@ -202,6 +202,7 @@ GRADER_SPECS: dict[str, dict] = {
     "multi": {"type": "multi", "graders": {"a": EXAMPLE_REWARD}, "calculate_output": "2 * a"},
     "reasoning_gym": {"type": "reasoning_gym"},
     "openenv": {"type": "openenv"},
+    "verifiers": {"type": "verifiers", "score": "reward"},
 }
 
 

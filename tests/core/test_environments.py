@@ -138,8 +138,8 @@ def test_the_grader_extracts_the_answer_and_scores_it_inside_multi():
 @pytest.mark.parametrize(
     "change,field,message",
     [
-        ({"type": "gym"}, "environment.type", "'gym' is not a known type .*reasoning_gym, openenv; planned: verifiers"),
-        ({"type": "verifiers"}, "environment.type", "planned but not available yet"),
+        ({"type": "gym"}, "environment.type", "'gym' is not a known type .*reasoning_gym, openenv, verifiers\\)"),
+        ({"type": "verifiers"}, "environment.id", "Field required"),
         ({"tasks": [{"name": "basic_arithmetics"}]}, "environment.tasks[0].name", "known: .*basic_arithmetic, "),
         (
             {"tasks": [{"name": "chain_sum"}, {"name": "basic_arithmetic", "config": {"max_term": 3}}]},

@@ -39,6 +39,7 @@ def test_every_grader_type_is_registered():
         "multi",
         "reasoning_gym",
         "openenv",
+        "verifiers",
     }
 
 

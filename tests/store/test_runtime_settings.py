@@ -10,6 +10,7 @@ from store.settings import Settings
 
 
 def test_settings_map_to_runtime_options(monkeypatch):
+    monkeypatch.setenv("GSPO_ENVS_PYTHON", "")  # none found beside the venv, whatever this checkout has
     assert RuntimeOptions.from_mapping(Settings().runtime_options()) == RuntimeOptions()
     monkeypatch.setenv("GSPO_ROLLOUT_ENGINE", "transformers")
     monkeypatch.setenv("GSPO_VLLM_GPU_MEMORY_UTILIZATION", "0.5")
@@ -18,6 +19,9 @@ def test_settings_map_to_runtime_options(monkeypatch):
     monkeypatch.setenv("GSPO_AGENT_ENDPOINT_PORT", "8765")
     monkeypatch.setenv("GSPO_AGENT_ENDPOINT_URL", "https://worker-1.example.com/agents")
     monkeypatch.setenv("GSPO_RANK_TIMEOUT_S", "120")
+    monkeypatch.setenv("GSPO_ENVS_PYTHON", "/opt/envs/bin/python")
+    monkeypatch.setenv("GSPO_VERIFIERS_ENVIRONMENTS", " vf_toy, gsm8k ,")
+    monkeypatch.setenv("GSPO_ENVS_PATH", "/srv/envs:/srv/more")
     assert RuntimeOptions.from_mapping(Settings().runtime_options()) == RuntimeOptions(
         rollout_engine="transformers",
         vllm_gpu_memory_utilization=0.5,
@@ -26,6 +30,9 @@ def test_settings_map_to_runtime_options(monkeypatch):
         agent_endpoint_port=8765,
         agent_endpoint_url="https://worker-1.example.com/agents",
         rank_timeout_s=120,
+        envs_python="/opt/envs/bin/python",
+        verifiers_environments=("vf_toy", "gsm8k"),
+        envs_path=("/srv/envs", "/srv/more"),
     )
 
 
