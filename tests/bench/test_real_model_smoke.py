@@ -33,3 +33,25 @@ def test_real_model_bench_runs_ours_gspo_grpo_and_trl(tmp_path, tiny_model_dir):
     md = next(tmp_path.glob("*.md")).read_text()
     assert "| chain_sum | trl |" in md and "ours-gspo / trl" in md
     assert next(tmp_path.glob("*.png")).stat().st_size > 1000
+
+
+def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
+    """TRL's reward function (bench.real_trainers.reward, Python) and ours (the REWARD grader spec, run by the
+    graders) give every completion the same reward: the task's score and the format term, weighted alike."""
+    from bench.real_trainers import REWARD, SYSTEM_PROMPT, TASKS, RealWorkload, reward, rows
+    from gspo_core.rewards import build_reward
+
+    w = RealWorkload(model_dir="unused", task="chain_sum", config=TASKS["chain_sum"], size=4, eval_prompts=0)
+    item = rows(w)[0][0]
+    assert item["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+    right = item["answer"]
+    texts = [f"<answer>{right}</answer>", right, f"The answer is {right}.", "<answer>no</answer>", ""]
+    texts.append("<answer></answer>")
+    fn = build_reward(REWARD)
+    try:
+        ours = [g.reward for g in fn.score_batch([item] * len(texts), [{"output_text": t} for t in texts])]
+    finally:
+        fn.close()
+    trl = [reward(t, item) for t in texts]
+    assert ours == pytest.approx(trl)
+    assert trl[0] == pytest.approx(1.0) and trl[1] == pytest.approx(0.8) and trl[3] < 0.3 and trl[4] == 0.0
