@@ -16,7 +16,7 @@ from bench.trainers import peak_rss_mb
 #: The reasoning-gym tasks the benchmark knows by name, with the configs it runs them at: small enough that
 #: SmolLM2-135M-Instruct starts below 30 % held-out greedy accuracy and can learn (docs/bench.md, the probe).
 TASKS: dict[str, dict] = {
-    "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1},
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 2},
     "basic_arithmetic": {
         "min_terms": 2,
         "max_terms": 2,
@@ -98,6 +98,11 @@ def rows(w: RealWorkload) -> tuple[list[dict], list[dict]]:
     from gspo_core.environments import check_environment, environment_rows
 
     train, held_out = environment_rows(check_environment(w.environment(w.eval_prompts)))
+    if len(held_out) < w.eval_prompts:  # a small question space: the training items hold nearly all of it
+        raise ValueError(
+            f"{w.task} {w.config}: only {len(held_out)} of {w.eval_prompts} held-out items are not training "
+            f"questions too (size {w.size}); a config with more distinct questions is needed"
+        )
     return train, held_out
 
 

@@ -17,7 +17,7 @@ MODEL = "SmolLM2-135M-Instruct"
 #: The demo's task, system prompt and reward as bench/real_model.py runs them (bench.real_trainers: TASKS,
 #: SYSTEM_PROMPT, REWARD; copied, since an installed CLI has no bench/): the task's own score plus 0.2 for the
 #: ``<answer>`` tags, without which nearly every group of the untrained model ties (docs/bench.md).
-TASK = {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}
+TASK = {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "max_digits": 2}}
 SYSTEM_PROMPT = (
     "Solve the problem. Give only the final answer between <answer> and </answer> tags.\n"
     "Example:\nQuestion: What is 3 + 4?\nAnswer: <answer>7</answer>"

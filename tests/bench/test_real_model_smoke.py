@@ -55,3 +55,14 @@ def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
     trl = [reward(t, item) for t in texts]
     assert ours == pytest.approx(trl)
     assert trl[0] == pytest.approx(1.0) and trl[1] == pytest.approx(0.8) and trl[3] < 0.3 and trl[4] == 0.0
+
+
+def test_the_bench_refuses_a_task_config_whose_held_out_split_comes_out_short():
+    """One-digit two-term sums have ~200 questions, all among 2,000 training items: no held-out item is left,
+    and an accuracy of 0 items must not read as 0.0 (it did once); the error names the task and the count."""
+    from bench.real_trainers import RealWorkload, rows
+
+    small = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    with pytest.raises(ValueError, match=r"chain_sum .* only \d+ of 8 held-out items"):
+        rows(RealWorkload(model_dir="unused", task="chain_sum", config=small, size=2000, eval_prompts=8))
+    assert len(rows(RealWorkload(model_dir="unused", task="chain_sum", config=small, size=20, eval_prompts=8))[1]) == 8
