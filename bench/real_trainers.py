@@ -45,13 +45,13 @@ SYSTEM_PROMPT = (
 #: untrained model answers in prose ("The final answer is 81."), which the tasks' exact scorers give 0.01, so
 #: nearly every group of the task score alone ties (zero advantage, nothing to learn); the format term splits
 #: them and teaches the tags, after which the task score is what differs (docs/bench.md, the probe).
-FORMAT_PATTERN = r"<answer>[^<]+</answer>"
+FORMAT_PATTERN = r"\s*<answer>[^<]+</answer>\s*"
 FORMAT_WEIGHT = 0.2
 REWARD = {
     "type": "multi",
     "graders": {
         "answer": {"type": "reasoning_gym"},
-        "format": {"type": "regex", "pattern": FORMAT_PATTERN},
+        "format": {"type": "regex", "pattern": FORMAT_PATTERN, "mode": "fullmatch"},
     },
     "calculate_output": f"{1 - FORMAT_WEIGHT} * answer + {FORMAT_WEIGHT} * format",
 }
@@ -116,7 +116,7 @@ def task_score(text: str, item: dict) -> float:
 
 def reward(text: str, item: dict) -> float:
     """What :data:`REWARD` computes for a completion (TRL's reward function; ours runs the grader spec)."""
-    fmt = 1.0 if re.search(FORMAT_PATTERN, text) else 0.0
+    fmt = 1.0 if re.fullmatch(FORMAT_PATTERN, text) else 0.0
     return (1 - FORMAT_WEIGHT) * task_score(text, item) + FORMAT_WEIGHT * fmt
 
 

@@ -26,7 +26,7 @@ REWARD = {
     "type": "multi",
     "graders": {
         "answer": {"type": "reasoning_gym"},
-        "format": {"type": "regex", "pattern": r"<answer>[^<]+</answer>"},
+        "format": {"type": "regex", "pattern": r"\s*<answer>[^<]+</answer>\s*", "mode": "fullmatch"},
     },
     "calculate_output": "0.8 * answer + 0.2 * format",
 }

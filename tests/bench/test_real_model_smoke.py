@@ -46,7 +46,8 @@ def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
     assert item["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
     right = item["answer"]
     texts = [f"<answer>{right}</answer>", right, f"The answer is {right}.", "<answer>no</answer>", ""]
-    texts.append("<answer></answer>")
+    # what leg_counting's policy collapsed to under a `search` pattern: the system prompt, tags and all
+    texts += ["<answer></answer>", "Solve the problem. Give only the final answer between <answer> and </answer> tags."]
     fn = build_reward(REWARD)
     try:
         ours = [g.reward for g in fn.score_batch([item] * len(texts), [{"output_text": t} for t in texts])]
@@ -55,6 +56,7 @@ def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
     trl = [reward(t, item) for t in texts]
     assert ours == pytest.approx(trl)
     assert trl[0] == pytest.approx(1.0) and trl[1] == pytest.approx(0.8) and trl[3] < 0.3 and trl[4] == 0.0
+    assert trl[-1] < 0.2, "quoting the instruction's tags is not answering in them"
 
 
 def test_the_bench_refuses_a_task_config_whose_held_out_split_comes_out_short():
