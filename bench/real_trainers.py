@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from bench.trainers import peak_rss_mb
 #: The reasoning-gym tasks the benchmark knows by name, with the configs it runs them at: small enough that
 #: SmolLM2-135M-Instruct starts below 30 % held-out greedy accuracy and can learn (docs/bench.md, the probe).
 TASKS: dict[str, dict] = {
-    "chain_sum": {"min_terms": 2, "max_terms": 3, "max_digits": 2},
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 2},
     "basic_arithmetic": {
         "min_terms": 2,
         "max_terms": 2,
@@ -34,6 +35,26 @@ OURS_LOSSES = {
     "ours-grpo": {"loss": "grpo", "clip_eps_low": 0.2, "clip_eps_high": 0.2},
 }
 TRAINERS = (*OURS_LOSSES, "trl")
+#: The bench's system prompt: the environment's default (bare ``<answer>`` tags) plus one worked example, the
+#: shape a 135M instruct model copies more readily than an instruction alone (docs/bench.md, the probe).
+SYSTEM_PROMPT = (
+    "Solve the problem. Give only the final answer between <answer> and </answer> tags.\n"
+    "Example:\nQuestion: What is 3 + 4?\nAnswer: <answer>7</answer>"
+)
+#: The training reward: the task's own score, plus a small one for answering inside ``<answer>`` tags. The
+#: untrained model answers in prose ("The final answer is 81."), which the tasks' exact scorers give 0.01, so
+#: nearly every group of the task score alone ties (zero advantage, nothing to learn); the format term splits
+#: them and teaches the tags, after which the task score is what differs (docs/bench.md, the probe).
+FORMAT_PATTERN = r"\s*<answer>[^<]+</answer>\s*"
+FORMAT_WEIGHT = 0.2
+REWARD = {
+    "type": "multi",
+    "graders": {
+        "answer": {"type": "reasoning_gym"},
+        "format": {"type": "regex", "pattern": FORMAT_PATTERN, "mode": "fullmatch"},
+    },
+    "calculate_output": f"{1 - FORMAT_WEIGHT} * answer + {FORMAT_WEIGHT} * format",
+}
 
 
 @dataclass(frozen=True)
@@ -52,9 +73,9 @@ class RealWorkload:
     minutes: float = 20.0
     prompts: int = 8
     group: int = 8
-    tokens: int = 32
+    tokens: int = 48
     updates: int = 2
-    lr: float = 1e-5
+    lr: float = 2e-5
     size: int = 2000
     eval_prompts: int = 32
 
@@ -68,6 +89,7 @@ class RealWorkload:
             "seed": self.env_seed,
             "size": self.size,
             "validation_size": validation_size,
+            "system_prompt": SYSTEM_PROMPT,
         }
 
 
@@ -76,15 +98,26 @@ def rows(w: RealWorkload) -> tuple[list[dict], list[dict]]:
     from gspo_core.environments import check_environment, environment_rows
 
     train, held_out = environment_rows(check_environment(w.environment(w.eval_prompts)))
+    if len(held_out) < w.eval_prompts:  # a small question space: the training items hold nearly all of it
+        raise ValueError(
+            f"{w.task} {w.config}: only {len(held_out)} of {w.eval_prompts} held-out items are not training "
+            f"questions too (size {w.size}); a config with more distinct questions is needed"
+        )
     return train, held_out
 
 
-def reward(text: str, item: dict) -> float:
+def task_score(text: str, item: dict) -> float:
     """What the ``reasoning_gym`` grader computes for a completion (its functions: the answer read as
-    ``extract: auto`` does, scored by the item's task's own ``score_answer``)."""
+    ``extract: auto`` does, scored by the item's task's own ``score_answer``): the held-out accuracy's unit."""
     from gspo_core.environments.reasoning_gym import extract_answer, score
 
     return score(extract_answer(text, "auto"), item)
+
+
+def reward(text: str, item: dict) -> float:
+    """What :data:`REWARD` computes for a completion (TRL's reward function; ours runs the grader spec)."""
+    fmt = 1.0 if re.fullmatch(FORMAT_PATTERN, text) else 0.0
+    return (1 - FORMAT_WEIGHT) * task_score(text, item) + FORMAT_WEIGHT * fmt
 
 
 def greedy_accuracy(model_dir: str | Path, held_out: list[dict], tokens: int, batch: int = 16) -> dict:
@@ -104,7 +137,7 @@ def greedy_accuracy(model_dir: str | Path, held_out: list[dict], tokens: int, ba
         with torch.no_grad():
             out_BT = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         texts += tok.batch_decode(out_BT[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    scores = [reward(text, row) for text, row in zip(texts, held_out, strict=True)]
+    scores = [task_score(text, row) for text, row in zip(texts, held_out, strict=True)]
     return {
         "accuracy": sum(scores) / max(len(scores), 1),
         "items": len(scores),
@@ -153,7 +186,7 @@ def run_ours(w: RealWorkload, root: Path, trainer: str, engine: str = "auto") ->
     spec = JobSpec(
         model=w.model_dir,
         environment=w.environment(0),
-        reward={"type": "reasoning_gym", "name": "answer"},
+        reward=REWARD,
         hyperparameters=cfg,
         output_dir=str(root / f"out-{trainer}-{w.task}-{w.seed}"),
     )

@@ -33,3 +33,38 @@ def test_real_model_bench_runs_ours_gspo_grpo_and_trl(tmp_path, tiny_model_dir):
     md = next(tmp_path.glob("*.md")).read_text()
     assert "| chain_sum | trl |" in md and "ours-gspo / trl" in md
     assert next(tmp_path.glob("*.png")).stat().st_size > 1000
+
+
+def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
+    """TRL's reward function (bench.real_trainers.reward, Python) and ours (the REWARD grader spec, run by the
+    graders) give every completion the same reward: the task's score and the format term, weighted alike."""
+    from bench.real_trainers import REWARD, SYSTEM_PROMPT, TASKS, RealWorkload, reward, rows
+    from gspo_core.rewards import build_reward
+
+    w = RealWorkload(model_dir="unused", task="chain_sum", config=TASKS["chain_sum"], size=4, eval_prompts=0)
+    item = rows(w)[0][0]
+    assert item["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+    right = item["answer"]
+    texts = [f"<answer>{right}</answer>", right, f"The answer is {right}.", "<answer>no</answer>", ""]
+    # what leg_counting's policy collapsed to under a `search` pattern: the system prompt, tags and all
+    texts += ["<answer></answer>", "Solve the problem. Give only the final answer between <answer> and </answer> tags."]
+    fn = build_reward(REWARD)
+    try:
+        ours = [g.reward for g in fn.score_batch([item] * len(texts), [{"output_text": t} for t in texts])]
+    finally:
+        fn.close()
+    trl = [reward(t, item) for t in texts]
+    assert ours == pytest.approx(trl)
+    assert trl[0] == pytest.approx(1.0) and trl[1] == pytest.approx(0.8) and trl[3] < 0.3 and trl[4] == 0.0
+    assert trl[-1] < 0.2, "quoting the instruction's tags is not answering in them"
+
+
+def test_the_bench_refuses_a_task_config_whose_held_out_split_comes_out_short():
+    """One-digit two-term sums have ~200 questions, all among 2,000 training items: no held-out item is left,
+    and an accuracy of 0 items must not read as 0.0 (it did once); the error names the task and the count."""
+    from bench.real_trainers import RealWorkload, rows
+
+    small = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    with pytest.raises(ValueError, match=r"chain_sum .* only \d+ of 8 held-out items"):
+        rows(RealWorkload(model_dir="unused", task="chain_sum", config=small, size=2000, eval_prompts=8))
+    assert len(rows(RealWorkload(model_dir="unused", task="chain_sum", config=small, size=20, eval_prompts=8))[1]) == 8

@@ -25,3 +25,20 @@ def test_the_real_demo_places_the_imported_model_where_jobs_name_it(tmp_path, sm
     weights.unlink()  # a second run finds it in place (config.json) and imports nothing
     assert real_model(models) == MODEL and not weights.exists()
     assert not list(models.glob(".*.partial"))
+
+
+def test_the_real_demo_runs_the_benchmarks_task_prompt_and_reward():
+    """The demo's job copies the bench's setup (an installed CLI has no bench/): the same task config, system
+    prompt and reward, so the demo shows what docs/bench.md measured; it reports the task's score alone."""
+    from bench.real_trainers import REWARD, SYSTEM_PROMPT, TASKS
+    from gspo_cli import demo_real
+
+    assert {"name": "chain_sum", "config": TASKS["chain_sum"]} == demo_real.TASK
+    assert demo_real.SYSTEM_PROMPT == SYSTEM_PROMPT and demo_real.REWARD == REWARD
+    points = [
+        {"step": 0, "metrics": {"eval/greedy/reward/mean": 0.2, demo_real.ANSWER_METRIC: 0.05}},
+        {"step": 1, "metrics": {"reward/mean": 0.4}},
+        {"step": 2, "metrics": {"eval/greedy/reward/mean": 0.6, demo_real.ANSWER_METRIC: 0.375}},
+    ]
+    assert (demo_real._accuracy(points, 0), demo_real._accuracy(points, None)) == ("0.050", "0.375")
+    assert demo_real._accuracy(points[1:2], 0) == "?"
