@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+#: Bounds of the SDK's counters and seeds: far above what a session reaches, below what overflows a BIGINT.
+SEQ_MAX = 2**53
+SEED_MAX = 2**63 - 1
 
 
 class _Body(BaseModel):
@@ -22,7 +27,7 @@ class SessionRef(_Body):
 
 class LoraConfig(_Body):
     rank: int = Field(ge=1, le=512)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -30,7 +35,7 @@ class LoraConfig(_Body):
 
 class CreateModel(_Body):
     session_id: str = Field(max_length=64)
-    model_seq_id: int = Field(0, ge=0)
+    model_seq_id: int = Field(0, ge=0, le=SEQ_MAX)
     base_model: str = Field(min_length=1, max_length=512)
     lora_config: LoraConfig | None = None
 
@@ -45,45 +50,45 @@ class AdamParams(_Body):
     beta2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-12, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
-    grad_clip_norm: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0, le=1e6)
 
 
 class OptimStep(_Body):
     model_id: str = Field(max_length=64)
     adam_params: AdamParams = Field(default_factory=AdamParams)
-    seq_id: int | None = None
+    seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
 
 
 class SaveWeights(_Body):
     model_id: str = Field(max_length=64)
     path: str | None = Field(None, max_length=100)
-    seq_id: int | None = None
-    sampling_session_seq_id: int | None = None
+    seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
+    sampling_session_seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
 
 
 class LoadWeights(_Body):
     model_id: str | None = Field(None, max_length=64)
     path: str = Field(max_length=400)
     optimizer: bool = False
-    seq_id: int | None = None
+    seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
     session_id: str | None = Field(None, max_length=64)
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
     base_model: str | None = Field(None, max_length=512)
 
 
 class CreateSamplingSession(_Body):
     session_id: str = Field(max_length=64)
-    sampling_session_seq_id: int = 0
+    sampling_session_seq_id: int = Field(0, ge=0, le=SEQ_MAX)
     base_model: str | None = Field(None, max_length=512)
     model_path: str | None = Field(None, max_length=400)
 
 
 class SamplingParams(_Body):
     max_tokens: int | None = Field(None, ge=1, le=32768)
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    stop: str | list[str] | list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(None, max_length=64)
     temperature: float = Field(1.0, ge=0, le=10)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
     top_p: float = Field(1.0, gt=0, le=1)
 
 
@@ -94,7 +99,7 @@ class Sample(_Body):
     sampling_session_id: str | None = Field(None, max_length=64)
     base_model: str | None = None
     model_path: str | None = None
-    seq_id: int | None = None
+    seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
     prompt_logprobs: bool | None = None
 
 
