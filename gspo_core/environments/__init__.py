@@ -4,13 +4,14 @@ One field, ``environment``, with a ``type`` discriminator. ``reasoning_gym`` (pr
 built; ``verifiers`` and ``openenv`` are planned as further types of the same field (docs/environments.md).
 An environment of a dataset-like type yields the same item dicts a JSONL file would (:func:`environment_rows`),
 so the rest of the loop is unchanged. Validating a spec imports no torch; a type's library is imported only
-when the spec names that type.
+when the spec names that type. Given an :class:`~gspo_core.environments.isolated.Isolation` (the service does),
+generation runs in a killable grader-pool process within a time budget, never in the caller's threads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -20,6 +21,9 @@ from gspo_core.environments.spec import (
     ReasoningGymEnvironment,
     ReasoningGymTask,
 )
+
+if TYPE_CHECKING:
+    from gspo_core.environments.isolated import Isolation
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -34,6 +38,7 @@ __all__ = [
     "environment_preview",
     "environment_rows",
     "parse_environment",
+    "write_environment_rows",
 ]
 
 #: The environment types a job may name, by their ``type``.
@@ -78,25 +83,54 @@ def parse_environment(raw: Mapping[str, Any]) -> ReasoningGymEnvironment:
         raise EnvironmentSpecError(f"environment{_loc(tuple(err['loc']))}", err["msg"]) from None
 
 
-def check_environment(raw: Mapping[str, Any]) -> ReasoningGymEnvironment:
+def check_environment(
+    raw: Mapping[str, Any], isolation: Isolation | None = None, max_row_bytes: int | None = None
+) -> ReasoningGymEnvironment:
     """:func:`parse_environment` plus what only the type's library can tell (task names, config fields, a first
-    item that generates); :class:`EnvironmentSpecError` naming the field and listing the known values."""
+    item that generates, within ``max_row_bytes``); :class:`EnvironmentSpecError` naming the field and listing the
+    known values. With ``isolation``, the library runs in a grader-pool process within its time (past it: the
+    error names the task's ``config``); without, in this thread (``gspo train``)."""
     env = parse_environment(raw)
+    if isolation is not None:
+        from gspo_core.environments.isolated import check_isolated
+
+        check_isolated(env, isolation, max_row_bytes)
+        return env
     from gspo_core.environments import reasoning_gym
 
-    reasoning_gym.check(env)
+    reasoning_gym.check(env, max_row_bytes)
     return env
 
 
 def environment_rows(env: ReasoningGymEnvironment) -> tuple[list[dict], list[dict]]:
-    """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are."""
+    """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are (generated in this thread)."""
     from gspo_core.environments import reasoning_gym
 
     return reasoning_gym.rows(env)
 
 
-def environment_preview(env: ReasoningGymEnvironment, n: int) -> list[dict]:
-    """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest."""
+def write_environment_rows(
+    env: ReasoningGymEnvironment,
+    train_path: str,
+    held_out_path: str,
+    isolation: Isolation,
+    max_bytes: int,
+    max_row_bytes: int,
+) -> tuple[int, int]:
+    """:func:`environment_rows` written as two JSONL files by a grader-pool process within ``isolation``'s time
+    and the byte caps; ``(training rows, held-out rows)`` written, or :class:`EnvironmentSpecError`."""
+    from gspo_core.environments.isolated import write_isolated
+
+    return write_isolated(env, train_path, held_out_path, isolation, max_bytes, max_row_bytes)
+
+
+def environment_preview(env: ReasoningGymEnvironment, n: int, isolation: Isolation | None = None) -> list[dict]:
+    """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest (with
+    ``isolation``: in a grader-pool process within its time)."""
+    if isolation is not None:
+        from gspo_core.environments.isolated import preview_isolated
+
+        return preview_isolated(env, n, isolation)
     from gspo_core.environments import reasoning_gym
 
     return reasoning_gym.first_rows(env, n)

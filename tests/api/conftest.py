@@ -149,6 +149,11 @@ def service(tmp_path_factory, tiny_model_dir):
         "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
         "GSPO_ROLLOUT_ENGINE": "transformers",
         "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
+        # Short limits on environments' generators (tests/api/test_environments.py), long enough for theirs; the
+        # API's grader processes at normal priority, as that file's in-process API has them (the reason is there).
+        "GSPO_ENVIRONMENT_CHECK_TIMEOUT_S": "3",
+        "GSPO_ENVIRONMENT_GENERATE_TIMEOUT_S": "8",
+        "GSPO_DRY_RUN_NICENESS": "0",
     }
     settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
     run_migrations(settings.resolved_database_url())
