@@ -188,10 +188,12 @@ def service(tmp_path_factory, tiny_model_dir):
             for name, args in commands.items()
         ]
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _up(url), 60, "API up")
-        yield url, keys, tmp
-        for p in procs:
-            p.terminate()
+        try:
+            wait_for(lambda: _up(url), 60, "API up")
+            yield url, keys, tmp
+        finally:  # also when the API did not come up: leaving the stack waits for both processes
+            for p in procs:
+                p.terminate()
 
 
 def _up(url: str) -> bool:
