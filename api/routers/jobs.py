@@ -8,7 +8,8 @@ from fastapi import APIRouter, Header, Query, Response
 
 from api.bodies import StrictJsonRoute
 from api.deps import DatabaseDep, JobDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import EnvironmentOut, JobCreate, JobOut, JobStatus, Page, error_responses, json_response
+from api.job_schemas import EnvironmentOut, JobCreate, JobOut, JobStatus
+from api.schemas import Page, error_responses, json_response
 from api.services import deletion, environments
 from api.services import jobs as svc
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.errors import ApiError
-from api.schemas import EnvironmentOut, JobCreate
+from api.job_schemas import EnvironmentOut, JobCreate
 from gspo_core.config import GSPOConfig
 from gspo_core.environments import (
     EnvironmentSpecError,
