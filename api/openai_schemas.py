@@ -6,7 +6,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from api.schemas import EXAMPLE_REWARD, hyperparameters_schema
+from api.job_schemas import hyperparameters_schema
+from api.schemas import EXAMPLE_REWARD
 from gspo_core.agents.tools_schema import openai_tool_schema
 
 T = TypeVar("T")

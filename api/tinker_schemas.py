@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 #: Bounds of the SDK's counters and seeds: far above what a session reaches, below what overflows a BIGINT.
 SEQ_MAX = 2**53
 SEED_MAX = 2**63 - 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from gspo_core.egress import EgressPolicy, EgressRefused, PinnedTransport
+from gspo_core.egress import EgressPolicy, EgressRefused
+from gspo_core.egress_client import PinnedTransport
 
 
 def make_client(policy: EgressPolicy, timeout: float, max_connections: int) -> httpx.Client:

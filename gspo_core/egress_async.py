@@ -1,6 +1,6 @@
 """The egress policy for asyncio clients built on httpx2 (the MCP SDK's): connections pinned to checked addresses.
 
-The same rule as :class:`gspo_core.egress.PinnedTransport`, for the async stack: every connection resolves its
+The same rule as :class:`gspo_core.egress_client.PinnedTransport`, for the async stack: every connection resolves its
 host once, drops the refused addresses (`EgressPolicy.checked_addresses`) and connects to a checked address
 itself, so a DNS answer that changes between check and connect cannot reach the inside. It plugs into
 ``httpx2.AsyncClient(transport=...)`` (httpx2's transport API) over an httpcore2 pool whose network backend is

@@ -159,6 +159,27 @@ class Settings(BaseSettings):
         validation_alias=_env("GRADER_POOL_MEMORY_MB"),
         description="Address space of a grader pool process beyond its start",
     )
+    # A job's environment (gspo_core.environments): its generator runs in a grader pool process, this long.
+    environment_check_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        validation_alias=_env("ENVIRONMENT_CHECK_TIMEOUT_S"),
+        description="Seconds the API gives an environment to generate the items it checks at submission (one "
+        "per task, in all) or shows in a preview; past it a 422 naming the task's config",
+    )
+    environment_generate_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        validation_alias=_env("ENVIRONMENT_GENERATE_TIMEOUT_S"),
+        description="Seconds the worker gives an environment to generate a job's items; past it the job fails",
+    )
+    environment_max_bytes: int = Field(
+        1024**3,
+        ge=1024,
+        validation_alias=_env("ENVIRONMENT_MAX_BYTES"),
+        description="Bytes a job's generated items may take as JSONL (each item at most GSPO_MAX_ROW_BYTES)",
+    )
 
     # How this machine runs jobs (see gspo_core.platform.RuntimeOptions): the operator's, never a tenant's.
     rollout_engine: Literal["auto", "vllm", "transformers"] = Field(

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from api.deps import CheckpointDep, DatabaseDep, JobDep, ObjectsDep, SessionDep
-from api.schemas import CheckpointOut, Page, error_responses
+from api.job_schemas import CheckpointOut
+from api.schemas import Page, error_responses
 from api.services import checkpoints as svc
 from api.services import deletion
 

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Header, Query, Response
 
 from api.bodies import StrictJsonRoute
 from api.deps import DatabaseDep, JobDep, ObjectsDep, SessionDep, SettingsDep, TenantDep
-from api.schemas import EnvironmentOut, JobCreate, JobOut, JobStatus, Page, error_responses, json_response
+from api.job_schemas import EnvironmentOut, JobCreate, JobOut, JobStatus
+from api.schemas import Page, error_responses, json_response
 from api.services import deletion, environments
 from api.services import jobs as svc
 
@@ -23,6 +24,7 @@ ERRORS = error_responses(400, 401, 404, 422, 429)
     responses={
         200: {"model": JobOut, "description": "The job an earlier request with this Idempotency-Key created."},
         **ERRORS,
+        **error_responses(503),
     },
 )
 def create_job(
@@ -57,10 +59,13 @@ def get_job(job: JobDep, s: SessionDep, settings: SettingsDep) -> Response:
     return json_response(svc.to_out(s, settings, job))
 
 
-@router.get("/{job_id}/environment", response_model=EnvironmentOut, responses=ERRORS)
-def get_environment(job: JobDep, samples: Annotated[int, Query(ge=0, le=20)] = 3) -> EnvironmentOut:
-    """The job's environment and its first training items (404 for a job trained on files)."""
-    return environments.environment_out(job, samples)
+@router.get("/{job_id}/environment", response_model=EnvironmentOut, responses={**ERRORS, **error_responses(503)})
+def get_environment(
+    job: JobDep, settings: SettingsDep, samples: Annotated[int, Query(ge=0, le=20)] = 3
+) -> EnvironmentOut:
+    """The job's environment and its first training items (404 for a job trained on files; 422 naming `samples`
+    when they do not generate within GSPO_ENVIRONMENT_CHECK_TIMEOUT_S)."""
+    return environments.environment_out(job, samples, settings)
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=ERRORS)

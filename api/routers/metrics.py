@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api.deps import DatabaseDep, JobDep, LastEventDep, SessionDep, SettingsDep, StreamPoolDep, StreamSlotDep
-from api.schemas import Page, SamplesOut, StepMetricsOut, error_responses, json_response
+from api.job_schemas import SamplesOut, StepMetricsOut
+from api.schemas import Page, error_responses, json_response
 from api.services import metrics as svc
 from api.services.events import stream
 

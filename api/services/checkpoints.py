@@ -10,7 +10,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import CheckpointOut, Page
+from api.job_schemas import CheckpointOut
+from api.schemas import Page
 from api.services.archive import archive_members, stream_tar_gz
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, ObjectStore

@@ -1,11 +1,12 @@
-"""A job's environment at the API: checked at submission (422 naming the field), and its first items shown."""
+"""A job's environment at the API: checked at submission (422 naming the field), and its first items shown; the
+tasks' generators run in the grader pool within GSPO_ENVIRONMENT_CHECK_TIMEOUT_S, never in a request's thread."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from api.errors import ApiError
-from api.schemas import EnvironmentOut, JobCreate
+from api.job_schemas import EnvironmentOut, JobCreate
 from gspo_core.config import GSPOConfig
 from gspo_core.environments import (
     Environment,
@@ -16,10 +17,21 @@ from gspo_core.environments import (
     environment_preview,
     parse_environment,
 )
+from gspo_core.environments.isolated import EnvironmentBusy, Isolation
 from gspo_core.environments.verifiers_env import check_allowed
-from gspo_core.rewards import redact_secrets
+from gspo_core.rewards import GraderPolicy, redact_secrets
 from store.models import Job
 from store.settings import Settings
+
+
+def isolation(settings: Settings) -> Isolation:
+    """The API's generators: in its grader pool at the dry runs' priority, within the check's time."""
+    policy = GraderPolicy.from_mapping({**settings.grader_policy(), "niceness": settings.dry_run_niceness})
+    return Isolation(policy, settings.environment_check_timeout_s, "GSPO_ENVIRONMENT_CHECK_TIMEOUT_S")
+
+
+def _busy(exc: EnvironmentBusy) -> ApiError:
+    return ApiError(503, "busy", f"{exc}; retry shortly", "environment", headers={"Retry-After": "5"})
 
 
 def check_environment_job(
@@ -44,28 +56,36 @@ def check_environment_job(
     if cfg.method == "supervised":
         raise ApiError(422, "invalid_environment", "environment: a supervised job trains on files", "environment")
     try:
-        env = check_environment(req.environment, settings.grader_policy()["egress_allow"])
+        if parse_environment(req.environment).size > settings.max_file_rows:  # before any generator runs
+            raise EnvironmentSpecError(
+                "environment.size", f"at most {settings.max_file_rows} (the operator's GSPO_MAX_FILE_ROWS)"
+            )
+        env = check_environment(
+            req.environment, settings.grader_policy()["egress_allow"], isolation(settings), settings.max_row_bytes
+        )
         if isinstance(env, VerifiersEnvironment):  # only what the operator installed and allowed
             check_allowed(env, settings.allowed_verifiers())
     except EnvironmentSpecError as exc:
         raise ApiError(422, "invalid_environment", str(exc), exc.field) from None
+    except EnvironmentBusy as exc:
+        raise _busy(exc) from None
     if env.type == "openenv" and req.tools:
         raise ApiError(
             422, "invalid_environment", "tools: an openenv environment answers the model itself: give no tools", "tools"
         )
-    if env.size > settings.max_file_rows:
-        raise ApiError(
-            422,
-            "invalid_environment",
-            f"environment.size: at most {settings.max_file_rows} (the operator's GSPO_MAX_FILE_ROWS)",
-            "environment.size",
-        )
     return env, req.reward or default_reward(env.type)
 
 
-def environment_out(job: Job, samples: int) -> EnvironmentOut:
-    """The job's environment and its first ``samples`` training items; 404 for a job trained on files."""
+def environment_out(job: Job, samples: int, settings: Settings) -> EnvironmentOut:
+    """The job's environment and its first ``samples`` training items; 404 for a job trained on files, 422 naming
+    ``samples`` when they do not generate within the time."""
     if job.environment is None:
         raise ApiError(404, "not_found", f"job {job.id} trains on files, not an environment", "job_id")
     env = parse_environment(job.environment)
-    return EnvironmentOut(environment=redact_secrets(job.environment), samples=environment_preview(env, samples))
+    try:
+        rows = environment_preview(env, samples, isolation(settings)) if samples else []
+    except EnvironmentSpecError as exc:
+        raise ApiError(422, "invalid_environment", f"samples: {exc.message}; ask for fewer", "samples") from None
+    except EnvironmentBusy as exc:
+        raise _busy(exc) from None
+    return EnvironmentOut(environment=redact_secrets(job.environment), samples=rows)

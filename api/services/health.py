@@ -9,7 +9,8 @@ from typing import get_args
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from sqlalchemy import func, select, text
 
-from api.schemas import JobStatus, ReadyOut
+from api.job_schemas import JobStatus
+from api.schemas import ReadyOut
 from gspo_core.rewards import GraderPolicy
 from gspo_core.rewards.isolation import isolation_for
 from store import workers

@@ -14,7 +14,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import JobCreate, JobEvaluation, JobOut, JobStatus, JobUsage, Page
+from api.job_schemas import JobCreate, JobEvaluation, JobOut, JobStatus, JobUsage
+from api.schemas import Page
 from api.services.environments import check_environment_job
 from api.services.files import check_room_for_a_job
 from api.services.rewards import build_checked

@@ -12,7 +12,8 @@ from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import Page, SamplesOut, StepMetricsOut
+from api.job_schemas import SamplesOut, StepMetricsOut
+from api.schemas import Page
 from store.models import Job, Sample, StepMetric
 
 METRICS_PAGE = TypeAdapter(Page[StepMetricsOut])

@@ -11,8 +11,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
+from api.job_schemas import JobCreate
 from api.openai_schemas import FineTuningJob, FineTuningJobCreate, FineTuningJobError, ListOut, OpenAIStatus
-from api.schemas import JobCreate, as_utc
+from api.schemas import as_utc
 from api.services import jobs as native
 from api.services.openai_hparams import field_param, from_native, to_native
 from gspo_core.rewards import redact_secrets

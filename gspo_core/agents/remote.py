@@ -189,7 +189,8 @@ class AgentEnvironment:
         self.metrics: dict[str, float] = {"agent/prefix_breaks": 0.0, "time/agent": 0.0}
 
     def open(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[_Episode]:
-        from gspo_core.egress import EgressClient, EgressPolicy
+        from gspo_core.egress import EgressPolicy
+        from gspo_core.egress_client import EgressClient
 
         self.spec = spec
         n = len(prompt_ids) * spec.n
@@ -236,7 +237,8 @@ class AgentEnvironment:
             self._outcome(s)
 
     def _run(self, s: _Session) -> None:
-        from gspo_core.egress import EgressError, EgressRefused
+        from gspo_core.egress import EgressRefused
+        from gspo_core.egress_client import EgressError
 
         reward, kind = None, None
         body = {"item": s.item, "base_url": f"{self.ep.base}/s/{s.id}/v1", "session": s.id}

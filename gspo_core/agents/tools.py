@@ -201,13 +201,15 @@ class HttpToolCaller:
     :data:`HTTP_TRIES` times with backoff, then the rollout is dropped (``http_5xx`` / ``timeout``)."""
 
     def __init__(self, url: str, timeout: float, headers: dict, policy: GraderPolicy, backoff_s: float = 0.2) -> None:
-        from gspo_core.egress import EgressClient, EgressPolicy
+        from gspo_core.egress import EgressPolicy
+        from gspo_core.egress_client import EgressClient
 
         self.url, self.backoff_s = url, backoff_s
         self.client = EgressClient(EgressPolicy(policy.egress_allow), timeout, headers=headers)
 
     def call(self, arguments: dict, episode: int = 0) -> ToolResult:
-        from gspo_core.egress import EgressError, EgressRefused
+        from gspo_core.egress import EgressRefused
+        from gspo_core.egress_client import EgressError
 
         last = ToolResult("", error="http_error", drop=True)
         for attempt in range(HTTP_TRIES):

@@ -5,7 +5,8 @@ One field, ``environment``, with a ``type`` discriminator. ``reasoning_gym`` (pr
 ``verifiers`` (an operator-allowed environment package, run in its own venv) are built (docs/environments.md).
 An environment of a dataset-like type yields the same item dicts a JSONL file would (:func:`environment_rows`),
 so the rest of the loop is unchanged. Validating a spec imports no torch; a type's library is imported only
-when the spec names that type.
+when the spec names that type. Given an :class:`~gspo_core.environments.isolated.Isolation` (the service does),
+generation runs in a killable grader-pool process within a time budget, never in the caller's threads.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gspo_core.environments.verifiers_env import VERIFIERS_ITEM_FIELDS, Verifier
 Environment = ReasoningGymEnvironment | OpenEnvEnvironment | VerifiersEnvironment
 
 if TYPE_CHECKING:
+    from gspo_core.environments.isolated import Isolation
     from gspo_core.rewards.policy import GraderPolicy
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "environment_rows",
     "episode_environment",
     "parse_environment",
+    "write_environment_rows",
 ]
 
 #: The environment types a job may name, by their ``type``.
@@ -95,13 +98,19 @@ def parse_environment(raw: Mapping[str, Any]) -> Environment:
         raise EnvironmentSpecError(f"environment{_loc(tuple(err['loc']))}", err["msg"]) from None
 
 
-def check_environment(raw: Mapping[str, Any], egress_allow: Iterable[str] | None = None) -> Environment:
+def check_environment(
+    raw: Mapping[str, Any],
+    egress_allow: Iterable[str] | None = None,
+    isolation: Isolation | None = None,
+    max_row_bytes: int | None = None,
+) -> Environment:
     """:func:`parse_environment` plus what only the type's library can tell (task names, config fields, a first
-    item that generates) or the egress policy (an OpenEnv server's URL and headers, under the operator's
-    allow-list ``egress_allow``; None: not checked here, as for the rows, and checked where it is connected
-    to); :class:`EnvironmentSpecError` naming the field and listing the known values. A ``verifiers``
-    environment's library is the worker's alone (its id is checked against the operator's list by
-    `gspo_core.environments.verifiers_env.check_allowed`)."""
+    item that generates, within ``max_row_bytes``) or the egress policy (an OpenEnv server's URL and headers, under
+    the operator's allow-list ``egress_allow``; None: not checked here, and checked where it is connected to);
+    :class:`EnvironmentSpecError` naming the field and listing the known values. With ``isolation``, a generator
+    runs in a grader-pool process within its time (past it: the error names the task's ``config``); without, in
+    this thread (``gspo train``). A ``verifiers`` environment's library is the worker's alone (its id is checked
+    against the operator's list by `gspo_core.environments.verifiers_env.check_allowed`)."""
     env = parse_environment(raw)
     if isinstance(env, VerifiersEnvironment):
         return env
@@ -111,15 +120,20 @@ def check_environment(raw: Mapping[str, Any], egress_allow: Iterable[str] | None
         if egress_allow is not None:
             openenv.check(env, tuple(egress_allow))
         return env
+    if isolation is not None:
+        from gspo_core.environments.isolated import check_isolated
+
+        check_isolated(env, isolation, max_row_bytes)
+        return env
     from gspo_core.environments import reasoning_gym
 
-    reasoning_gym.check(env)
+    reasoning_gym.check(env, max_row_bytes)
     return env
 
 
 def environment_rows(env: Environment) -> tuple[list[dict], list[dict]]:
-    """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are (a ``verifiers``
-    environment's come from its runner: `gspo_core.environments.verifiers_env.VerifiersRunner.rows`)."""
+    """``(training rows, held-out rows)``: the same item dicts a JSONL file's rows are, generated in this thread
+    (a ``verifiers`` environment's come from its runner: `verifiers_env.VerifiersRunner.rows`)."""
     if isinstance(env, OpenEnvEnvironment):
         from gspo_core.environments import openenv
 
@@ -131,17 +145,38 @@ def environment_rows(env: Environment) -> tuple[list[dict], list[dict]]:
     return reasoning_gym.rows(env)
 
 
-def environment_preview(env: Environment, n: int) -> list[dict]:
-    """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest; none
-    for a ``verifiers`` environment (only the worker imports it: its rows are the rollouts' items)."""
+def write_environment_rows(
+    env: ReasoningGymEnvironment,
+    train_path: str,
+    held_out_path: str,
+    isolation: Isolation,
+    max_bytes: int,
+    max_row_bytes: int,
+) -> tuple[int, int]:
+    """:func:`environment_rows` of a generated (``reasoning_gym``) environment written as two JSONL files by a
+    grader-pool process within ``isolation``'s time and the byte caps; ``(training rows, held-out rows)`` written,
+    or :class:`EnvironmentSpecError`."""
+    from gspo_core.environments.isolated import write_isolated
+
+    return write_isolated(env, train_path, held_out_path, isolation, max_bytes, max_row_bytes)
+
+
+def environment_preview(env: Environment, n: int, isolation: Isolation | None = None) -> list[dict]:
+    """The first ``n`` training rows (the same as :func:`environment_rows`'s), without generating the rest (with
+    ``isolation``: in a grader-pool process within its time); none for a ``verifiers`` environment (only the
+    worker imports it: its rows are the rollouts' items)."""
     if isinstance(env, OpenEnvEnvironment):
         from gspo_core.environments import openenv
 
         return openenv.first_rows(env, n)
-    from gspo_core.environments import reasoning_gym
-
     if isinstance(env, VerifiersEnvironment):
         return []
+    if isolation is not None:
+        from gspo_core.environments.isolated import preview_isolated
+
+        return preview_isolated(env, n, isolation)
+    from gspo_core.environments import reasoning_gym
+
     return reasoning_gym.first_rows(env, n)
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from gspo_core.egress import EgressClient, EgressError, EgressPolicy, EgressRefused
+from gspo_core.egress import EgressPolicy, EgressRefused
+from gspo_core.egress_client import EgressClient, EgressError
 
 #: Bytes one answer (an observation) may hold.
 MAX_MESSAGE_BYTES = 1 << 20

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from gspo_core.environments.spec import ReasoningGymEnvironment
@@ -52,39 +53,57 @@ def config_fields(task: str) -> list[str]:
     return [f.name for f in dataclasses.fields(DATASETS[task][1]) if f.name not in OWN_FIELDS]
 
 
-def check(env: ReasoningGymEnvironment) -> None:
-    """Every task is known, named once, and configured with its own fields; each generates a first item.
-    :class:`~gspo_core.environments.EnvironmentSpecError` naming the field and listing the known values."""
+def warm() -> None:
+    """The library's imports (seconds on a loaded machine), before a generator's time starts."""
+    _library()  # a spec error when the package is missing
+    import reasoning_gym.composite  # noqa: F401
+
+
+def check(env: ReasoningGymEnvironment, max_row_bytes: int | None = None) -> None:
+    """Every task is known, named once, and configured with its own fields; each generates a first item (no larger
+    than ``max_row_bytes`` as a JSON line). :class:`~gspo_core.environments.EnvironmentSpecError` naming the field
+    and listing the known values."""
+    for i in range(len(env.tasks)):
+        check_task(env, i, max_row_bytes)
+
+
+def check_task(env: ReasoningGymEnvironment, i: int, max_row_bytes: int | None = None) -> None:
+    """:func:`check` of the ``i``-th task (a generator that never ends is the caller's to stop)."""
     from gspo_core.environments import EnvironmentSpecError
 
-    lib, names = _library(), known_tasks()
-    seen: set[str] = set()
-    for i, task in enumerate(env.tasks):
-        where = f"environment.tasks[{i}]"
-        if task.name not in names:
+    lib, names, task = _library(), known_tasks(), env.tasks[i]
+    where = f"environment.tasks[{i}]"
+    if task.name not in names:
+        raise EnvironmentSpecError(
+            f"{where}.name", f"unknown reasoning-gym task {task.name!r} (known: {', '.join(names)})"
+        )
+    if task.name in {other.name for other in env.tasks[:i]}:
+        raise EnvironmentSpecError(f"{where}.name", f"task {task.name!r} is named twice")
+    fields = config_fields(task.name)
+    for key in task.config:
+        if key in OWN_FIELDS:
             raise EnvironmentSpecError(
-                f"{where}.name", f"unknown reasoning-gym task {task.name!r} (known: {', '.join(names)})"
+                f"{where}.config.{key}", f"set by the environment's own `{key}`, not a task's config"
             )
-        if task.name in seen:
-            raise EnvironmentSpecError(f"{where}.name", f"task {task.name!r} is named twice")
-        seen.add(task.name)
-        fields = config_fields(task.name)
-        for key in task.config:
-            if key in OWN_FIELDS:
-                raise EnvironmentSpecError(
-                    f"{where}.config.{key}", f"set by the environment's own `{key}`, not a task's config"
-                )
-            if key not in fields:
-                raise EnvironmentSpecError(
-                    f"{where}.config.{key}",
-                    f"not a config field of {task.name} (known: {', '.join(fields) or 'none'})",
-                )
-        try:
-            lib.create_dataset(task.name, seed=env.seed, size=1, **task.config)[0]
-        except Exception as exc:  # the task's own validate() (assertions) or its generator refusing the values
+        if key not in fields:
             raise EnvironmentSpecError(
-                f"{where}.config", f"{task.name} refused this config: {type(exc).__name__}: {exc}"[:1000]
-            ) from None
+                f"{where}.config.{key}",
+                f"not a config field of {task.name} (known: {', '.join(fields) or 'none'})",
+            )
+    try:
+        entry = lib.create_dataset(task.name, seed=env.seed, size=1, **task.config)[0]
+    except MemoryError:  # the process's cap, not the config's values: its caller says so
+        raise
+    except Exception as exc:  # the task's own validate() (assertions) or its generator refusing the values
+        raise EnvironmentSpecError(
+            f"{where}.config", f"{task.name} refused this config: {type(exc).__name__}: {exc}"[:1000]
+        ) from None
+    if max_row_bytes is not None:
+        size = len(json.dumps(entry, default=_jsonable).encode())
+        if size > max_row_bytes:
+            raise EnvironmentSpecError(
+                f"{where}.config", f"its first item is {size} bytes, more than a dataset row may be ({max_row_bytes})"
+            )
 
 
 def _jsonable(value: Any) -> Any:
@@ -125,24 +144,37 @@ def first_rows(env: ReasoningGymEnvironment, n: int) -> list[dict]:
     return [_item(train_set[i], configs, env.system_prompt) for i in range(min(n, env.size))]
 
 
-def rows(env: ReasoningGymEnvironment) -> tuple[list[dict], list[dict]]:
-    """``(training items, held-out items)``: ``env.size`` items of the tasks (drawn by weight) from ``env.seed``,
-    and up to ``env.validation_size`` items from the held-out seed whose questions no training item has."""
+def iter_rows(env: ReasoningGymEnvironment) -> Iterator[tuple[bool, dict]]:
+    """``(held_out, item)``: ``env.size`` training items of the tasks (drawn by weight) from ``env.seed``, then up
+    to ``env.validation_size`` held-out items from the held-out seed whose questions no training item has (one at
+    a time: the caller may write them out as they come)."""
     configs = {task.name: dict(task.config) for task in env.tasks}
     train_set = _composite(env, env.seed, env.size)
-    train = [_item(train_set[i], configs, env.system_prompt) for i in range(env.size)]
+    questions: set[str] = set()
+    for i in range(env.size):
+        row = _item(train_set[i], configs, env.system_prompt)
+        questions.add(row["question"])
+        yield False, row
+    if not env.validation_size:
+        return
+    tries, kept = env.validation_size * HELD_OUT_TRIES, 0
+    held_out_set = _composite(env, env.seed + HELD_OUT_SEED_OFFSET, tries)
+    for i in range(tries):
+        row = _item(held_out_set[i], configs, env.system_prompt)
+        if row["question"] not in questions:
+            questions.add(row["question"])  # and no question twice within the split
+            yield True, row
+            kept += 1
+            if kept == env.validation_size:
+                return
+
+
+def rows(env: ReasoningGymEnvironment) -> tuple[list[dict], list[dict]]:
+    """``(training items, held-out items)`` of :func:`iter_rows`."""
+    train: list[dict] = []
     held_out: list[dict] = []
-    if env.validation_size:
-        questions = {row["question"] for row in train}
-        tries = env.validation_size * HELD_OUT_TRIES
-        held_out_set = _composite(env, env.seed + HELD_OUT_SEED_OFFSET, tries)
-        for i in range(tries):
-            row = _item(held_out_set[i], configs, env.system_prompt)
-            if row["question"] not in questions:
-                questions.add(row["question"])  # and no question twice within the split
-                held_out.append(row)
-                if len(held_out) == env.validation_size:
-                    break
+    for is_held_out, row in iter_rows(env):
+        (held_out if is_held_out else train).append(row)
     return train, held_out
 
 

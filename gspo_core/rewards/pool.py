@@ -10,29 +10,30 @@ per-sample alarm (``GraderPolicy.local_timeout_s``) inside the process and a par
 each process when the grader is built (``prime``), so its imports (math-verify: seconds) happen
 once per process and before the first batch. The processes have an address-space cap
 (``pool_memory_mb`` above their start), die with their parent (``PR_SET_PDEATHSIG``), and are
-shared by every reward function of the process.
+shared by every reward function of the process. The same processes run other third-party
+generators by name (:meth:`GraderPool.call`, ``pool_child.CALLS``: a job's environment items),
+under the same kill, cap and priority.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import hashlib
 import json
 import math
 import os
 import queue
-import select
 import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import IO
+from typing import Any
 
 from gspo_core.rewards.base import Grader, GraderError
 from gspo_core.rewards.policy import GraderPolicy
+from gspo_core.rewards.pool_proc import PoolProcess
 
 GRACE_S = 1.0  # beyond the in-process alarm, before the parent kills a process stuck in C code
 START_S = 120.0  # a new process's imports (math-verify, sympy) on a loaded machine
@@ -45,63 +46,26 @@ ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding gspo_co
 IN_POOL_PROCESS = False
 
 
-class _Proc:
-    """One pool process and its half-read protocol stream."""
+class CallError(Exception):
+    """A :meth:`GraderPool.call` that gave no result: ``kind`` is ``busy`` (no process was free in time),
+    ``timeout`` (its process was stopped), ``killed`` (it died), ``memory``, or the function's own error,
+    with the ``field`` that error names (an environment's ``environment.tasks[0].config``)."""
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        if popen.stdin is None or popen.stdout is None:
-            raise ValueError("a pool process talks over its stdin and stdout: start it with both piped")
-        self.popen, self.stdin, self.stdout = popen, popen.stdin, popen.stdout
-        self.buf = b""
-        self.defined: set[str] = set()
-
-    def send(self, obj: dict | str) -> bool:
-        line = obj if isinstance(obj, str) else json.dumps(obj)
-        try:
-            self.stdin.write(line.encode() + b"\n")
-            self.stdin.flush()
-            return True
-        except (OSError, ValueError):
-            return False
-
-    def read(self, deadline: float) -> dict | None:
-        """The next protocol message, or None when the deadline passed or the process ended."""
-        fd = self.stdout.fileno()
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            return None
-        return msg if isinstance(msg, dict) else None
-
-    def kill(self) -> None:
-        with contextlib.suppress(OSError):
-            self.popen.kill()
-        self.popen.wait()
-        streams: tuple[IO[bytes], ...] = (self.stdin, self.stdout)
-        for stream in streams:
-            with contextlib.suppress(OSError):
-                stream.close()
+    def __init__(self, kind: str, message: str, field: str | None = None) -> None:
+        self.kind, self.message, self.field = kind, message, field
+        super().__init__(f"{kind}: {message}")
 
 
 class GraderPool:
-    """``size`` warm grader processes; :meth:`grade` spreads a batch over them."""
+    """``size`` warm grader processes; :meth:`grade` spreads a batch over them, :meth:`call` runs one function."""
 
     def __init__(self, size: int, memory_mb: int, niceness: int = 0) -> None:
         self.size, self.memory_mb, self.niceness = size, memory_mb, niceness
-        self._idle: queue.Queue[_Proc] = queue.Queue()
+        self._idle: queue.Queue[PoolProcess] = queue.Queue()
         self._spawns: queue.Queue[int] = queue.Queue()
         self._lock = threading.Lock()
         self._live = 0
-        self._procs: set[_Proc] = set()
+        self._procs: set[PoolProcess] = set()
         self._failed, self._failed_at = "", 0.0
         self._primes: queue.Queue[Killable] = queue.Queue()
         self._recent: OrderedDict[str, Killable] = OrderedDict()  # specs a new process is handed before work
@@ -141,9 +105,9 @@ class GraderPool:
             except OSError as exc:
                 self._lost(None, f"{type(exc).__name__}: {exc}")
                 continue
-            threading.Thread(target=self._await_ready, args=(_Proc(popen),), daemon=True).start()
+            threading.Thread(target=self._await_ready, args=(PoolProcess(popen),), daemon=True).start()
 
-    def _await_ready(self, proc: _Proc) -> None:
+    def _await_ready(self, proc: PoolProcess) -> None:
         msg = proc.read(time.monotonic() + START_S)
         if msg is None or not msg.get("ready"):
             proc.kill()
@@ -161,7 +125,7 @@ class GraderPool:
             self._failed = ""
         self._idle.put(proc)
 
-    def _lost(self, proc: _Proc | None, failure: str = "") -> None:
+    def _lost(self, proc: PoolProcess | None, failure: str = "") -> None:
         """A process is gone (killed, died, or never started): count it out, start another."""
         if proc is not None:
             proc.kill()
@@ -172,7 +136,7 @@ class GraderPool:
                 self._failed, self._failed_at = failure, time.monotonic()
         self.start()
 
-    def _acquire(self, deadline: float) -> _Proc | GraderError:
+    def _acquire(self, deadline: float) -> PoolProcess | GraderError:
         self.start()
         try:
             return self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -222,7 +186,7 @@ class GraderPool:
         return got
 
     @staticmethod
-    def _define(proc: _Proc, grader: Killable, deadline: float) -> bool:
+    def _define(proc: PoolProcess, grader: Killable, deadline: float) -> bool:
         """Give ``proc`` the grader's spec unless it holds it (its imports, e.g. math-verify, happen
         then: outside the per-sample deadline). False when the process did not answer in time."""
         if grader.pool_key in proc.defined:
@@ -259,7 +223,32 @@ class GraderPool:
                 else:
                     self._lost(proc)
 
-    def _overrun(self, proc: _Proc, grader: Grader, timeout: float, deadline: float) -> GraderError:
+    def call(self, name: str, args: dict[str, Any], timeout_s: float) -> Any:
+        """The JSON result of the function ``pool_child.CALLS[name]`` on ``args``, run in a pool process: its
+        imports first (outside the time, as a grader's spec's), then at most ``timeout_s`` under the process's
+        alarm and memory cap, the process killed ``GRACE_S`` later if it is stuck in C code. :class:`CallError`
+        otherwise; a process that is not killed goes back to the pool."""
+        proc = self._acquire(time.monotonic() + timeout_s)
+        if isinstance(proc, GraderError):
+            raise CallError("busy" if proc.kind == "timeout" else proc.kind, str(proc))
+        sent = proc.send({"call": name, "args": args, "timeout": timeout_s})
+        msg = proc.read(time.monotonic() + START_S) if sent else None
+        if msg is not None and msg.get("started") == name:
+            msg = proc.read(time.monotonic() + timeout_s + GRACE_S)
+        if msg is None or not ("ok" in msg or "error" in msg):
+            alive = proc.popen.poll() is None
+            self._lost(proc)
+            if alive:
+                raise CallError("timeout", f"took longer than {timeout_s:g} s; its process was stopped")
+            code = proc.popen.returncode
+            raise CallError("killed", f"the process died ({'signal ' + str(-code) if code < 0 else code})")
+        self._idle.put(proc)
+        if "ok" in msg:
+            return msg["ok"]
+        field = msg.get("field")
+        raise CallError(str(msg["error"]), str(msg.get("message", "")), field if isinstance(field, str) else None)
+
+    def _overrun(self, proc: PoolProcess, grader: Grader, timeout: float, deadline: float) -> GraderError:
         """Kill a process that did not answer in time (or died) and say what happened to its sample."""
         alive = proc.popen.poll() is None
         self._lost(proc)

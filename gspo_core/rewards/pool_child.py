@@ -3,13 +3,16 @@
 Protocol, JSON lines: the parent writes ``{"define": key, "spec", "path"}`` (answered ``{"defined": key}``
 once the grader is built and what it needs imported) and ``{"key", "timeout", "tasks": [[i, sample,
 item], ...]}`` (answered task by task, ``{"i", "ok": score}`` or ``{"i", "error": kind, "message"}``,
-or once ``{"need": key}`` for a spec it no longer holds); ``{"ready": true}`` comes once, at start.
+or once ``{"need": key}`` for a spec it no longer holds); ``{"call": name, "args", "timeout"}`` (answered
+``{"started": name}`` once the function's imports are done, then ``{"ok": result}`` or ``{"error": kind,
+"message", "field"}``); ``{"ready": true}`` comes once, at start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
 import logging
 import os
@@ -20,6 +23,14 @@ from collections import OrderedDict
 
 PR_SET_PDEATHSIG = 1
 MAX_GRADERS = 128
+MAX_RESULT_BYTES = 4 << 20  # a call's answer, as JSON (the parent reads it whole)
+#: The functions a pool process runs besides graders, by the name the parent sends (never a tenant's
+#: text): ``(module, function, what to call first to import what it needs)``. Arguments and results are JSON.
+CALLS = {
+    "environment.check_task": ("gspo_core.environments.isolated", "check_task", "warm"),
+    "environment.preview": ("gspo_core.environments.isolated", "preview", "warm"),
+    "environment.write": ("gspo_core.environments.isolated", "write", "warm"),
+}
 
 
 class _Overrun(BaseException):
@@ -89,6 +100,46 @@ def _grade(grader, sample: dict, item: dict, timeout: float) -> dict:
     return {"ok": out}
 
 
+def _failure(exc: Exception) -> dict:
+    """An exception as the answer to a call, with the field it names (an environment's spec error)."""
+    if isinstance(exc, MemoryError):
+        return {"error": "memory", "message": "ran out of memory (the pool's GSPO_GRADER_POOL_MEMORY_MB)"}
+    field = getattr(exc, "field", None)
+    message = getattr(exc, "message", None) if field else None
+    return {
+        "error": "exception",
+        "message": str(message or f"{type(exc).__name__}: {exc}")[:1000],
+        "field": field if isinstance(field, str) else None,
+    }
+
+
+def _call(msg: dict, proto) -> None:
+    """Run a function of ``CALLS``: its imports (answered ``started``), then the call under the alarm."""
+    module_name, function, warm = CALLS[msg["call"]]
+    try:
+        module = importlib.import_module(module_name)
+        getattr(module, warm)()
+    except Exception as exc:
+        proto.write(json.dumps(_failure(exc)) + "\n")
+        return
+    proto.write(json.dumps({"started": msg["call"]}) + "\n")
+    answer: dict
+    try:
+        signal.setitimer(signal.ITIMER_REAL, float(msg["timeout"]))
+        try:
+            answer = {"ok": getattr(module, function)(**msg["args"])}
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Overrun:  # the alarm, in the function or between its return and its disarming
+        answer = {"error": "timeout", "message": f"took longer than {msg['timeout']:g} s"}
+    except Exception as exc:
+        answer = _failure(exc)
+    line = json.dumps(answer)
+    if len(line) > MAX_RESULT_BYTES:
+        line = json.dumps({"error": "exception", "message": f"the result is larger than {MAX_RESULT_BYTES >> 20} MB"})
+    proto.write(line + "\n")
+
+
 def main() -> None:
     parent, headroom_mb = int(sys.argv[1]), int(sys.argv[2])
     _die_with_parent(parent)
@@ -109,6 +160,9 @@ def main() -> None:
     proto.write('{"ready": true}\n')
     for line in sys.stdin:
         msg = json.loads(line)
+        if "call" in msg:
+            _call(msg, proto)
+            continue
         if "define" in msg:
             graders[msg["define"]] = _define(msg)
             while len(graders) > MAX_GRADERS:

@@ -12,7 +12,7 @@ from gspo_core.rewards.base import MAX_SPEC_NUMBER, Grader, GraderError, RewardS
 from gspo_core.rewards.policy import DEFAULT_POLICY, GraderPolicy
 
 if TYPE_CHECKING:
-    from gspo_core.egress import EgressClient
+    from gspo_core.egress_client import EgressClient
 
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 _SSL = None
@@ -31,7 +31,7 @@ def _ssl_context():
 
 
 class _HttpCaller:
-    """One egress client per grader (thread-safe; see gspo_core.egress), created on first use: POST
+    """One egress client per grader (thread-safe; see gspo_core.egress_client), created on first use: POST
     JSON with a timeout, retries with exponential backoff on connection errors, timeouts, 429 and 5xx.
     Error texts never carry the remote body."""
 
@@ -44,7 +44,8 @@ class _HttpCaller:
     def client(self) -> EgressClient:
         with self._lock:
             if self._client is None:
-                from gspo_core.egress import EgressClient, EgressPolicy
+                from gspo_core.egress import EgressPolicy
+                from gspo_core.egress_client import EgressClient
 
                 self._client = EgressClient(
                     EgressPolicy(self.allow), self.timeout, headers=self.headers, verify=_ssl_context()
@@ -53,7 +54,8 @@ class _HttpCaller:
 
     def post(self, url: str, body: dict) -> Any:
         """The endpoint's JSON answer (any JSON value: the caller checks its shape)."""
-        from gspo_core.egress import EgressError, EgressRefused
+        from gspo_core.egress import EgressRefused
+        from gspo_core.egress_client import EgressError
 
         last = GraderError("http_error", "no attempt made")
         for attempt in range(self.retries + 1):

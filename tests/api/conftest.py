@@ -151,6 +151,11 @@ def service(tmp_path_factory, tiny_model_dir):
         "GSPO_ROLLOUT_ENGINE": "transformers",
         "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
         **envs_settings(),  # the test verifiers environment, allowed (tests/api/test_environments.py)
+        # Short limits on environments' generators (tests/api/test_environments.py), long enough for theirs; the
+        # API's grader processes at normal priority, as that file's in-process API has them (the reason is there).
+        "GSPO_ENVIRONMENT_CHECK_TIMEOUT_S": "3",
+        "GSPO_ENVIRONMENT_GENERATE_TIMEOUT_S": "8",
+        "GSPO_DRY_RUN_NICENESS": "0",
     }
     settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
     run_migrations(settings.resolved_database_url())
@@ -185,10 +190,12 @@ def service(tmp_path_factory, tiny_model_dir):
             for name, args in commands.items()
         ]
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _up(url), 60, "API up")
-        yield url, keys, tmp
-        for p in procs:
-            p.terminate()
+        try:
+            wait_for(lambda: _up(url), 60, "API up")
+            yield url, keys, tmp
+        finally:  # also when the API did not come up: leaving the stack waits for both processes
+            for p in procs:
+                p.terminate()
 
 
 def _up(url: str) -> bool:

@@ -1,10 +1,12 @@
 """Jobs on a reasoning-gym environment through the API: 422s naming the field, the grader in `/v1/rewards/run`,
-and a job through the live `gspo api` + `gspo worker` with its held-out evaluation before and after."""
+a job through the live `gspo api` + `gspo worker` with its held-out evaluation before and after, and hostile
+configs stopped in the grader pool within the operator's time while the service answers others."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -12,6 +14,8 @@ import pytest
 
 from gspo_client import Client
 from gspo_core.environments import check_environment, environment_rows
+from gspo_core.rewards.pool import GRACE_S
+from store.models import Job
 from store.settings import Settings
 from tests.conftest import empty_database_url
 from tests.support.verifiers_support import envs_python
@@ -28,6 +32,17 @@ ENV = {
 }
 
 
+#: GSPO_ENVIRONMENT_CHECK_TIMEOUT_S of these tests' API (the in-process one, and the live `service`'s).
+CHECK_S = 3.0
+
+
+def looping(digits: int) -> dict:
+    """basic_arithmetic dividing by trial: its generator tries every divisor below 10**digits, in Python (12
+    digits: hours for one item; 6: a few milliseconds)."""
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": digits, "max_digits": digits, "operators": ["/"]}
+    return {"name": "basic_arithmetic", "config": {**config, "allow_parentheses": False}}
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def settings(request, tmp_path):
     """tests/api/conftest.py's, with the dry runs' grader processes at normal priority: a fresh one imports
@@ -40,6 +55,8 @@ def settings(request, tmp_path):
         max_upload_bytes=200_000,
         max_file_rows=500,
         dry_run_niceness=0,
+        environment_check_timeout_s=CHECK_S,
+        grader_local_timeout_s=2.0,
     )
 
 
@@ -188,6 +205,87 @@ def test_a_job_on_an_environment_runs_with_its_evaluation_before_and_after(servi
     assert samples == train[:1]
     trained = [row["item"] for step in (1, 2) for row in _samples(url, keys[1], job["id"], step)]
     assert trained and all(item in train and item not in held_out for item in trained)
+
+
+def test_a_preview_that_does_not_generate_in_time_is_a_422_naming_samples(client, app, auth, model_name):
+    """A stored job whose items no longer generate within the time (its environment made slow here, as an
+    operator's lower limit would): its preview is a 422 within the time, not a request thread held for hours."""
+    r = client.post("/v1/jobs", json={"model": model_name, "environment": ENV, "hyperparameters": HP}, headers=auth)
+    assert r.status_code == 201, r.text
+    with app.state.db.session() as s:
+        s.get(Job, r.json()["id"]).environment = {**ENV, "tasks": [looping(12)]}
+    started = time.monotonic()
+    shown = client.get(f"/v1/jobs/{r.json()['id']}/environment?samples=2", headers=auth)
+    assert time.monotonic() - started < CHECK_S + GRACE_S + 2.0
+    assert shown.status_code == 422, shown.text
+    assert shown.json()["error"]["field"] == "samples"
+    assert "generating 2 items took longer than 3 s (the operator's GSPO_ENVIRONMENT_CHECK_TIMEOUT_S)" in shown.text
+
+
+def test_a_dry_run_s_reasoning_gym_scorer_that_never_ends_scores_a_timeout(client, auth):
+    """countdown's scorer evaluates the answer with sympy: a power tower runs for hours. In `/v1/rewards/run` it
+    is stopped at the pool's per-sample time and recorded as the grader's error; the other sample scores."""
+    item = {"task": "countdown", "answer": "1 + 2", "metadata": {"numbers": [1, 2], "target": 3}}
+    samples = ["<answer>9**9**9**9</answer>", "<answer>1 + 2</answer>"]
+    body = {"reward": {"type": "reasoning_gym"}, "item": item, "samples": samples}
+    client.post("/v1/rewards/run", json={**body, "samples": samples[1:]}, headers=auth)  # the scorer's imports
+    started = time.monotonic()
+    r = client.post("/v1/rewards/run", json=body, headers=auth)
+    assert time.monotonic() - started < 2.0 + GRACE_S + 3.0
+    assert r.status_code == 200, r.text
+    hung, right = r.json()["results"]
+    assert hung["reward"] == 0 and hung["errors"]["reasoning_gym"].startswith("timeout"), hung
+    assert right["reward"] == 1.0
+
+
+def test_a_hostile_environment_is_a_422_within_the_time_while_the_service_answers(service):
+    """Through the live API: a task whose first item never finishes generating is a 422 naming its config
+    within GSPO_ENVIRONMENT_CHECK_TIMEOUT_S, and the API answers other requests meanwhile."""
+    url, keys, _ = service
+    headers = {"Authorization": f"Bearer {keys[2]}"}
+    refused = {"type": "reasoning_gym", "tasks": [{"name": "chain_sum", "config": {"min_terms": 5, "max_terms": 2}}]}
+    for _ in range(4):  # each grader process of the API holds reasoning-gym's imports (done outside the time)
+        r = httpx.post(f"{url}/v1/jobs", json={"model": "toy", "environment": refused}, headers=headers, timeout=150)
+        assert r.status_code == 422 and "max_terms" in r.text, r.text
+    hostile = {**ENV, "tasks": [{"name": "chain_sum"}, looping(12)]}
+    answer: list[httpx.Response] = []
+    started = time.monotonic()
+    thread = threading.Thread(
+        target=lambda: answer.append(
+            httpx.post(f"{url}/v1/jobs", json={"model": "toy", "environment": hostile}, headers=headers, timeout=60)
+        )
+    )
+    thread.start()
+    while thread.is_alive() and time.monotonic() - started < 60:
+        asked = time.monotonic()
+        assert httpx.get(f"{url}/v1/jobs?limit=1", headers=headers, timeout=10).status_code == 200
+        assert time.monotonic() - asked < 2.0, "the API stalled behind the environment's check"
+        time.sleep(0.2)
+    thread.join()
+    elapsed = time.monotonic() - started
+    assert answer[0].status_code == 422, answer[0].text
+    error = answer[0].json()["error"]
+    assert error["field"] == "environment.tasks[1].config"
+    assert "first item took longer than 3 s (the operator's GSPO_ENVIRONMENT_CHECK_TIMEOUT_S)" in error["message"]
+    assert CHECK_S <= elapsed < CHECK_S + GRACE_S + 2.0, elapsed
+
+
+def test_an_environment_that_does_not_generate_in_time_fails_its_job(service):
+    """The first item generates at once (the check passes), the 2000 items do not within the worker's
+    GSPO_ENVIRONMENT_GENERATE_TIMEOUT_S: the job fails saying so, and the worker runs the next job."""
+    url, keys, tmp = service
+    environment = {**ENV, "tasks": [looping(6)], "size": 2000, "validation_size": 0}
+    with Client(url, keys[2]) as c:
+        job = c.create_job(model="toy", environment=environment, hyperparameters=HP)
+        deadline = time.monotonic() + 300
+        while (job := c.get_job(job["id"]))["status"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+            time.sleep(0.5)
+    assert job["status"] == "failed"
+    assert job["error"] == (
+        "invalid job input: environment: generating the items took longer than 8 s (the operator's "
+        "GSPO_ENVIRONMENT_GENERATE_TIMEOUT_S); ask for smaller values"
+    ), job["error"]
 
 
 def _samples(url: str, key: str, job_id: str, step: int) -> list[dict]:

@@ -11,7 +11,8 @@ import ssl
 
 import pytest
 
-from gspo_core.egress import EgressClient, EgressError, EgressPolicy, EgressRefused
+from gspo_core.egress import EgressPolicy, EgressRefused
+from gspo_core.egress_client import EgressClient, EgressError
 from gspo_core.rewards import GraderPolicy, RewardSpecError, build_reward
 from gspo_core.urls import redact_userinfo
 from tests.core.net_support import Listener, Server, loopback_name

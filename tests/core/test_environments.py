@@ -1,26 +1,34 @@
 """A job's environment: reasoning-gym items by seed, a disjoint held-out split, the tasks' own scorers, spec
-errors naming the field, and a `gspo train` run on one with its evaluation before and after."""
+errors naming the field, generators stopped in the grader pool within their time and memory, and a `gspo train`
+run on one with its evaluation before and after."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import yaml
 
 from gspo_core.config import GSPOConfig, JobSpec
+from gspo_core.data import load_rows
 from gspo_core.environments import (
     EnvironmentSpecError,
     check_environment,
     environment_preview,
     environment_rows,
     parse_environment,
+    write_environment_rows,
 )
 from gspo_core.environments import reasoning_gym as rg
-from gspo_core.rewards import build_reward, sample_for
+from gspo_core.environments.isolated import Isolation
+from gspo_core.rewards import GraderPolicy, build_reward, sample_for
+from gspo_core.rewards.pool import GRACE_S, pool_for
 
 pytest.importorskip("reasoning_gym")
 
@@ -163,6 +171,115 @@ def test_bad_specs_name_the_field(change, field, message):
     with pytest.raises(EnvironmentSpecError, match=message) as caught:
         check_environment({**TWO_TASKS, **change})
     assert caught.value.field == field
+
+
+#: The pool the isolated generators of these tests run in (a memory cap a test reaches in seconds).
+POOL = GraderPolicy(pool_size=2, pool_memory_mb=512)
+
+
+def looping(digits: int) -> dict:
+    """basic_arithmetic dividing by trial: its generator tries every divisor below 10**digits, in Python (12
+    digits: hours for the first item)."""
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": digits, "max_digits": digits, "operators": ["/"]}
+    return {"name": "basic_arithmetic", "config": {**config, "allow_parentheses": False}}
+
+
+def _warm_pool() -> None:
+    """Every process of the pool started and holding reasoning-gym's imports (done outside a call's time), so
+    what a test times is the generator's."""
+    pool = pool_for(POOL)
+    pool.start()
+    deadline = time.monotonic() + 120
+    while len(pool.pids()) < pool.size:
+        assert time.monotonic() < deadline, "the grader pool did not start"
+        time.sleep(0.05)
+    for _ in range(pool.size):  # the idle processes are taken in turn
+        check_environment(TWO_TASKS, Isolation(POOL, 60.0))
+
+
+def test_a_generator_that_never_ends_is_stopped_within_its_time_and_the_pool_serves_on():
+    """The check (one call per task: the one that overruns is named), the preview and the worker's generation
+    each stop a looping generator at their time and answer a spec error; the next check is answered at once."""
+    _warm_pool()
+    hostile = {**TWO_TASKS, "tasks": [{"name": "chain_sum"}, looping(12)]}
+    started = time.monotonic()
+    with pytest.raises(EnvironmentSpecError, match="basic_arithmetic's first item took longer than 2 s") as caught:
+        check_environment(hostile, Isolation(POOL, 2.0, "GSPO_X"), 1 << 20)
+    elapsed = time.monotonic() - started
+    assert caught.value.field == "environment.tasks[1].config" and "GSPO_X" in caught.value.message
+    assert 2.0 <= elapsed < 2.0 + GRACE_S + 1.0, elapsed
+    started = time.monotonic()
+    assert check_environment(TWO_TASKS, Isolation(POOL, 10.0), 1 << 20).size == 200
+    assert time.monotonic() - started < 2.0
+    env = parse_environment({**TWO_TASKS, "tasks": [looping(12)]})
+    with pytest.raises(EnvironmentSpecError, match="generating 3 items took longer than 1 s"):
+        environment_preview(env, 3, Isolation(POOL, 1.0))
+    with pytest.raises(EnvironmentSpecError, match="generating the items took longer than 1 s") as caught:
+        write_environment_rows(env, os.devnull, os.devnull, Isolation(POOL, 1.0), 1 << 30, 1 << 20)
+    assert caught.value.field == "environment"
+
+
+def test_a_generator_past_the_pool_s_memory_cap_is_a_spec_error():
+    """Terms of 4000 digits, a million of them: gigabytes, refused at the pool process's address-space cap."""
+    _warm_pool()
+    config = {"min_digits": 4000, "max_digits": 4000, "min_terms": 10**6, "max_terms": 10**6}
+    hostile = {**TWO_TASKS, "tasks": [{"name": "chain_sum", "config": config}]}
+    with pytest.raises(EnvironmentSpecError, match="first item ran out of memory \\(512 MB\\)") as caught:
+        check_environment(hostile, Isolation(POOL, 60.0), 1 << 20)
+    assert caught.value.field == "environment.tasks[0].config"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_generator_s_process_that_stops_answering_is_killed_and_replaced(sig):
+    """A process that hangs where its alarm cannot reach (stopped, as one stuck in C code is) is killed at the
+    time plus the grace; one that dies is reported; either way the pool starts another. (A pool of one: the
+    process signalled is the call's.)"""
+    single = GraderPolicy(pool_size=1, pool_memory_mb=512)
+    check_environment(TWO_TASKS, Isolation(single, 60.0))  # started, imports held
+    (pid,) = pool_for(single).pids()
+    caught: list[EnvironmentSpecError] = []
+
+    def preview() -> None:
+        env = parse_environment({**TWO_TASKS, "tasks": [looping(12)]})
+        with pytest.raises(EnvironmentSpecError) as error:
+            environment_preview(env, 1, Isolation(single, 3.0))
+        caught.append(error.value)
+
+    thread = threading.Thread(target=preview)
+    started = time.monotonic()
+    thread.start()
+    time.sleep(1.0)  # in its generator by now
+    os.kill(pid, sig)
+    thread.join(30)
+    elapsed = time.monotonic() - started
+    expected = "took longer than 3 s" if sig == signal.SIGSTOP else "generating 1 item, the process died (signal 9)"
+    assert caught and caught[0].field == "environment" and expected in caught[0].message, caught
+    assert elapsed < 3.0 + GRACE_S + 1.0, elapsed
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed (a stopped one too), and reaped
+    assert check_environment(TWO_TASKS, Isolation(single, 60.0)).size == 200
+    assert pool_for(single).pids() not in ([], [pid])
+
+
+def test_the_worker_s_files_are_the_items_and_the_byte_caps_name_the_field(tmp_path):
+    """The files a pool process writes are the items :func:`environment_rows` makes; an item past the row cap
+    names its task's config, items past the total cap the environment's size; the check refuses a first item
+    past the row cap."""
+    iso = Isolation(POOL, 60.0)
+    env = check_environment(TWO_TASKS, iso, 1 << 20)
+    train, held_out = str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl")
+    assert write_environment_rows(env, train, held_out, iso, 1 << 30, 1 << 20) == (200, 50)
+    assert (load_rows(train), load_rows(held_out)) == environment_rows(env)
+    with pytest.raises(EnvironmentSpecError, match="items take more than 10000 bytes") as caught:
+        write_environment_rows(env, train, held_out, iso, 10_000, 1 << 20)
+    assert caught.value.field == "environment.size"
+    with pytest.raises(EnvironmentSpecError, match=r"an item of basic_arithmetic is \d+ bytes") as caught:
+        write_environment_rows(env, train, held_out, iso, 1 << 30, 200)
+    assert caught.value.field == "environment.tasks[0].config"
+    long_terms = {"min_digits": 4000, "max_digits": 4000, "min_terms": 300, "max_terms": 300}
+    with pytest.raises(EnvironmentSpecError, match=r"first item is \d+ bytes, more than a dataset row") as caught:
+        check_environment({**TWO_TASKS, "tasks": [{"name": "chain_sum", "config": long_terms}]}, iso, 1 << 20)
+    assert caught.value.field == "environment.tasks[0].config"
 
 
 def test_a_job_takes_files_or_an_environment():
