@@ -104,30 +104,23 @@ class Trainer:
             parser = pick_format(self.cfg.tool_format, tokenizer)
             agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
             rt = self.runtime
+            # What every per-job chat endpoint is built with (a verifiers environment's or a remote agent's).
+            endpoint_args = (
+                grader_policy,
+                parser,
+                self.cfg.max_prompt_tokens,
+                rt.agent_endpoint_host,
+                rt.agent_endpoint_port,
+                rt.agent_endpoint_url,
+            )
             if self.env_runner is not None:  # a verifiers environment plays the episodes against the endpoint
                 from gspo_core.environments.verifiers_episodes import VerifiersEndpoint
 
-                self.agent_endpoint = VerifiersEndpoint(
-                    self.env_runner,
-                    grader_policy,
-                    parser,
-                    self.cfg.max_prompt_tokens,
-                    rt.agent_endpoint_host,
-                    rt.agent_endpoint_port,
-                    rt.agent_endpoint_url,
-                )
+                self.agent_endpoint = VerifiersEndpoint(self.env_runner, *endpoint_args)
             if agent is not None:
                 from gspo_core.agents.remote import AgentEndpoint
 
-                self.agent_endpoint = AgentEndpoint(
-                    agent,
-                    grader_policy,
-                    parser,
-                    self.cfg.max_prompt_tokens,
-                    rt.agent_endpoint_host,
-                    rt.agent_endpoint_port,
-                    rt.agent_endpoint_url,
-                )
+                self.agent_endpoint = AgentEndpoint(agent, *endpoint_args)
             # An environment whose episodes run in it (an OpenEnv server) is the rollouts' environment, its
             # max_turns the episodes' bound.
             episodes = episode_environment(spec.environment, grader_policy, self.cfg.max_prompt_tokens, spec.tools)
