@@ -80,8 +80,13 @@ def not_found(what: str, ident: str) -> ApiError:
 
 
 def _loc(loc: Sequence[str | int]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or "body"
+    """Pydantic's location as the dotted path the other errors use: ``("body", "stop", 0)`` -> ``stop[0]``."""
+    out = ""
+    for part in loc:
+        if part in ("body", "query", "path", "header"):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out.lstrip(".") or "body"
 
 
 def install(app: FastAPI) -> None:

@@ -3,7 +3,6 @@ sampling requests queued as futures for the session worker, and retrieve_future.
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from api import tinker_wire
+from api.bodies import StrictJsonRoute
 from api.deps import DatabaseDep, SessionDep, SettingsDep, TinkerTenantDep
 from api.errors import ApiError
 from api.services import tinker as svc
@@ -27,10 +27,11 @@ from api.tinker_schemas import (
     SaveWeights,
     SessionRef,
 )
+from gspo_core.data import JsonValueError, loads_strict
 from store import tinker
 from store.models import TinkerModel, utcnow
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=StrictJsonRoute)
 
 
 @router.get("/healthz")
@@ -114,9 +115,11 @@ async def _fwdbwd_payload(request: Request, forward_only: bool) -> dict[str, Any
             raise ApiError(415, "unsupported_media_type", "compressed bodies are not accepted", "Content-Encoding")
         return tinker_wire.fwdbwd_from_proto(body)
     try:
-        parsed = json.loads(body)
+        parsed = loads_strict(body)  # bounded nesting, finite numbers, bounded integers (api/bodies.py)
+    except JsonValueError as exc:
+        raise ApiError(400, "invalid_request", f"{exc.path or 'body'}: {exc.message}", exc.path or "body") from None
     except ValueError as exc:
-        raise ApiError(400, "invalid_request", f"body is neither protobuf nor JSON: {exc}", "body") from exc
+        raise ApiError(400, "invalid_request", f"body is neither protobuf nor JSON: {exc}", "body") from None
     if not isinstance(parsed, dict):
         raise ApiError(400, "invalid_request", "body must be a JSON object", "body")
     return tinker_wire.fwdbwd_from_json(parsed, forward_only or bool(parsed.get("forward_only")))

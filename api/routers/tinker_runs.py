@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
+from api.bodies import StrictJsonRoute
 from api.deps import ObjectsDep, SessionDep, TinkerTenantDep
 from api.errors import not_found
 from api.services import tinker as svc
@@ -15,7 +16,7 @@ from api.services.archive import archive_members, stream_tar_gz
 from store import tinker
 from store.models import TinkerModel
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=StrictJsonRoute)
 
 
 def _run(s, tenant_id: str, run_id: str) -> TinkerModel:

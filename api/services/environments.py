@@ -56,15 +56,19 @@ def check_environment_job(
     if cfg.method == "supervised":
         raise ApiError(422, "invalid_environment", "environment: a supervised job trains on files", "environment")
     try:
-        if parse_environment(req.environment).size > settings.max_file_rows:  # before any generator runs
+        parsed = parse_environment(req.environment)
+        if isinstance(parsed, VerifiersEnvironment):  # only what the operator installed and allowed
+            check_allowed(parsed, settings.allowed_verifiers())
+        if parsed.size > settings.max_file_rows:  # before any generator runs
             raise EnvironmentSpecError(
                 "environment.size", f"at most {settings.max_file_rows} (the operator's GSPO_MAX_FILE_ROWS)"
             )
         env = check_environment(
-            req.environment, settings.grader_policy()["egress_allow"], isolation(settings), settings.max_row_bytes
+            req.environment,
+            isolation(settings),
+            settings.max_row_bytes,
+            egress_allow=settings.grader_policy()["egress_allow"],
         )
-        if isinstance(env, VerifiersEnvironment):  # only what the operator installed and allowed
-            check_allowed(env, settings.allowed_verifiers())
     except EnvironmentSpecError as exc:
         raise ApiError(422, "invalid_environment", str(exc), exc.field) from None
     except EnvironmentBusy as exc:

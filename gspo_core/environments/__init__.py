@@ -100,9 +100,10 @@ def parse_environment(raw: Mapping[str, Any]) -> Environment:
 
 def check_environment(
     raw: Mapping[str, Any],
-    egress_allow: Iterable[str] | None = None,
     isolation: Isolation | None = None,
     max_row_bytes: int | None = None,
+    *,
+    egress_allow: Iterable[str] | None = None,
 ) -> Environment:
     """:func:`parse_environment` plus what only the type's library can tell (task names, config fields, a first
     item that generates, within ``max_row_bytes``) or the egress policy (an OpenEnv server's URL and headers, under
@@ -211,6 +212,6 @@ def episode_environment(
         raise EnvironmentSpecError("tools", "an openenv environment answers the model itself: give no tools")
     from gspo_core.environments.openenv import OpenEnvFactory
 
-    env = check_environment(raw, policy.egress_allow)
+    env = check_environment(raw, egress_allow=policy.egress_allow)
     assert isinstance(env, OpenEnvEnvironment)
     return OpenEnvFactory(env, policy, max_prompt_tokens)

@@ -183,10 +183,10 @@ def test_refused_addresses_and_headers_name_the_field(tiny_model_dir, tmp_path):
     spec's check and is refused at connect: every episode dropped and counted, never a connection made."""
     for url, field in (("http://127.0.0.1:9", "environment.url"), ("http://[::1]:9", "environment.url")):
         with pytest.raises(EnvironmentSpecError) as exc:
-            check_environment(env_spec(url), ())
+            check_environment(env_spec(url), egress_allow=())
         assert exc.value.field == field and "loopback" in exc.value.message
     with pytest.raises(EnvironmentSpecError) as exc:
-        check_environment(env_spec("https://env.example.com", headers={"Host": "x"}), ())
+        check_environment(env_spec("https://env.example.com", headers={"Host": "x"}), egress_allow=())
     assert exc.value.field == "environment.headers.Host"
     with pytest.raises(EnvironmentSpecError, match=r"environment\.url"):
         train(_job(tiny_model_dir, tmp_path, "http://127.0.0.1:9"), Recorder(), grader_policy=grader_policy())
