@@ -21,6 +21,7 @@ from store.objects import put_dir
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
 from tests.conftest import empty_database_url
+from tests.support.openenv_support import OPENENV_HOST
 from tests.support.verifiers_support import envs_settings
 from tests.worker.conftest import ROOT, wait_for
 
@@ -156,6 +157,9 @@ def service(tmp_path_factory, tiny_model_dir):
         "GSPO_ENVIRONMENT_CHECK_TIMEOUT_S": "3",
         "GSPO_ENVIRONMENT_GENERATE_TIMEOUT_S": "8",
         "GSPO_DRY_RUN_NICENESS": "0",
+        # The test OpenEnv server's address (tests/api/test_environments.py): loopback, but not 127.0.0.1, which
+        # stays refused, as every other loopback and private address does.
+        "GSPO_EGRESS_ALLOW": OPENENV_HOST,
     }
     settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
     run_migrations(settings.resolved_database_url())

@@ -1,6 +1,6 @@
-"""Jobs on a reasoning-gym environment through the API: 422s naming the field, the grader in `/v1/rewards/run`,
-a job through the live `gspo api` + `gspo worker` with its held-out evaluation before and after, and hostile
-configs stopped in the grader pool within the operator's time while the service answers others."""
+"""Jobs on environments through the API: 422s naming the field, the grader in `/v1/rewards/run`, jobs through the
+live `gspo api` + `gspo worker` (reasoning-gym with its held-out evaluation, verifiers, a real OpenEnv server), and
+hostile configs stopped in the grader pool within the operator's time while the service answers others."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from gspo_core.rewards.pool import GRACE_S
 from store.models import Job
 from store.settings import Settings
 from tests.conftest import empty_database_url
+from tests.support.openenv_support import OPENENV_HOST, TOKEN, OpenEnvServer, step_reward
 from tests.support.verifiers_support import envs_python
 
 pytest.importorskip("reasoning_gym")
@@ -328,3 +329,62 @@ def test_a_job_on_a_verifiers_environment_runs_through_the_service(service):
         for shown in row["completions"]:
             said = shown["messages"][-1]["content"]
             assert shown["reward"] == (1.0 if row["item"]["answer"] in said.lower() else 0.0)
+
+
+@pytest.fixture
+def live_guess_server(tmp_path):
+    """The OpenEnv test server on the one loopback address the live service's egress allows (tests/api/conftest.py),
+    refusing a WebSocket without the tenant's token."""
+    server = OpenEnvServer(tmp_path / "openenv.log", "--token", TOKEN, host=OPENENV_HOST)
+    yield server
+    server.close()
+
+
+def test_an_openenv_job_runs_through_the_service(service, live_guess_server):
+    """Through the live API and worker: the worker reaches the tenant's server (sending its header, which the server
+    requires) through the egress policy, the server's rewards are the job's (summed per episode), its observations
+    are the inspector's transcripts, and the header is redacted everywhere the tenant can look; 127.0.0.1 stays
+    refused in the same service."""
+    url, keys, tmp = service
+    auth = {"Authorization": f"Bearer {keys[0]}"}
+    env = {
+        "type": "openenv",
+        "url": live_guess_server.url,
+        "headers": {"Authorization": f"Bearer {TOKEN}"},
+        "max_turns": 3,
+        "observation_field": "prompt",
+        "size": 4,
+    }
+    hp = {"steps": 1, "prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "max_new_tokens": 48}
+    hp["max_turn_tokens"] = 6
+    refused = httpx.post(
+        f"{url}/v1/jobs",
+        json={"model": "toy", "environment": {**env, "url": f"http://127.0.0.1:{live_guess_server.port}"}},
+        headers=auth,
+    )
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "environment.url", refused.text
+    with Client(url, keys[0]) as c:
+        job = c.create_job(model="toy", environment=env, hyperparameters=hp)
+        assert job["reward"] == {"type": "openenv"} and job["environment"]["headers"] == {"Authorization": "[redacted]"}
+        deadline = time.monotonic() + 300
+        while (job := c.get_job(job["id"]))["status"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, (tmp / "worker.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert job["status"] == "succeeded", (job, (tmp / "worker.log").read_text()[-3000:])
+        ((step, metrics),) = [(row["step"], row["metrics"]) for row in c.metrics(job["id"])]
+        assert step == 1 and metrics["rollouts_dropped"] == 0 and metrics["openenv/steps"] == 8
+        assert metrics["turns/mean"] == 2
+        assert c.get_environment(job["id"])["environment"]["headers"] == {"Authorization": "[redacted]"}
+    for path in (f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/environment", "/v1/jobs"):
+        assert TOKEN not in httpx.get(url + path, headers=auth).text, path
+    rows = _samples(url, keys[0], job["id"], 1)
+    rewards = []
+    for row in rows:
+        seed = row["item"]["seed"]
+        for shown in row["completions"]:
+            users = [m["content"] for m in shown["messages"] if m["role"] == "user"]
+            said = [m["content"] for m in shown["messages"] if m["role"] == "assistant"]
+            assert users == [f"word {seed}?", f"again {seed}.1?"] and len(said) == 2 and not shown["dropped"]
+            assert shown["reward"] == sum(map(step_reward, said))
+            rewards.append(shown["reward"])
+    assert len(rewards) == 4 and metrics["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))

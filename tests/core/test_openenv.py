@@ -17,15 +17,10 @@ from gspo_core.rollout.hf_engine import TransformersEngine
 from tests.conftest import grader_policy
 from tests.core.agents_support import episode_logprobs
 from tests.core.net_support import loopback_name
-from tests.core.openenv_support import TOKEN, OpenEnvServer
 from tests.core.trainer_support import Recorder, one_torch_thread, train
+from tests.support.openenv_support import TOKEN, OpenEnvServer, step_reward
 
 LOOPBACK = grader_policy(egress_allow=("127.0.0.1",))
-
-
-def step_reward(message: str) -> float:
-    """The game's reward of one step (tests/core/openenv_server.py)."""
-    return 1.0 if len(message) % 2 == 0 else 0.25
 
 
 @pytest.fixture(autouse=True)

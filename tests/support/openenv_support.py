@@ -1,5 +1,5 @@
-"""Real OpenEnv servers for the tests (tests/core/openenv_server.py, run by .venv-openenv's Python): started on a
-free loopback port, waited for, stopped."""
+"""Real OpenEnv servers for the tests (tests/support/openenv_server.py, run by .venv-openenv's Python): started on
+a free loopback port, waited for, stopped."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ OPENENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
 #: Seconds a server may take to start: openenv imports fastapi, gradio and fastmcp (slow on a loaded machine).
 START_S = 180
 TOKEN = "sekrit-token"
+#: The address of the live service's test server (tests/api/conftest.py allows it, and only it, in its egress).
+OPENENV_HOST = "127.0.0.2"
+
+
+def step_reward(message: str) -> float:
+    """The game's reward of one step (openenv_server.py's, which this venv cannot import)."""
+    return 1.0 if len(message) % 2 == 0 else 0.25
 
 
 def openenv_python() -> Path:
@@ -34,20 +41,22 @@ def openenv_python() -> Path:
     pytest.skip(why)
 
 
-def free_port() -> int:
+def free_port(host: str) -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
 class OpenEnvServer:
-    """The guessing game's server (``args``: its options) on a free loopback port; ``url`` is its base URL."""
+    """The guessing game's server (``args``: its options) on a free port of ``host`` (a loopback address: the live
+    service's tests use 127.0.0.2, the one address its egress allow-list opens); ``url`` is its base URL."""
 
-    def __init__(self, log: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, log: Path, *args: str, host: str = "127.0.0.1") -> None:
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.log = log
-        self.proc = spawn_logged([str(openenv_python()), str(SERVER), str(self.port), *args], log, cwd=ROOT)
+        cmd = [str(openenv_python()), str(SERVER), str(self.port), "--host", host, *args]
+        self.proc = spawn_logged(cmd, log, cwd=ROOT)
         deadline = time.monotonic() + START_S
         while True:
             try:

@@ -1,7 +1,7 @@
-"""A small OpenEnv server for tests/core/test_openenv.py, built from the `openenv` package's own server classes
-(`Environment`, `Action`, `Observation`, `create_app`); run by .venv-openenv's Python (scripts/openenv-env.sh),
-never imported by the service's venv: ``python openenv_server.py PORT [--die-on-step N] [--token T]
-[--one-environment]``.
+"""A small OpenEnv server for tests/core/test_openenv.py and tests/api/test_environments.py, built from the
+`openenv` package's own server classes (`Environment`, `Action`, `Observation`, `create_app`); run by
+.venv-openenv's Python (scripts/openenv-env.sh), never imported by the service's venv: ``python openenv_server.py
+PORT [--host H] [--die-on-step N] [--token T] [--one-environment]``.
 
 The game: the reset observation asks for a word (its seed in the prompt); each step's reward is 1.0 when the
 model's text has an even number of characters, else 0.25; the episode is done after ``STEPS`` steps. With
@@ -73,6 +73,7 @@ def make_env_class(die_on_step: int):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--die-on-step", type=int, default=0)
     parser.add_argument("--token", default="")
     parser.add_argument("--one-environment", action="store_true", help="every call and session shares one")
@@ -94,7 +95,7 @@ def main() -> None:
                     return
             await app(scope, receive, send)
 
-    uvicorn.run(server, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(server, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
