@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
@@ -10,20 +9,10 @@ from fastapi.responses import StreamingResponse
 
 from api.bodies import StrictJsonRoute
 from api.deps import ObjectsDep, SessionDep, TinkerTenantDep
-from api.errors import not_found
-from api.services import tinker as svc
-from api.services.archive import archive_members, stream_tar_gz
-from store import tinker
-from store.models import TinkerModel
+from api.services import tinker_runs as svc
+from api.services.archive import stream_tar_gz
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=StrictJsonRoute)
-
-
-def _run(s, tenant_id: str, run_id: str) -> TinkerModel:
-    row = tinker.owned(s, TinkerModel, run_id, tenant_id)
-    if row is None or row.kind != "training":
-        raise not_found("training run", run_id)
-    return row
 
 
 @router.get("/training_runs")
@@ -40,13 +29,13 @@ def list_training_runs(
 
 @router.get("/training_runs/{run_id}")
 def get_training_run(run_id: str, tenant: TinkerTenantDep, s: SessionDep) -> dict:
-    run = _run(s, tenant.id, run_id)
+    run = svc.run_of(s, tenant.id, run_id)
     return svc.training_run_json(run, tenant.name, svc.checkpoints_of(s, tenant.id, run.id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 def list_run_checkpoints(run_id: str, tenant: TinkerTenantDep, s: SessionDep) -> dict:
-    _run(s, tenant.id, run_id)
+    svc.run_of(s, tenant.id, run_id)
     return {"checkpoints": [svc.checkpoint_json(c) for c in svc.checkpoints_of(s, tenant.id, run_id)]}
 
 
@@ -60,15 +49,11 @@ def download_checkpoint(
     run_id: str, checkpoint_id: str, tenant: TinkerTenantDep, s: SessionDep, objects: ObjectsDep
 ) -> StreamingResponse:
     """A sampler checkpoint's Hugging Face export as one .tar.gz (it loads in transformers and vLLM as is)."""
-    ckpt = svc.resolve_path(s, tenant.id, f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
-    members = archive_members(objects, ckpt.object_prefix)
-    if not members:
-        raise not_found("archive of checkpoint", checkpoint_id)
-    filename = f"{run_id}-{ckpt.name}.tar.gz"
+    members, root = svc.archive_of(s, objects, tenant.id, run_id, checkpoint_id)
     return StreamingResponse(
-        stream_tar_gz(objects, members, f"{run_id}-{ckpt.name}"),
+        stream_tar_gz(objects, members, root),
         media_type="application/gzip",
-        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+        headers={"Content-Disposition": f'attachment; filename="{root}.tar.gz"'},
     )
 
 
@@ -76,9 +61,5 @@ def download_checkpoint(
 def delete_checkpoint(
     run_id: str, checkpoint_id: str, tenant: TinkerTenantDep, s: SessionDep, objects: ObjectsDep
 ) -> Response:
-    ckpt = svc.resolve_path(s, tenant.id, f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
-    objects.delete_prefix(ckpt.object_prefix)
-    shutil.rmtree(ckpt.directory, ignore_errors=True)  # the worker's copy, where the API shares its disk
-    s.delete(ckpt)
-    s.commit()
+    svc.delete_checkpoint(s, objects, tenant.id, run_id, checkpoint_id)
     return Response(status_code=204)

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, not_found
+from api.tinker_schemas import CreateSamplingSession, LoadWeights, Sample, SaveWeights
 from store import tinker
 from store.db import Database
 from store.model_refs import ModelRefError, check_local_or_hub
-from store.models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSession
+from store.models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSession, utcnow
 from store.settings import Settings
 
 # Losses the session worker runs (gspo_core.primitives' registry); checked here so a typo is a 400 at once.
@@ -149,46 +150,125 @@ async def wait_future(db: Database, tenant_id: str, request_id: str, wait_s: flo
         await asyncio.sleep(poll_s)
 
 
-def training_runs(s: Session, tenant_id: str, limit: int, offset: int) -> list[TinkerModel]:
-    return list(
-        s.scalars(
-            select(TinkerModel)
-            .where(TinkerModel.tenant_id == tenant_id, TinkerModel.kind == "training")
-            .order_by(TinkerModel.created_at.desc())
-            .limit(limit)
-            .offset(offset)
-        )
-    )
+async def retrieve(db: Database, tenant_id: str, request_id: str, wait_s: float) -> FutureState:
+    """``wait_future``, with a request lost with its worker answered 410 (the SDK sends it again)."""
+    state = await wait_future(db, tenant_id, request_id, wait_s)
+    if state.status == "expired":
+        raise ApiError(410, "gone", f"request {request_id} was lost with its worker; send it again")
+    return state
 
 
-def checkpoints_of(s: Session, tenant_id: str, model_id: str | None) -> list[TinkerCheckpoint]:
-    query = select(TinkerCheckpoint).where(TinkerCheckpoint.tenant_id == tenant_id)
-    if model_id is not None:
-        query = query.where(TinkerCheckpoint.model_id == model_id)
-    return list(s.scalars(query.order_by(TinkerCheckpoint.created_at)))
+def supported_models(settings: Settings) -> list[str]:
+    """The base models under the models directory (each a folder with a config.json)."""
+    root = Path(settings.models_dir)
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
 
 
-def checkpoint_json(row: TinkerCheckpoint) -> dict[str, Any]:
-    segment = "weights" if row.kind == "training" else "sampler_weights"
-    return {
-        "checkpoint_id": f"{segment}/{row.name}",
-        "checkpoint_type": row.kind,
-        "time": row.created_at.isoformat(),
-        "tinker_path": tinker_path(row.model_id, row.kind, row.name),
-        "size_bytes": row.size_bytes,
+def heartbeat(s: Session, tenant_id: str, session_id: str) -> None:
+    row = session_of(s, tenant_id, session_id)
+    row.heartbeat_at = utcnow()
+    s.commit()
+
+
+def create_model(
+    s: Session, settings: Settings, tenant_id: str, session_id: str, base: str, lora: dict | None, seq: int
+) -> dict[str, Any]:
+    session = session_of(s, tenant_id, session_id)
+    check_model(settings, base)
+    model = new_training_model(s, session, base, lora, seq)
+    return enqueue(s, session, "create_model", {"base_model": base, "lora": lora}, model.id)
+
+
+def unload_model(s: Session, tenant_id: str, model_id: str) -> dict[str, Any]:
+    model = model_of(s, tenant_id, model_id)
+    future = enqueue_on_model(s, model, "unload", {})
+    model.status = "unloaded"
+    s.commit()
+    return future
+
+
+def queue_fwdbwd(s: Session, tenant_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Queue a decoded forward(_backward) body (``tinker_wire.fwdbwd_payload``) on its model."""
+    model = model_of(s, tenant_id, payload.pop("model_id"))
+    check_loss(payload["loss"])
+    if not payload["data"]:
+        raise ApiError(400, "invalid_request", "data must hold at least one datum", "data")
+    for i, datum in enumerate(payload["data"]):
+        if "target_tokens" not in datum["inputs"] or len(datum["inputs"]["target_tokens"]) != len(datum["tokens"]):
+            raise ApiError(400, "invalid_request", "target_tokens must be as long as the model input", f"data[{i}]")
+    kind = "forward" if payload["forward_only"] else "forward_backward"
+    return enqueue_on_model(s, model, kind, payload)
+
+
+def save_weights(s: Session, settings: Settings, tenant_id: str, body: SaveWeights, kind: str) -> dict[str, Any]:
+    """Queue a ``kind`` ("training" or "sampler") checkpoint, named by the tenant or here, stored where we say."""
+    model = model_of(s, tenant_id, body.model_id)
+    name = checkpoint_name(body.path, f"{kind}-{uuid.uuid4().hex[:8]}")
+    payload = {
+        "kind": kind,
+        "name": name,
+        "directory": checkpoint_dir(settings, model, kind, name),
+        "path": tinker_path(model.id, kind, name),
     }
+    if kind == "sampler" and body.path is None:  # save_weights_and_get_sampling_client: a sampler of its own
+        session = session_of(s, tenant_id, model.session_id)
+        sampler = tinker.new_model(s, session, "sampling", model.base_model, lora=None, model_path=payload["path"])
+        payload["sampling_session_id"] = sampler.id
+    return enqueue_on_model(s, model, "save_weights", payload)
 
 
-def training_run_json(model: TinkerModel, tenant_name: str, checkpoints: list[TinkerCheckpoint]) -> dict[str, Any]:
-    lora = model.lora or {}
-    last = {k: [c for c in checkpoints if c.kind == k] for k in ("training", "sampler")}
-    return {
-        "training_run_id": model.id,
-        "base_model": model.base_model,
-        "model_owner": tenant_name,
-        "is_lora": bool(lora),
-        "lora_rank": lora.get("rank"),
-        "last_request_time": model.last_request_at.isoformat(),
-        "last_checkpoint": checkpoint_json(last["training"][-1]) if last["training"] else None,
-        "last_sampler_checkpoint": checkpoint_json(last["sampler"][-1]) if last["sampler"] else None,
+def load_weights(s: Session, tenant_id: str, body: LoadWeights) -> dict[str, Any]:
+    """Queue loading a training checkpoint into a model, or into a new one made from the checkpoint's run."""
+    ckpt = resolve_path(s, tenant_id, body.path, "path")
+    if ckpt.kind != "training":
+        raise ApiError(400, "invalid_request", "load_weights takes a tinker://.../weights/... path", "path")
+    if body.model_id is not None:
+        model = model_of(s, tenant_id, body.model_id)
+    elif body.session_id is not None and body.model_seq_id is not None:  # a new model, from the checkpoint's run
+        session = session_of(s, tenant_id, body.session_id)
+        source = s.get(TinkerModel, ckpt.model_id)
+        assert source is not None
+        base = body.base_model or source.base_model
+        model = new_training_model(s, session, base, source.lora, body.model_seq_id)
+        enqueue(s, session, "create_model", {"base_model": base, "lora": source.lora}, model.id)
+    else:
+        raise ApiError(400, "invalid_request", "give model_id, or session_id and model_seq_id", "model_id")
+    payload = {"directory": ckpt.directory, "optimizer": body.optimizer, "path": body.path}
+    return enqueue_on_model(s, model, "load_weights", payload)
+
+
+def create_sampler(s: Session, settings: Settings, tenant_id: str, body: CreateSamplingSession) -> TinkerModel:
+    """A sampling session on a sampler checkpoint or a base model."""
+    session = session_of(s, tenant_id, body.session_id)
+    if body.model_path is not None:
+        ckpt = resolve_path(s, tenant_id, body.model_path, "model_path")
+        if ckpt.kind != "sampler":
+            raise ApiError(400, "invalid_request", "sample from a tinker://.../sampler_weights/... path", "model_path")
+        base = model_of(s, tenant_id, ckpt.model_id).base_model
+    elif body.base_model is not None:
+        check_model(settings, body.base_model)
+        base = body.base_model
+    else:
+        raise ApiError(400, "invalid_request", "give model_path or base_model", "model_path")
+    sampler = tinker.new_model(s, session, "sampling", base, lora=None, model_path=body.model_path)
+    s.commit()
+    return sampler
+
+
+def sample(s: Session, tenant_id: str, body: Sample) -> dict[str, Any]:
+    """Queue a sample request; the future names one sequence id per sample."""
+    if body.sampling_session_id is None:
+        raise ApiError(400, "invalid_request", "sampling_session_id is required", "sampling_session_id")
+    sampler = model_of(s, tenant_id, body.sampling_session_id, kind="sampling")
+    chunks = body.prompt.get("chunks") or []
+    tokens = [t for chunk in chunks for t in chunk.get("tokens", [])]
+    if not tokens or not all(isinstance(t, int) and t >= 0 for t in tokens):
+        raise ApiError(400, "invalid_request", "prompt must hold encoded_text chunks of token ids", "prompt")
+    payload = {
+        "tokens": tokens,
+        "n": body.num_samples,
+        "params": body.sampling_params.model_dump(),
+        "prompt_logprobs": bool(body.prompt_logprobs),
     }
+    future = enqueue_on_model(s, sampler, "sample", payload)
+    return {**future, "sample_sequence_ids": [f"{future['request_id']}-{i}" for i in range(body.num_samples)]}

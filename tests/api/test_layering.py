@@ -19,6 +19,8 @@ ROUTER_IMPORTS = (
     "api.deps",
     "api.schemas",
     "api.openai_schemas",
+    "api.job_schemas",
+    "api.tinker_schemas",
     "api.services",
 )
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from api import tinker_wire
 from api.errors import ApiError
+from api.services import tinker_wire
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402

@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 
 from api.errors import ApiError
+from gspo_core.data import JsonValueError, loads_strict
 
 PROTOBUF = "application/x-protobuf"
 _INPUT_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}  # public DType enum: FLOAT32, INT64, INT32
 
 
-def _pb():  # imported on first use: the rest of the API runs without the SDK installed
+def _pb() -> Any:  # imported on first use: the rest of the API runs without the SDK installed
     try:
         from tinker.proto import tinker_public_pb2
     except ImportError as exc:  # pragma: no cover - the extra is missing
@@ -127,3 +128,30 @@ def sample_output_proto(result: dict[str, Any]) -> bytes:
     if prompt is not None:
         out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt], dtype=np.float32).tobytes()
     return out.SerializeToString()
+
+
+def fwdbwd_payload(body: bytes, content_type: str, content_encoding: str | None, forward_only: bool) -> dict[str, Any]:
+    """A forward(_backward) body, protobuf or JSON as its Content-Type says, as ``fwdbwd_from_proto`` rows."""
+    if PROTOBUF in content_type:
+        if content_encoding:
+            raise ApiError(415, "unsupported_media_type", "compressed bodies are not accepted", "Content-Encoding")
+        return fwdbwd_from_proto(body)
+    try:
+        parsed = loads_strict(body)  # bounded nesting, finite numbers, bounded integers (api/bodies.py)
+    except JsonValueError as exc:
+        raise ApiError(400, "invalid_request", f"{exc.path or 'body'}: {exc.message}", exc.path or "body") from None
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", f"body is neither protobuf nor JSON: {exc}", "body") from None
+    if not isinstance(parsed, dict):
+        raise ApiError(400, "invalid_request", "body must be a JSON object", "body")
+    return fwdbwd_from_json(parsed, forward_only or bool(parsed.get("forward_only")))
+
+
+def encode_result(kind: str, result: dict[str, Any], accept: str) -> bytes | dict[str, Any]:
+    """A finished request's result for the SDK: protobuf bytes where it accepts them and has a message, else JSON."""
+    proto = PROTOBUF in accept
+    if kind in ("forward", "forward_backward"):
+        return fwdbwd_output_proto(result) if proto else fwdbwd_output_json(result)
+    if kind == "sample" and proto:
+        return sample_output_proto(result)
+    return result
