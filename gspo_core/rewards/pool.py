@@ -18,6 +18,7 @@ under the same kill, cap and priority.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import math
@@ -232,10 +233,15 @@ class GraderPool:
         if isinstance(proc, GraderError):
             raise CallError("busy" if proc.kind == "timeout" else proc.kind, str(proc))
         sent = proc.send({"call": name, "args": args, "timeout": timeout_s})
-        msg = proc.read(time.monotonic() + START_S) if sent else None
+        deadline = time.monotonic() + START_S
+        msg = proc.read(deadline) if sent else None
         if msg is not None and msg.get("started") == name:
-            msg = proc.read(time.monotonic() + timeout_s + GRACE_S)
+            deadline = time.monotonic() + timeout_s + GRACE_S
+            msg = proc.read(deadline)
         if msg is None or not ("ok" in msg or "error" in msg):
+            if time.monotonic() < deadline:  # its pipe closed early: it is exiting, its status comes in moments
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(timeout=1.0)
             alive = proc.popen.poll() is None
             self._lost(proc)
             if alive:
