@@ -144,7 +144,8 @@ def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_pat
 @pytest.fixture(scope="package")
 def service(tmp_path_factory, tiny_model_dir):
     """Embedded default (SQLite, local objects, filesystem broker): `gspo api` and `gspo worker` processes of
-    the `openai` SDK tests: ``(url, keys of 3 tenants, data dir)``."""
+    the `openai` SDK tests: ``(url, keys of 4 tenants, data dir)``; the environment tests keep to the 4th, so
+    the `openai` SDK tests' job lists hold only their own jobs."""
     tmp = tmp_path_factory.mktemp("openai")
     env_vals = {
         "GSPO_DATA_DIR": str(tmp),
@@ -168,7 +169,7 @@ def service(tmp_path_factory, tiny_model_dir):
     db = Database(settings.resolved_database_url())
     keys = []
     with db.session() as s:
-        for name in ("acme", "globex", "initech"):
+        for name in ("acme", "globex", "initech", "umbrella"):
             keys.append(create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1])
     db.dispose()
     env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}

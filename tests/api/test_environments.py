@@ -243,7 +243,7 @@ def test_a_hostile_environment_is_a_422_within_the_time_while_the_service_answer
     """Through the live API: a task whose first item never finishes generating is a 422 naming its config
     within GSPO_ENVIRONMENT_CHECK_TIMEOUT_S, and the API answers other requests meanwhile."""
     url, keys, _ = service
-    headers = {"Authorization": f"Bearer {keys[2]}"}
+    headers = {"Authorization": f"Bearer {keys[3]}"}
     refused = {"type": "reasoning_gym", "tasks": [{"name": "chain_sum", "config": {"min_terms": 5, "max_terms": 2}}]}
     for _ in range(4):  # each grader process of the API holds reasoning-gym's imports (done outside the time)
         r = httpx.post(f"{url}/v1/jobs", json={"model": "toy", "environment": refused}, headers=headers, timeout=150)
@@ -276,7 +276,7 @@ def test_an_environment_that_does_not_generate_in_time_fails_its_job(service):
     GSPO_ENVIRONMENT_GENERATE_TIMEOUT_S: the job fails saying so, and the worker runs the next job."""
     url, keys, tmp = service
     environment = {**ENV, "tasks": [looping(6)], "size": 2000, "validation_size": 0}
-    with Client(url, keys[2]) as c:
+    with Client(url, keys[3]) as c:
         job = c.create_job(model="toy", environment=environment, hyperparameters=HP)
         deadline = time.monotonic() + 300
         while (job := c.get_job(job["id"]))["status"] not in ("succeeded", "failed", "cancelled"):
@@ -303,7 +303,7 @@ def test_a_job_on_a_verifiers_environment_runs_through_the_service(service):
     environment shows it; an id the operator did not allow is a 422 listing the allowed ones."""
     envs_python()
     url, keys, tmp = service
-    auth = {"Authorization": f"Bearer {keys[2]}"}
+    auth = {"Authorization": f"Bearer {keys[3]}"}
     refused = httpx.post(
         f"{url}/v1/jobs",
         json={"model": "toy", "environment": {**VF_ENV, "id": "gsm8k"}, "hyperparameters": HP},
@@ -311,7 +311,7 @@ def test_a_job_on_a_verifiers_environment_runs_through_the_service(service):
     )
     assert refused.status_code == 422 and refused.json()["error"]["field"] == "environment.id"
     assert "(allowed: vf_toy)" in refused.json()["error"]["message"]
-    with Client(url, keys[2]) as c:
+    with Client(url, keys[3]) as c:
         job = c.create_job(model="toy", environment=VF_ENV, hyperparameters={**HP, "steps": 1})
         assert job["reward"] == {"type": "verifiers", "name": "rubric"}
         deadline = time.monotonic() + 300
@@ -323,7 +323,7 @@ def test_a_job_on_a_verifiers_environment_runs_through_the_service(service):
         assert step == 1 and metrics["rollouts_dropped"] == 0
         assert metrics["reward/rubric/mean"] == pytest.approx(metrics["verifiers/said_it/mean"])
         assert c.get_environment(job["id"])["environment"] == VF_ENV
-    rows = _samples(url, keys[2], job["id"], 1)
+    rows = _samples(url, keys[3], job["id"], 1)
     assert rows and all(row["item"]["task"] == "vf_toy" for row in rows)
     for row in rows:
         for shown in row["completions"]:
@@ -346,7 +346,7 @@ def test_an_openenv_job_runs_through_the_service(service, live_guess_server):
     are the inspector's transcripts, and the header is redacted everywhere the tenant can look; 127.0.0.1 stays
     refused in the same service."""
     url, keys, tmp = service
-    auth = {"Authorization": f"Bearer {keys[0]}"}
+    auth = {"Authorization": f"Bearer {keys[3]}"}
     env = {
         "type": "openenv",
         "url": live_guess_server.url,
@@ -363,7 +363,7 @@ def test_an_openenv_job_runs_through_the_service(service, live_guess_server):
         headers=auth,
     )
     assert refused.status_code == 422 and refused.json()["error"]["field"] == "environment.url", refused.text
-    with Client(url, keys[0]) as c:
+    with Client(url, keys[3]) as c:
         job = c.create_job(model="toy", environment=env, hyperparameters=hp)
         assert job["reward"] == {"type": "openenv"} and job["environment"]["headers"] == {"Authorization": "[redacted]"}
         deadline = time.monotonic() + 300
@@ -377,7 +377,7 @@ def test_an_openenv_job_runs_through_the_service(service, live_guess_server):
         assert c.get_environment(job["id"])["environment"]["headers"] == {"Authorization": "[redacted]"}
     for path in (f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/environment", "/v1/jobs"):
         assert TOKEN not in httpx.get(url + path, headers=auth).text, path
-    rows = _samples(url, keys[0], job["id"], 1)
+    rows = _samples(url, keys[3], job["id"], 1)
     rewards = []
     for row in rows:
         seed = row["item"]["seed"]
