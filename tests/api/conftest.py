@@ -7,7 +7,9 @@ import socket
 import subprocess
 import sys
 import uuid
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -162,25 +164,32 @@ def service(tmp_path_factory, tiny_model_dir):
         # stays refused, as every other loopback and private address does.
         "GSPO_EGRESS_ALLOW": OPENENV_HOST,
     }
+    tenants = ("acme", "globex", "initech", "umbrella")
+    with api_and_worker(tmp, env_vals, tiny_model_dir, tenants, ("--loglevel", "WARNING")) as (url, keys):
+        yield url, keys, tmp
+
+
+@contextmanager
+def api_and_worker(
+    tmp: Path, env_vals: dict[str, str], tiny_model_dir: Path, tenants: tuple[str, ...], worker_args: tuple = ()
+) -> Iterator[tuple[str, list[str]]]:
+    """`gspo api` on a free port and a `gspo worker` sharing ``tmp``'s SQLite database and data dir, run with
+    ``env_vals``: ``(url, a key of each tenant)``, both processes stopped on leaving (also when the API did not
+    come up)."""
     settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
     run_migrations(settings.resolved_database_url())
     from store.db import Database
 
     db = Database(settings.resolved_database_url())
-    keys = []
     with db.session() as s:
-        for name in ("acme", "globex", "initech", "umbrella"):
-            keys.append(create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1])
+        keys = [create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1] for name in tenants]
     db.dispose()
     env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cli = [sys.executable, "-m", "gspo_cli.main"]
-    commands = {
-        "api": ["api", "--host", "127.0.0.1", "--port", str(port)],
-        "worker": ["worker", "--loglevel", "WARNING"],
-    }
+    commands = {"api": ["api", "--host", "127.0.0.1", "--port", str(port)], "worker": ["worker", *worker_args]}
     with ExitStack() as stack:
         procs = [
             stack.enter_context(
@@ -197,8 +206,8 @@ def service(tmp_path_factory, tiny_model_dir):
         url = f"http://127.0.0.1:{port}"
         try:
             wait_for(lambda: _up(url), 60, "API up")
-            yield url, keys, tmp
-        finally:  # also when the API did not come up: leaving the stack waits for both processes
+            yield url, keys
+        finally:  # leaving the stack waits for both processes
             for p in procs:
                 p.terminate()
 

@@ -4,22 +4,13 @@ GSPO_WORKER_MODE=sessions) on the toy model: train, sample with log-probs, save 
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
 import tarfile
-import uuid
-from contextlib import ExitStack
 from io import BytesIO
 
 import httpx
 import pytest
 
-from store.db import Database, run_migrations
-from store.settings import Settings
-from store.tenants import create_tenant_and_key
-from tests.worker.conftest import ROOT, wait_for
+from tests.api.conftest import api_and_worker
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -37,44 +28,10 @@ def tinker_service(tmp_path_factory, tiny_model_dir):
         "GSPO_ROLLOUT_ENGINE": "transformers",
         "GSPO_WORKER_MODE": "sessions",
         "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
+        "TINKER_TELEMETRY": "0",
     }
-    settings = Settings(data_dir=tmp, models_dir=tiny_model_dir.parent)
-    run_migrations(settings.resolved_database_url())
-    db = Database(settings.resolved_database_url())
-    with db.session() as s:
-        keys = [create_tenant_and_key(s, f"{n}-{uuid.uuid4().hex[:6]}")[1] for n in ("acme", "globex", "initech")]
-    db.dispose()
-    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT), "TINKER_TELEMETRY": "0"}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cli = [sys.executable, "-m", "gspo_cli.main"]
-    commands = {"api": ["api", "--host", "127.0.0.1", "--port", str(port)], "worker": ["worker"]}
-    with ExitStack() as stack:
-        procs = [
-            stack.enter_context(
-                subprocess.Popen(
-                    [*cli, *args],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=stack.enter_context(open(tmp / f"{name}.log", "w")),
-                    stderr=subprocess.STDOUT,
-                )
-            )
-            for name, args in commands.items()
-        ]
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _up(url), 60, "API up")
+    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme", "globex", "initech")) as (url, keys):
         yield url, keys
-        for p in procs:
-            p.terminate()
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/api/v1/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _client(url: str, key: str):
