@@ -29,6 +29,7 @@ from api.routers import (
     rewards,
     tinker,
     tinker_runs,
+    tinker_sessions,
     ui,
     usage,
     webhooks,
@@ -156,6 +157,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openai_webhooks.router,
         health.router,
         tinker.router,
+        tinker_sessions.router,  # before tinker_runs: its checkpoint routes end in /publish, /ttl
+        tinker_sessions.dashboard,
         tinker_runs.router,
     ):
         app.include_router(router)

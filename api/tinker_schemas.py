@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from api.schemas import UtcDatetime
 
 #: Bounds of the SDK's counters and seeds: far above what a session reaches, below what overflows a BIGINT.
 SEQ_MAX = 2**53
@@ -162,3 +164,42 @@ class Sample(_Body):
 class RetrieveFuture(_Body):
     request_id: str = Field(max_length=64)
     allow_metadata_only: bool = False
+
+
+class FinishReason(_Body):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSession(_Body):
+    """``ServiceClient.close(status, detail)``: the session ends, the first reason wins."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"reason": {"type": "success"}, "detail": "done"}]})
+
+    reason: FinishReason
+    detail: str | None = Field(None, max_length=2000)
+
+
+class WeightsInfo(_Body):
+    tinker_path: str = Field(max_length=700)
+
+
+class SessionSummary(BaseModel):
+    """A Tinker session on the dashboard (``GET /v1/sessions``): its state, models, steps and usage."""
+
+    id: str
+    status: str = Field(description="active | closed")
+    closed_reason: str | None
+    created_at: UtcDatetime
+    last_activity_at: UtcDatetime = Field(description="The last heartbeat or finished request")
+    base_models: list[str]
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    steps: int = Field(description="optim_step requests done")
+    pending: int = Field(description="Requests queued or running")
+    device_seconds: float
+    tokens_sampled: int
+    tokens_trained: int
+
+
+class SessionList(BaseModel):
+    data: list[SessionSummary]

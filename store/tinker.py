@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
@@ -104,10 +105,21 @@ def queued_ahead(s: Session, request: TinkerRequest) -> int:
     )
 
 
-def claim_next(s: Session, worker: str, lease_seconds: float) -> TinkerRequest | None:
-    """The oldest pending request of an active session this worker holds or may take (no live lease),
-    marked running, with the session's lease extended to ``worker``; None when there is none."""
+def claim_next(
+    s: Session, worker: str, lease_seconds: float, policy: QueuePolicy | None = None
+) -> TinkerRequest | None:
+    """The next pending request of an active session this worker holds or may take (no live lease), marked
+    running, with the session's lease extended to ``worker``; None when there is none. The job queue's fair
+    order: the tenant that used the least device time this budget period first, then the oldest request, so
+    one tenant's queued requests cannot starve another's."""
     now = utcnow()
+    policy = policy or QueuePolicy()
+    used = (
+        select(UsageRecord.tenant_id, func.sum(UsageRecord.device_seconds).label("used_s"))
+        .where(UsageRecord.period_start == policy.period_start(now))
+        .group_by(UsageRecord.tenant_id)
+        .subquery()
+    )
     free = or_(
         TinkerSession.lease_owner.is_(None),
         TinkerSession.lease_owner == worker,
@@ -119,7 +131,8 @@ def claim_next(s: Session, worker: str, lease_seconds: float) -> TinkerRequest |
         .join(TinkerSession, TinkerSession.id == TinkerRequest.session_id)
         .where(TinkerRequest.status == "pending", TinkerSession.status == "active", free)
         .where(TinkerRequest.session_id.not_in(busy))
-        .order_by(TinkerRequest.created_at, TinkerRequest.id)
+        .outerjoin(used, used.c.tenant_id == TinkerRequest.tenant_id)
+        .order_by(func.coalesce(used.c.used_s, 0.0), TinkerRequest.created_at, TinkerRequest.id)
         .limit(1)
     )
     if candidate is None:
@@ -259,3 +272,76 @@ def add_usage(
     row.device_seconds += seconds
     row.tokens_sampled += sampled
     row.tokens_trained += trained
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """A session as its tenant's listings show it: its models, steps, usage and last activity."""
+
+    id: str
+    status: str
+    closed_reason: str | None
+    created_at: datetime
+    last_activity_at: datetime
+    base_models: list[str]
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    steps: int
+    pending: int
+    device_seconds: float
+    tokens_sampled: int
+    tokens_trained: int
+
+
+def tenant_sessions(s: Session, tenant_id: str, limit: int, offset: int = 0) -> list[TinkerSession]:
+    """The tenant's sessions, newest first."""
+    query = select(TinkerSession).where(TinkerSession.tenant_id == tenant_id)
+    return list(
+        s.scalars(query.order_by(TinkerSession.created_at.desc(), TinkerSession.id).limit(limit).offset(offset))
+    )
+
+
+def session_models(s: Session, session_id: str) -> list[TinkerModel]:
+    return list(
+        s.scalars(select(TinkerModel).where(TinkerModel.session_id == session_id).order_by(TinkerModel.created_at))
+    )
+
+
+def summarize(s: Session, session: TinkerSession) -> SessionSummary:
+    """One session's summary (a few indexed queries: listings show tens of sessions, not thousands)."""
+    models = session_models(s, session.id)
+    pending = s.scalar(
+        select(func.count())
+        .select_from(TinkerRequest)
+        .where(TinkerRequest.session_id == session.id, TinkerRequest.status.in_(("pending", "running")))
+    )
+    steps = s.scalar(
+        select(func.count())
+        .select_from(TinkerRequest)
+        .where(
+            TinkerRequest.session_id == session.id, TinkerRequest.kind == "optim_step", TinkerRequest.status == "done"
+        )
+    )
+    usage = s.execute(
+        select(
+            func.sum(UsageRecord.device_seconds),
+            func.sum(UsageRecord.tokens_sampled),
+            func.sum(UsageRecord.tokens_trained),
+        ).where(UsageRecord.job_id == session.id, UsageRecord.tenant_id == session.tenant_id)
+    ).one()
+    last = max([session.heartbeat_at, *(m.last_request_at for m in models)])
+    return SessionSummary(
+        id=session.id,
+        status=session.status,
+        closed_reason=session.closed_reason,
+        created_at=session.created_at,
+        last_activity_at=last,
+        base_models=sorted({m.base_model for m in models if m.kind == "training"}),
+        training_run_ids=[m.id for m in models if m.kind == "training"],
+        sampler_ids=[m.id for m in models if m.kind == "sampling"],
+        steps=int(steps or 0),
+        pending=int(pending or 0),
+        device_seconds=float(usage[0] or 0.0),
+        tokens_sampled=int(usage[1] or 0),
+        tokens_trained=int(usage[2] or 0),
+    )

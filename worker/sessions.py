@@ -16,7 +16,7 @@ from store.model_refs import resolve_model
 from store.models import TinkerModel, TinkerRequest, TinkerSession
 from store.objects import get_object_store
 from store.settings import Settings, get_settings
-from store.usage import QueuePolicy
+from store.usage import QueuePolicy, budget
 from worker.session_host import Outcome, SessionHost, SessionRequestError
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,19 @@ def _sampler_weights(host: SessionHost, db: Database, request: TinkerRequest) ->
         return ckpt.directory
 
 
+def _over_budget(db: Database, policy: QueuePolicy, request: TinkerRequest) -> bool:
+    """A request queued before its tenant's budget ran out fails (the API refuses new ones with a 402)."""
+    with db.session() as s:
+        b = budget(s, policy, request.tenant_id)
+        if b.exhausted:
+            error = f"tenant device-hour budget used ({b.used_s / 3600:.3g} of {b.budget_s / 3600:.3g} h this period)"
+            tinker.finish(s, request.id, None, f"{error} until {b.period_end.isoformat()}", "user")
+        return b.exhausted
+
+
 def _execute(host: SessionHost, db: Database, policy: QueuePolicy, request: TinkerRequest, name: str) -> None:
+    if _over_budget(db, policy, request):
+        return
     started = time.monotonic()
     try:
         outcome = run_request(host, db, request)
@@ -107,7 +119,7 @@ def serve(settings: Settings, stop: threading.Event, name: str | None = None) ->
                 _housekeeping(host, db, settings, name)
                 last_housekeeping = time.monotonic()
             with db.session() as s:
-                request = tinker.claim_next(s, name, settings.lease_seconds)
+                request = tinker.claim_next(s, name, settings.lease_seconds, policy)
                 if request is not None:
                     s.expunge(request)
             if request is None:

@@ -3,13 +3,13 @@ sampling requests queued as futures for the session worker, and retrieve_future.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.bodies import StrictJsonRoute
 from api.deps import DatabaseDep, SessionDep, SettingsDep, TinkerTenantDep
 from api.services import tinker as svc
-from api.services import tinker_wire
+from api.services import tinker_sessions, tinker_wire
 from api.tinker_schemas import (
     CreateModel,
     CreateSamplingSession,
@@ -26,6 +26,14 @@ from api.tinker_schemas import (
 router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=StrictJsonRoute)
 
 
+def within_budget(tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> None:
+    """Opening a session or queueing work: 402 while the tenant's device-hour budget is spent."""
+    tinker_sessions.check_budget(s, settings, tenant.id)
+
+
+Budgeted = [Depends(within_budget)]
+
+
 @router.get("/healthz")
 async def healthz() -> dict:
     return {"status": "ok"}
@@ -33,8 +41,14 @@ async def healthz() -> dict:
 
 @router.post("/client/config")
 def client_config(_tenant: TinkerTenantDep) -> dict:
-    # API keys only (no JWT exchange), uncompressed protobuf forward_backward bodies, per-request futures.
-    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False}
+    # API keys only (no JWT exchange), uncompressed protobuf forward_backward bodies, per-request futures; a
+    # spent budget (402) raises BillingError at once rather than pausing the client for up to an hour.
+    return {
+        "pjwt_auth_enabled": False,
+        "proto_compress_fwdbwd": False,
+        "sample_use_retrieve_futures": False,
+        "billing_exception_max_pause_duration_sec": 0,
+    }
 
 
 @router.post("/client/dynamic_config")
@@ -53,7 +67,7 @@ def server_capabilities(_tenant: TinkerTenantDep, settings: SettingsDep) -> dict
     return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True} for n in names]}
 
 
-@router.post("/create_session")
+@router.post("/create_session", dependencies=Budgeted)
 def create_session(body: CreateSession, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> dict:
     row = svc.open_session(s, settings, tenant.id, body.tags)
     return {"type": "create_session", "session_id": row.id}
@@ -65,7 +79,7 @@ def session_heartbeat(body: SessionRef, tenant: TinkerTenantDep, s: SessionDep) 
     return {"type": "session_heartbeat"}
 
 
-@router.post("/create_model")
+@router.post("/create_model", dependencies=Budgeted)
 def create_model(body: CreateModel, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> dict:
     lora = body.lora_config.model_dump() if body.lora_config else None
     return svc.create_model(s, settings, tenant.id, body.session_id, body.base_model, lora, body.model_seq_id)
@@ -98,38 +112,38 @@ async def _fwdbwd(request: Request, tenant_id: str, s: SessionDep, forward_only:
     return svc.queue_fwdbwd(s, tenant_id, payload)
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", dependencies=Budgeted)
 async def forward_backward(request: Request, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     return await _fwdbwd(request, tenant.id, s, forward_only=False)
 
 
-@router.post("/forward")
+@router.post("/forward", dependencies=Budgeted)
 async def forward(request: Request, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     return await _fwdbwd(request, tenant.id, s, forward_only=True)
 
 
-@router.post("/optim_step")
+@router.post("/optim_step", dependencies=Budgeted)
 def optim_step(body: OptimStep, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     model = svc.model_of(s, tenant.id, body.model_id)
     return svc.enqueue_on_model(s, model, "optim_step", {"adam": body.adam_params.model_dump()})
 
 
-@router.post("/save_weights")
+@router.post("/save_weights", dependencies=Budgeted)
 def save_weights(body: SaveWeights, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> dict:
     return svc.save_weights(s, settings, tenant.id, body, "training")
 
 
-@router.post("/save_weights_for_sampler")
+@router.post("/save_weights_for_sampler", dependencies=Budgeted)
 def save_weights_for_sampler(body: SaveWeights, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> dict:
     return svc.save_weights(s, settings, tenant.id, body, "sampler")
 
 
-@router.post("/load_weights")
+@router.post("/load_weights", dependencies=Budgeted)
 def load_weights(body: LoadWeights, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     return svc.load_weights(s, tenant.id, body)
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", dependencies=Budgeted)
 def create_sampling_session(
     body: CreateSamplingSession, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep
 ) -> dict:
@@ -143,7 +157,7 @@ def get_sampler(sampler_id: str, tenant: TinkerTenantDep, s: SessionDep) -> dict
     return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
 
-@router.post("/asample")
+@router.post("/asample", dependencies=Budgeted)
 def asample(body: Sample, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     return svc.sample(s, tenant.id, body)
 

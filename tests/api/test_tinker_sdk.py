@@ -10,17 +10,23 @@ from io import BytesIO
 import httpx
 import pytest
 
+from store.db import Database
+from store.models import TinkerSession, UsageRecord, utcnow
+from store.settings import Settings
+from store.usage import QueuePolicy
 from tests.api.conftest import api_and_worker
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10]  # toy-tokenizer ids of plain characters
+BUDGET_H = 100
 
 
 @pytest.fixture(scope="module")
 def tinker_service(tmp_path_factory, tiny_model_dir):
-    """``(url, keys of 3 tenants)``: `gspo api` + a session worker sharing a SQLite database and data dir."""
+    """``(url, keys of 4 tenants, data dir)``: `gspo api` + a session worker sharing a SQLite database and data
+    dir; a tenant has 100 device hours per period (the 4th spends them in its test)."""
     tmp = tmp_path_factory.mktemp("tinker")
     env_vals = {
         "GSPO_DATA_DIR": str(tmp),
@@ -28,14 +34,27 @@ def tinker_service(tmp_path_factory, tiny_model_dir):
         "GSPO_ROLLOUT_ENGINE": "transformers",
         "GSPO_WORKER_MODE": "sessions",
         "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
+        "GSPO_TENANT_DEVICE_HOURS_PER_PERIOD": str(BUDGET_H),
         "TINKER_TELEMETRY": "0",
     }
-    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme", "globex", "initech")) as (url, keys):
-        yield url, keys
+    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme", "globex", "initech", "umbrella")) as (url, keys):
+        yield url, keys, tmp
 
 
-def _client(url: str, key: str):
-    return tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
+@pytest.fixture()
+def sdk(tinker_service):
+    """``client(key)``: a ServiceClient of the tenant's; each is closed after the test (its session finished,
+    its heartbeat and config-refresh tasks stopped), so none keeps running into later tests."""
+    url, _, _ = tinker_service
+    made: list = []
+
+    def client(key: str):
+        made.append(tinker.ServiceClient(base_url=url, api_key=f"tml-{key}"))
+        return made[-1]
+
+    yield client
+    for service in made:
+        service.close("success").result(timeout=60)
 
 
 def _datum(tokens: list[int]) -> types.Datum:
@@ -52,9 +71,9 @@ def _mean_loss(out: types.ForwardBackwardOutput, data: list[types.Datum]) -> flo
     return -sum(lp * w for lp, w in zip(logps, weights, strict=True)) / sum(weights)
 
 
-def test_train_sample_save_and_load_with_the_sdk(tinker_service):
-    url, keys = tinker_service
-    service = _client(url, keys[0])
+def test_train_sample_save_and_load_with_the_sdk(tinker_service, sdk):
+    url, keys, _ = tinker_service
+    service = sdk(keys[0])
     rest = service.create_rest_client()
     assert "toy" in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
     training = service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()
@@ -117,16 +136,16 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service):
     r = httpx.get(f"{url}/api/v1/training_runs/{run_id}/checkpoints", headers=other)
     assert r.status_code == 404
     with pytest.raises(tinker.NotFoundError):
-        _client(url, keys[1]).create_sampling_client(model_path=sampler_path).result()
+        sdk(keys[1]).create_sampling_client(model_path=sampler_path).result()
     rest.delete_checkpoint(run_id, "sampler_weights/s4").result()
     assert sampler_path not in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
 
 
-def test_bad_requests_raise_the_sdks_exceptions(tinker_service):
-    url, keys = tinker_service
+def test_bad_requests_raise_the_sdks_exceptions(tinker_service, sdk):
+    _, keys, _ = tinker_service
     with pytest.raises(tinker.AuthenticationError):  # the SDK connects on first use
-        tinker.ServiceClient(base_url=url, api_key="tml-not-a-key").create_lora_training_client("toy", rank=4)
-    service = _client(url, keys[0])
+        sdk("not-a-key").create_lora_training_client("toy", rank=4)
+    service = sdk(keys[0])
     with pytest.raises(tinker.BadRequestError):
         service.create_lora_training_client(base_model="no-such-model", rank=4).result()
     training = service.create_lora_training_client(base_model="toy", rank=4).result()
@@ -138,7 +157,7 @@ def test_bad_requests_raise_the_sdks_exceptions(tinker_service):
 
 
 def test_session_cap_and_futures_protocol(tinker_service):
-    url, keys = tinker_service
+    url, keys, _ = tinker_service
     headers = {"X-API-Key": f"tml-{keys[2]}"}
     body = {"tags": [], "sdk_version": "0.38.0"}
     sessions = [httpx.post(f"{url}/api/v1/create_session", json=body, headers=headers) for _ in range(3)]
@@ -164,3 +183,47 @@ def test_session_cap_and_futures_protocol(tinker_service):
     assert r.status_code in (200, 408)
     if r.status_code == 408:
         assert r.json()["type"] == "try_again" and r.json()["queue_state"] in ("active", "paused_capacity")
+
+
+def test_sessions_weights_info_and_routes_not_offered_through_the_sdk(tinker_service, sdk):
+    url, keys, _ = tinker_service
+    service = sdk(keys[1])
+    rest = service.create_rest_client()
+    training = service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()
+    session_id = training.model_id.split(":")[0]
+    assert session_id in rest.list_sessions().result().sessions
+    assert rest.get_session(session_id).result().training_run_ids == [training.model_id]
+    path = training.save_state("w1").result().path
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == ("toy", True, 4)
+    with pytest.raises(tinker.BadRequestError, match="not offered"):
+        rest.publish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.NotFoundError):  # another tenant's session
+        sdk(keys[0]).create_rest_client().get_session(session_id).result()
+
+    service.close("success", detail="done").result(timeout=60)  # finishes the session: its models go
+    headers = {"X-API-Key": f"tml-{keys[1]}"}
+    described = httpx.get(f"{url}/api/v1/sessions/{session_id}", headers=headers).json()
+    assert described["status"] == "closed" and "success" in described["closed_reason"]
+    r = httpx.post(f"{url}/api/v1/get_info", json={"model_id": training.model_id}, headers=headers)
+    assert r.status_code == 409, r.text
+
+
+def test_a_spent_budget_raises_billing_error(tinker_service, sdk):
+    _, keys, tmp = tinker_service
+    service = sdk(keys[3])
+    training = service.create_lora_training_client(base_model="toy", rank=4).result()
+    session_id = training.model_id.split(":")[0]
+    db = Database(Settings(data_dir=tmp).resolved_database_url())
+    with db.session() as s:  # the tenant spends its device hours (on jobs or sessions alike)
+        tenant_id = s.get(TinkerSession, session_id).tenant_id
+        period = QueuePolicy(budget_s=BUDGET_H * 3600).period_start(utcnow())
+        row = UsageRecord(tenant_id=tenant_id, job_id="spent", run_id="w", attempt=1, period_start=period)
+        row.device_seconds, row.tokens_sampled, row.tokens_trained = BUDGET_H * 3600, 0, 0
+        s.add(row)
+        s.commit()
+    db.dispose()
+    with pytest.raises(tinker.BillingError, match="budget used"):
+        training.forward_backward([_datum(PROMPT)], "cross_entropy").result()
+    with pytest.raises(tinker.BillingError, match="budget used"):
+        sdk(keys[3]).create_lora_training_client(base_model="toy", rank=4)
