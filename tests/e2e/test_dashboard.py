@@ -150,3 +150,25 @@ def test_an_openenv_job_page_shows_its_server_with_the_headers_redacted(page, em
     assert OPENENV["url"] in shown and '"max_turns": 4' in shown and "[redacted]" in shown
     assert "tenant-secret" not in page.content()
     assert page.locator("#environment-samples .sample").first.inner_text().startswith("reset seed 0")
+
+
+def test_the_tenants_tinker_sessions_show_beside_its_jobs(page, embedded_service):
+    """A session the tenant opened (with a model queued; no session worker runs here) is listed with its model
+    and state; once finished, as closed."""
+    import httpx
+
+    url, key, *_ = embedded_service
+    headers = {"X-API-Key": f"tml-{key}"}
+    session_id = httpx.post(f"{url}/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "toy", "lora_config": {"rank": 2}}
+    assert httpx.post(f"{url}/api/v1/create_model", json=body, headers=headers).status_code == 200
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-sessions-ready='1']")
+    row = page.locator(f"tr[data-session='{session_id}']").inner_text()
+    assert "toy" in row and "active" in row, row
+    finish = {"reason": {"type": "success"}}
+    assert httpx.post(f"{url}/api/v1/sessions/{session_id}/finish", json=finish, headers=headers).status_code == 200
+    page.reload()
+    page.wait_for_selector("body[data-sessions-ready='1']")
+    assert "closed" in page.locator(f"tr[data-session='{session_id}']").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-sessions.png"), full_page=True)
