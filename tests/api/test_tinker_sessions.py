@@ -157,3 +157,21 @@ def test_routes_not_offered_are_a_400_saying_so(client, auth, method, path):
     assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported", r.text
     assert "not offered by this service" in r.json()["error"]["message"]
     assert client.request(method, path).status_code == 401
+
+
+def test_work_queued_before_the_budget_ran_out_fails_on_the_worker_saying_why(client, app, settings, auth):
+    from worker.sessions import _over_budget
+
+    headers = _tml(auth)
+    model_id = _model(client, headers, _session(client, headers))
+    policy = QueuePolicy.of(settings)
+    with app.state.db.session() as s:
+        request = tinker.claim_next(s, "w1", 30, policy)
+        assert request is not None and request.model_id == model_id
+        s.expunge(request)
+    assert not _over_budget(app.state.db, policy, request)
+    _use(app, settings, request.tenant_id, BUDGET_H * 3600)
+    assert _over_budget(app.state.db, policy, request)
+    r = client.post("/api/v1/retrieve_future", json={"request_id": request.id}, headers=headers)
+    assert r.status_code == 200 and r.json()["category"] == "user"
+    assert r.json()["error"].startswith("tenant device-hour budget used (1 of 1 h this period) until ")
