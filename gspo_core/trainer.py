@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from gspo_core import loop
 from gspo_core import step as phases
 from gspo_core.agents import build_toolbox, pick_format
 from gspo_core.agents.episodes import EpisodeSettings
 from gspo_core.agents.tools import agent_spec
 from gspo_core.callbacks import Callbacks
-from gspo_core.checkpoint import load_trainer_state, restore
 from gspo_core.config import JobSpec
 from gspo_core.data import DataError, check_row_tools, render_prompt, spec_rows
 from gspo_core.distributed import (
@@ -28,13 +27,14 @@ from gspo_core.distributed import (
 )
 from gspo_core.environments import episode_environment
 from gspo_core.environments.verifiers_env import verifiers_spec
-from gspo_core.loop import TrainResult, run
+from gspo_core.loop import TrainResult
 from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
 from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
+from gspo_core.sft import SFTTrainer
 from gspo_core.stopping import NEVER, StepStopped, StopCheck
 
 if TYPE_CHECKING:
@@ -228,32 +228,11 @@ class Trainer:
             longest = max(longest, *map(len, phases.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
         return longest + cfg.max_new_tokens, max(cfg.prompts_per_step * cfg.group_size, len(evals))
 
-    def data_state(self) -> dict:
-        """The data cursor: batches are a pure function of (rows, seed, step), so this pins them."""
-        return {
-            "rows": len(self.rows),
-            "seed": self.cfg.seed,
-            "shuffle": self.cfg.shuffle,
-            "cursor": self.step * self.cfg.prompts_per_step,
-        }
-
     def resume(self, ckpt_dir: str) -> None:
-        state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.policy.optimizer, self.scheduler, state, ckpt_dir, self.ranks)
-        self.saved = (self.step, str(ckpt_dir))
-        data = state.get("data", {})
-        if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
-            self.log(
-                f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
-                f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
-                "so the remaining batches differ from an uninterrupted run"
-            )
+        """The job's state from a checkpoint (`gspo_core.loop.resume`), its weights pushed to the engine."""
+        loop.resume(self, ckpt_dir)
         self.push_weights()
-        self.log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
-
-    def log(self, message: str) -> None:
-        if self.ranks.main:
-            self.callbacks.on_log(message)
+        loop.resumed(self, ckpt_dir)
 
     def push_weights(self) -> None:
         """The new weights into rank 0's engine, gathered from every rank's shards (a collective: to rank 0,
@@ -375,9 +354,10 @@ class Trainer:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
         precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
         self.sampler_trusted = False
-        self.log(
+        loop.log(
+            self,
             f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
-            f"log-ratio (tolerance {self.cfg.sampler_tolerance():.0e}); recomputing them from now on"
+            f"log-ratio (tolerance {self.cfg.sampler_tolerance():.0e}); recomputing them from now on",
         )
 
     def evaluate(self) -> dict[str, float]:
@@ -440,15 +420,14 @@ def train(
     """Run (or resume) a GSPO job (a supervised one: `gspo_core.sft`) to its last step or until
     ``callbacks.should_stop()``; the job's graders obey the operator's ``grader_policy``, and its engine the
     operator's ``runtime`` options (the process owner calls `gspo_core.platform.prepare_process` with them first)."""
+    trainer: Trainer | SFTTrainer
     if spec.hyperparameters.method == "supervised":
-        from gspo_core.sft import SFTTrainer  # it builds on this module
-
-        trainer: Trainer = SFTTrainer(spec, callbacks, runtime)
+        trainer = SFTTrainer(spec, callbacks, runtime)
     else:
         trainer = Trainer(spec, callbacks, engine, grader_policy, runtime)
     try:
         if resume_from:
             trainer.resume(resume_from)
-        return run(trainer)
+        return loop.run(trainer)
     finally:
         trainer.close(engine=engine is None)
