@@ -10,12 +10,10 @@ import torch
 
 from gspo_core import loop
 from gspo_core import step as phases
-from gspo_core.agents import build_toolbox, pick_format
-from gspo_core.agents.episodes import EpisodeSettings
-from gspo_core.agents.tools import agent_spec
+from gspo_core.agents import build_toolbox
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import JobSpec
-from gspo_core.data import DataError, check_row_tools, render_prompt, spec_rows
+from gspo_core.data import DataError, check_row_tools, render_prompt
 from gspo_core.distributed import (
     Ranks,
     broadcast,
@@ -25,8 +23,8 @@ from gspo_core.distributed import (
     local_device,
     shard,
 )
-from gspo_core.environments import episode_environment
 from gspo_core.environments.verifiers_env import verifiers_spec
+from gspo_core.episode_setup import env_runner, episode_settings, job_rows
 from gspo_core.loop import TrainResult
 from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.agents.remote import AgentEndpoint
-    from gspo_core.environments.verifiers_episodes import VerifiersRunner
     from gspo_core.rollout.weight_push import Push
 
 
@@ -75,8 +72,8 @@ class Trainer:
         seed_everything(self.cfg.seed)
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
-        self.env_runner = self._env_runner()
-        self.rows, self.val_rows = self._rows()
+        self.env_runner = env_runner(spec, self.ranks, self.runtime)
+        self.rows, self.val_rows = job_rows(spec, self.env_runner, self.ranks)
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
         self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
@@ -101,35 +98,8 @@ class Trainer:
             self.engine_shares_weights, self.push_backend = broadcast(engine_facts, self.ranks)
             #: Ranks 1..N-1's side of rank 0's pushes, where the transport takes every rank's copy.
             self.peer_push = self._peer_push()
-            parser = pick_format(self.cfg.tool_format, tokenizer)
-            agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
-            rt = self.runtime
-            # What every per-job chat endpoint is built with (a verifiers environment's or a remote agent's).
-            endpoint_args = (
-                grader_policy,
-                parser,
-                self.cfg.max_prompt_tokens,
-                rt.agent_endpoint_host,
-                rt.agent_endpoint_port,
-                rt.agent_endpoint_url,
-            )
-            if self.env_runner is not None:  # a verifiers environment plays the episodes against the endpoint
-                from gspo_core.environments.verifiers_episodes import VerifiersEndpoint
-
-                self.agent_endpoint = VerifiersEndpoint(self.env_runner, *endpoint_args)
-            if agent is not None:
-                from gspo_core.agents.remote import AgentEndpoint
-
-                self.agent_endpoint = AgentEndpoint(agent, *endpoint_args)
-            # An environment whose episodes run in it (an OpenEnv server) is the rollouts' environment, its
-            # max_turns the episodes' bound.
-            episodes = episode_environment(spec.environment, grader_policy, self.cfg.max_prompt_tokens, spec.tools)
-            self.agent = EpisodeSettings(
-                episodes.env.max_turns if episodes else self.cfg.max_turns,
-                self.cfg.max_turn_tokens,
-                parser,
-                self.toolbox,
-                (episodes if self.ranks.main else None) or self.agent_endpoint,
+            self.agent, self.agent_endpoint = episode_settings(
+                spec, tokenizer, self.ranks, self.toolbox, self.env_runner, grader_policy, self.runtime
             )
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
@@ -140,27 +110,6 @@ class Trainer:
         #: What ends the step in flight early (rank 0's; `begin_step` renews it).
         self.stop: StopCheck = NEVER
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
-
-    def _env_runner(self) -> VerifiersRunner | None:
-        """Rank 0's runner of the job's verifiers environment (None for any other job)."""
-        env = verifiers_spec(self.spec.environment)
-        if env is None or not self.ranks.main:
-            return None
-        from gspo_core.environments.verifiers_episodes import VerifiersRunner
-
-        return VerifiersRunner(env, self.runtime)
-
-    def _rows(self) -> tuple[list[dict], list[dict]]:
-        """The job's ``(training rows, validation rows)``: a verifiers environment's from its runner (rank 0's,
-        to every rank), else its files' or its environment's (`gspo_core.data.spec_rows`)."""
-        if verifiers_spec(self.spec.environment) is None:
-            return spec_rows(self.spec)
-        try:
-            return broadcast(self.env_runner.rows() if self.env_runner is not None else None, self.ranks)
-        except BaseException:
-            if self.env_runner is not None:
-                self.env_runner.close()
-            raise
 
     def _peer_push(self) -> Push | None:
         """On ranks 1..N-1, where the transport takes every rank's copy of the weights (CUDA IPC): their side
