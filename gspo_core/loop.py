@@ -1,16 +1,51 @@
-"""The job loop: steps to the last (or a stop), evaluations around them, checkpoints; callbacks report each."""
+"""The job loop: steps to the last (or a stop), evaluations around them, checkpoints and resume; callbacks
+report each. Any job runs it (`Job`): the GSPO trainer's and supervised fine-tuning's, peers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from gspo_core.callbacks import Evaluation
-from gspo_core.checkpoint import save_checkpoint
+from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.stopping import StepStopped
 
 if TYPE_CHECKING:
-    from gspo_core.trainer import Trainer
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo_core.callbacks import Callbacks
+    from gspo_core.config import GSPOConfig, JobSpec
+    from gspo_core.distributed import Ranks
+    from gspo_core.policy import Policy
+    from gspo_core.step import PolicyState
+
+
+class Job(Protocol):
+    """What the loop drives (`gspo_core.trainer.Trainer`, `gspo_core.sft.SFTTrainer`): the job's rows, policy
+    and callbacks, the last completed ``step`` and the newest checkpoint ``saved`` (step, dir); a step, an
+    evaluation, and whether the next step may begin (rank 0's callbacks decide for every rank)."""
+
+    spec: JobSpec
+    cfg: GSPOConfig
+    rows: list[dict]
+    val_rows: list[dict]
+    ranks: Ranks
+    callbacks: Callbacks
+    tokenizer: PreTrainedTokenizerBase
+    policy: PolicyState
+    scheduler: Any
+    step: int
+    saved: tuple[int, str] | None
+
+    @property
+    def model(self) -> Policy: ...
+
+    def begin_step(self) -> bool: ...
+
+    def run_step(self, step: int) -> tuple[dict, list[dict]]: ...
+
+    def evaluate(self) -> dict[str, float]: ...
 
 
 @dataclass
@@ -23,7 +58,7 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def run(trainer: Trainer) -> TrainResult:
+def run(trainer: Job) -> TrainResult:
     """Steps to the last (or a stop), with the held-out evaluation before the first step (as step 0's
     metrics), every ``eval_every`` steps, and after the last."""
     cfg = trainer.cfg
@@ -63,7 +98,7 @@ def run(trainer: Trainer) -> TrainResult:
     return TrainResult(trainer.step, last_ckpt, stopped=False, metrics=metrics)
 
 
-def evaluate_around(trainer: Trainer, when: Literal["before", "after"]) -> dict[str, float]:
+def evaluate_around(trainer: Job, when: Literal["before", "after"]) -> dict[str, float]:
     """The held-out evaluation before the first step or after the last: its metrics, and its summary
     reported (:meth:`gspo_core.callbacks.Callbacks.on_evaluation`)."""
     metrics = trainer.evaluate()
@@ -73,7 +108,7 @@ def evaluate_around(trainer: Trainer, when: Literal["before", "after"]) -> dict[
     return metrics
 
 
-def checkpoint(trainer: Trainer, final: bool) -> str:
+def checkpoint(trainer: Job, final: bool) -> str:
     """Save the current step (once: a step already saved is not written again): every rank writes its
     shards of the trainer state, rank 0 the export; rank 0 reports the checkpoint."""
     if trainer.saved is None or trainer.saved[0] != trainer.step:
@@ -85,7 +120,7 @@ def checkpoint(trainer: Trainer, final: bool) -> str:
             trainer.policy.optimizer,
             trainer.scheduler,
             trainer.ranks,
-            extra={"data": trainer.data_state()},
+            extra={"data": data_state(trainer)},
         )
         if trainer.ranks.main:
             trainer.callbacks.on_checkpoint(trainer.step, str(path), final)
@@ -93,3 +128,36 @@ def checkpoint(trainer: Trainer, final: bool) -> str:
     elif final and trainer.ranks.main:
         trainer.callbacks.on_checkpoint(trainer.step, trainer.saved[1], final)
     return trainer.saved[1]
+
+
+def data_state(job: Job) -> dict:
+    """The data cursor: batches are a pure function of (rows, seed, step), so this pins them."""
+    cfg = job.cfg
+    return {"rows": len(job.rows), "seed": cfg.seed, "shuffle": cfg.shuffle, "cursor": job.step * cfg.prompts_per_step}
+
+
+def resume(job: Job, ckpt_dir: str) -> None:
+    """The job's policy, optimizer, schedule and step from a checkpoint; a warning when its data differ (the
+    remaining batches then differ from an uninterrupted run's)."""
+    state = load_trainer_state(ckpt_dir)
+    job.step = restore(job.model, job.policy.optimizer, job.scheduler, state, ckpt_dir, job.ranks)
+    job.saved = (job.step, str(ckpt_dir))
+    data = state.get("data", {})
+    if data and (data.get("rows"), data.get("seed")) != (len(job.rows), job.cfg.seed):
+        log(
+            job,
+            f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
+            f"{data.get('seed')}; this run has {len(job.rows)} rows and seed {job.cfg.seed}, "
+            "so the remaining batches differ from an uninterrupted run",
+        )
+
+
+def resumed(job: Job, ckpt_dir: str) -> None:
+    """Report the resume (once the job's weights are where it samples them)."""
+    log(job, f"resumed from {Path(ckpt_dir).name} (step {job.step})")
+
+
+def log(job: Job, message: str) -> None:
+    """A message to rank 0's callbacks."""
+    if job.ranks.main:
+        job.callbacks.on_log(message)

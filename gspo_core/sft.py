@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on chat rows: exact assistant-turn token masks, and a trainer on the GSPO loop's rails."""
+"""Supervised fine-tuning on chat rows: exact assistant-turn token masks, and a job the loop runs beside GSPO's."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from gspo_core import loop
 from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import JobSpec
@@ -19,9 +20,9 @@ from gspo_core.data import DataError, check_sft_row, spec_rows
 from gspo_core.distributed import join_group, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
-from gspo_core.policy import autocast_dtype, completion_logprobs, load_policy
+from gspo_core.policy import Policy, autocast_dtype, completion_logprobs, load_policy
 from gspo_core.primitives.core import optimizer_update
-from gspo_core.trainer import Trainer, batch_indices, make_optimizer, seed_everything
+from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -164,10 +165,11 @@ def micro_batches(examples: list[Example], budget: int) -> Iterator[list[Example
         yield batch
 
 
-class SFTTrainer(Trainer):
-    """Supervised fine-tuning through the GSPO trainer's loop, checkpoints and resume (`gspo_core.loop.run`):
-    its own set-up (no rollout engine, no reward), step and evaluation. A step is one optimizer update on
-    ``prompts_per_step`` rows: the mean negative log-likelihood over their trained tokens."""
+class SFTTrainer:
+    """A supervised job (`gspo_core.loop.Job`, a peer of `gspo_core.trainer.Trainer`): the loop's steps,
+    evaluations, checkpoints and resume (`gspo_core.loop`) over the same policy, optimizer and update
+    (`gspo_core.primitives.core.optimizer_update`), with no rollout engine and no reward. A step is one optimizer
+    update on ``prompts_per_step`` rows: the mean negative log-likelihood over their trained tokens."""
 
     def __init__(self, spec: JobSpec, callbacks: Callbacks | None, runtime: RuntimeOptions | None = None) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
@@ -189,14 +191,22 @@ class SFTTrainer(Trainer):
         self.policy = phases.PolicyState(
             model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, None, self.ranks
         )
-        self.reward_fn, self.toolbox, self.engine, self.engine_shares_weights = None, None, None, True
         self.step = 0
-        self.sampler_trusted = True
         self.saved: tuple[int, str] | None = None
         self._encoded: dict[tuple[str, int], tuple[array, bytes]] = {}
 
-    def push_weights(self) -> None:
-        """No sampler holds a copy of the weights."""
+    @property
+    def model(self) -> Policy:
+        return self.policy.model
+
+    def resume(self, ckpt_dir: str) -> None:
+        """The job's state from a checkpoint (`gspo_core.loop.resume`; no sampler holds a copy of the weights)."""
+        loop.resume(self, ckpt_dir)
+        loop.resumed(self, ckpt_dir)
+
+    def begin_step(self) -> bool:
+        """Whether the run goes on (the callbacks' ``should_stop``; a step is not cut short once begun)."""
+        return not self.callbacks.should_stop()
 
     def close(self, engine: bool = True) -> None:
         """Nothing outlives the run."""

@@ -186,7 +186,8 @@ def score(reward_fn: RewardFunction, rollout: Rollout, stop: StopCheck = NEVER) 
 
 def _agent_reward(completion: Completion) -> float | None:
     """The reward the user's agent reported for its episode (None: the job's grader gives it)."""
-    return (completion.extra.get("agent") or {}).get("reward")
+    episode = completion.episode
+    return episode.outcome.reward if episode is not None and episode.outcome is not None else None
 
 
 def grader_sample(completion: Completion, prompt: str) -> dict:
@@ -194,21 +195,17 @@ def grader_sample(completion: Completion, prompt: str) -> dict:
     episode with tool calls also ``output_tools`` (OpenAI's shape) and ``messages`` (the transcript: an
     agent's episode, its own whole; else after the prompt as a user message), read from the transcript as
     the API's dry runs read a given one (`gspo_core.rewards.transcript_sample`)."""
-    turns = completion.extra.get("messages")
-    if "agent" in completion.extra:
+    episode = completion.episode
+    if episode is not None and episode.outcome is not None:
         sample = sample_for(
-            completion.text,
-            completion.sampled_tokens,
-            completion.finish_reason,
-            completion.extra.get("tool_calls", []),
-            turns or [],
+            completion.text, completion.sampled_tokens, completion.finish_reason, episode.tool_calls, episode.messages
         )
-        agent = completion.extra["agent"]
-        if "environment_reward" in agent:  # a verifiers environment's episode: its scores (the `verifiers` grader)
-            sample["environment"] = {"reward": agent["environment_reward"], "metrics": agent["environment_metrics"]}
+        score = episode.outcome.score
+        if score is not None:  # a verifiers environment's episode: its scores (the `verifiers` grader)
+            sample["environment"] = {"reward": score.reward, "metrics": score.metrics}
         return sample
     answer = [{"role": "assistant", "content": completion.text}]
-    messages = [{"role": "user", "content": prompt}, *(turns if turns is not None else answer)]
+    messages = [{"role": "user", "content": prompt}, *(episode.messages if episode is not None else answer)]
     return transcript_sample(messages, completion.sampled_tokens, completion.finish_reason)
 
 
@@ -306,11 +303,11 @@ def sample_rows(rollout: Rollout, scores: Scores, cfg: GSPOConfig) -> list[dict]
 
 
 def _episode_fields(completion: Completion) -> dict:
-    if "turns" not in completion.extra:
+    if completion.episode is None:
         return {}
     return {
-        "turns": completion.extra["turns"],
-        "messages": completion.extra["messages"],
+        "turns": completion.episode.turns,
+        "messages": completion.episode.messages,
         "trained_tokens": sum(completion.trained_mask),
         "dropped": completion.dropped,
     }

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from gspo_core import loop
 from gspo_core import step as phases
-from gspo_core.agents import build_toolbox, pick_format
-from gspo_core.agents.episodes import EpisodeSettings
-from gspo_core.agents.tools import agent_spec
+from gspo_core.agents import build_toolbox
 from gspo_core.callbacks import Callbacks
-from gspo_core.checkpoint import load_trainer_state, restore
 from gspo_core.config import JobSpec
-from gspo_core.data import DataError, check_row_tools, render_prompt, spec_rows
+from gspo_core.data import DataError, check_row_tools, render_prompt
 from gspo_core.distributed import (
     Ranks,
     broadcast,
@@ -26,22 +23,22 @@ from gspo_core.distributed import (
     local_device,
     shard,
 )
-from gspo_core.environments import episode_environment
 from gspo_core.environments.verifiers_env import verifiers_spec
-from gspo_core.loop import TrainResult, run
+from gspo_core.episode_setup import env_runner, episode_settings, job_rows
+from gspo_core.loop import TrainResult
 from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
 from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
+from gspo_core.sft import SFTTrainer
 from gspo_core.stopping import NEVER, StepStopped, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.agents.remote import AgentEndpoint
-    from gspo_core.environments.verifiers_episodes import VerifiersRunner
     from gspo_core.rollout.weight_push import Push
 
 
@@ -75,8 +72,8 @@ class Trainer:
         seed_everything(self.cfg.seed)
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
-        self.env_runner = self._env_runner()
-        self.rows, self.val_rows = self._rows()
+        self.env_runner = env_runner(spec, self.ranks, self.runtime)
+        self.rows, self.val_rows = job_rows(spec, self.env_runner, self.ranks)
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
         self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
         self.toolbox = None
@@ -101,35 +98,8 @@ class Trainer:
             self.engine_shares_weights, self.push_backend = broadcast(engine_facts, self.ranks)
             #: Ranks 1..N-1's side of rank 0's pushes, where the transport takes every rank's copy.
             self.peer_push = self._peer_push()
-            parser = pick_format(self.cfg.tool_format, tokenizer)
-            agent = agent_spec(spec.tools, grader_policy) if self.ranks.main else None
-            rt = self.runtime
-            # What every per-job chat endpoint is built with (a verifiers environment's or a remote agent's).
-            endpoint_args = (
-                grader_policy,
-                parser,
-                self.cfg.max_prompt_tokens,
-                rt.agent_endpoint_host,
-                rt.agent_endpoint_port,
-                rt.agent_endpoint_url,
-            )
-            if self.env_runner is not None:  # a verifiers environment plays the episodes against the endpoint
-                from gspo_core.environments.verifiers_episodes import VerifiersEndpoint
-
-                self.agent_endpoint = VerifiersEndpoint(self.env_runner, *endpoint_args)
-            if agent is not None:
-                from gspo_core.agents.remote import AgentEndpoint
-
-                self.agent_endpoint = AgentEndpoint(agent, *endpoint_args)
-            # An environment whose episodes run in it (an OpenEnv server) is the rollouts' environment, its
-            # max_turns the episodes' bound.
-            episodes = episode_environment(spec.environment, grader_policy, self.cfg.max_prompt_tokens, spec.tools)
-            self.agent = EpisodeSettings(
-                episodes.env.max_turns if episodes else self.cfg.max_turns,
-                self.cfg.max_turn_tokens,
-                parser,
-                self.toolbox,
-                (episodes if self.ranks.main else None) or self.agent_endpoint,
+            self.agent, self.agent_endpoint = episode_settings(
+                spec, tokenizer, self.ranks, self.toolbox, self.env_runner, grader_policy, self.runtime
             )
         except BaseException:
             self.close_graders()  # its grader threads/processes must not outlive a failed start
@@ -140,27 +110,6 @@ class Trainer:
         #: What ends the step in flight early (rank 0's; `begin_step` renews it).
         self.stop: StopCheck = NEVER
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
-
-    def _env_runner(self) -> VerifiersRunner | None:
-        """Rank 0's runner of the job's verifiers environment (None for any other job)."""
-        env = verifiers_spec(self.spec.environment)
-        if env is None or not self.ranks.main:
-            return None
-        from gspo_core.environments.verifiers_episodes import VerifiersRunner
-
-        return VerifiersRunner(env, self.runtime)
-
-    def _rows(self) -> tuple[list[dict], list[dict]]:
-        """The job's ``(training rows, validation rows)``: a verifiers environment's from its runner (rank 0's,
-        to every rank), else its files' or its environment's (`gspo_core.data.spec_rows`)."""
-        if verifiers_spec(self.spec.environment) is None:
-            return spec_rows(self.spec)
-        try:
-            return broadcast(self.env_runner.rows() if self.env_runner is not None else None, self.ranks)
-        except BaseException:
-            if self.env_runner is not None:
-                self.env_runner.close()
-            raise
 
     def _peer_push(self) -> Push | None:
         """On ranks 1..N-1, where the transport takes every rank's copy of the weights (CUDA IPC): their side
@@ -228,32 +177,11 @@ class Trainer:
             longest = max(longest, *map(len, phases.prompt_token_ids(self.tokenizer, prompts, cfg.max_prompt_tokens)))
         return longest + cfg.max_new_tokens, max(cfg.prompts_per_step * cfg.group_size, len(evals))
 
-    def data_state(self) -> dict:
-        """The data cursor: batches are a pure function of (rows, seed, step), so this pins them."""
-        return {
-            "rows": len(self.rows),
-            "seed": self.cfg.seed,
-            "shuffle": self.cfg.shuffle,
-            "cursor": self.step * self.cfg.prompts_per_step,
-        }
-
     def resume(self, ckpt_dir: str) -> None:
-        state = load_trainer_state(ckpt_dir)
-        self.step = restore(self.model, self.policy.optimizer, self.scheduler, state, ckpt_dir, self.ranks)
-        self.saved = (self.step, str(ckpt_dir))
-        data = state.get("data", {})
-        if data and (data.get("rows"), data.get("seed")) != (len(self.rows), self.cfg.seed):
-            self.log(
-                f"warning: the checkpoint was trained on {data.get('rows')} rows with seed "
-                f"{data.get('seed')}; this run has {len(self.rows)} rows and seed {self.cfg.seed}, "
-                "so the remaining batches differ from an uninterrupted run"
-            )
+        """The job's state from a checkpoint (`gspo_core.loop.resume`), its weights pushed to the engine."""
+        loop.resume(self, ckpt_dir)
         self.push_weights()
-        self.log(f"resumed from {Path(ckpt_dir).name} (step {self.step})")
-
-    def log(self, message: str) -> None:
-        if self.ranks.main:
-            self.callbacks.on_log(message)
+        loop.resumed(self, ckpt_dir)
 
     def push_weights(self) -> None:
         """The new weights into rank 0's engine, gathered from every rank's shards (a collective: to rank 0,
@@ -375,9 +303,10 @@ class Trainer:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
         precision, e.g. bf16 vLLM): the later steps recompute old logprobs up front."""
         self.sampler_trusted = False
-        self.log(
+        loop.log(
+            self,
             f"old_logprobs=auto: the sampler's logprobs are off by up to {err:.2e} in a sequence's "
-            f"log-ratio (tolerance {self.cfg.sampler_tolerance():.0e}); recomputing them from now on"
+            f"log-ratio (tolerance {self.cfg.sampler_tolerance():.0e}); recomputing them from now on",
         )
 
     def evaluate(self) -> dict[str, float]:
@@ -440,15 +369,14 @@ def train(
     """Run (or resume) a GSPO job (a supervised one: `gspo_core.sft`) to its last step or until
     ``callbacks.should_stop()``; the job's graders obey the operator's ``grader_policy``, and its engine the
     operator's ``runtime`` options (the process owner calls `gspo_core.platform.prepare_process` with them first)."""
+    trainer: Trainer | SFTTrainer
     if spec.hyperparameters.method == "supervised":
-        from gspo_core.sft import SFTTrainer  # it builds on this module
-
-        trainer: Trainer = SFTTrainer(spec, callbacks, runtime)
+        trainer = SFTTrainer(spec, callbacks, runtime)
     else:
         trainer = Trainer(spec, callbacks, engine, grader_policy, runtime)
     try:
         if resume_from:
             trainer.resume(resume_from)
-        return run(trainer)
+        return loop.run(trainer)
     finally:
         trainer.close(engine=engine is None)

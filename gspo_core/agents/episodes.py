@@ -20,7 +20,7 @@ from gspo_core.agents.formats import Parser, ToolCall
 from gspo_core.agents.render import tool_turn_ids
 from gspo_core.agents.tools import Toolbox, ToolResult
 from gspo_core.data import row_tool_names
-from gspo_core.rollout.base import Completion, RolloutEngine, SamplingSpec
+from gspo_core.rollout.base import Completion, EpisodeInfo, EpisodeOutcome, RolloutEngine, SamplingSpec
 from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ class EpisodeSettings:
 class _Episode:
     """One trajectory being built from ``prompt_ids``; ``last`` is its latest turn as the engine returned it;
     ``cap``: the environment's own cap on the next turn (0: none); ``done``: no turn follows; ``discarded``:
-    tokens it sampled that its row no longer holds (an agent's prefix break starts the row anew)."""
+    tokens it sampled that its row no longer holds (an agent's prefix break starts the row anew); ``outcome``:
+    set from the start by an environment that keeps its own transcript, its end filled in when it closes."""
 
     prompt_index: int
     prompt_ids: list[int]
@@ -94,7 +95,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
+    outcome: EpisodeOutcome | None = None
     turns: int = 0
     cap: int = 0
     done: bool = False
@@ -147,11 +148,11 @@ class _Episode:
 
     def completion(self) -> Completion:
         """The trajectory as the trainer's row; a one-turn episode without calls or environment data is its
-        turn as sampled. An environment that keeps its own transcript (``extra["agent"]``) gives
+        turn as sampled. An environment that keeps its own transcript (an ``outcome``) gives
         ``messages`` whole."""
-        if self.first is not None and not self.tool_calls and not self.extra:
+        if self.first is not None and not self.tool_calls and self.outcome is None:
             return self.first
-        if self.last is not None and not self.dropped and not self.truncated and "agent" not in self.extra:
+        if self.last is not None and not self.dropped and not self.truncated and self.outcome is None:
             self.messages.append({"role": "assistant", "content": self.last.text})
         return Completion(
             prompt_index=self.prompt_index,
@@ -160,7 +161,7 @@ class _Episode:
             logprobs=self.logprobs,
             text=self.last.text if self.last else "",
             finish_reason="length" if self.truncated or self.last is None else self.last.finish_reason,
-            extra={"turns": self.turns, "tool_calls": self.tool_calls, "messages": self.messages, **self.extra},
+            episode=EpisodeInfo(self.turns, self.tool_calls, self.messages, self.outcome),
             mask=self.mask,
             dropped=self.dropped,
             discarded_tokens=self.discarded,

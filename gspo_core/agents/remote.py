@@ -33,7 +33,7 @@ from gspo_core.agents.episodes import _Episode
 from gspo_core.agents.formats import Parser
 from gspo_core.agents.render import PlainText, tool_turn_ids
 from gspo_core.rewards.policy import GraderPolicy
-from gspo_core.rollout.base import Completion, SamplingSpec
+from gspo_core.rollout.base import Completion, EpisodeOutcome, SamplingSpec
 from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class AgentEnvironment:
         with self.ep.cv:
             for p, ids in enumerate(prompt_ids):
                 for _ in range(spec.n):
-                    s = _Session(secrets.token_urlsafe(16), self.rows[p], _Episode(p, ids, extra={"agent": {}}))
+                    s = _Session(secrets.token_urlsafe(16), self.rows[p], _Episode(p, ids, outcome=EpisodeOutcome()))
                     self.ep.sessions[s.id] = s
                     self.sessions.append(s)
                     self.of[id(s.episode)] = s
@@ -401,4 +401,4 @@ class AgentEnvironment:
         if not e.ids:  # never sampled (or refused as its row started anew): one untrained id stands for the row
             e.ids, e.mask = [self.tokenizer.eos_token_id or 0], [0]
             e.logprobs = [0.0] if self.spec.logprobs else []
-        e.extra["agent"] = {"session": s.id, "reward": s.reward, "prefix_breaks": s.breaks, "error": s.error}
+        e.outcome = EpisodeOutcome(reward=s.reward, error=s.error, session=s.id, prefix_breaks=s.breaks)

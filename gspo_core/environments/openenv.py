@@ -22,7 +22,7 @@ from gspo_core.environments.openenv_wire import (
     StepResult,
     WebSocketSession,
 )
-from gspo_core.rollout.base import Completion, SamplingSpec
+from gspo_core.rollout.base import Completion, EpisodeOutcome, SamplingSpec
 from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class OpenEnvEpisodes:
         self.spec = spec
         for p, ids in enumerate(prompt_ids):
             for _ in range(spec.n):
-                run = _Run(_Episode(p, ids, extra={"agent": {}}), int(self.rows[p]["seed"]))
+                run = _Run(_Episode(p, ids, outcome=EpisodeOutcome()), int(self.rows[p]["seed"]))
                 self.runs.append(run)
                 self.of[id(run.episode)] = run
         self._each(self.runs, self._reset)
@@ -223,8 +223,7 @@ class OpenEnvEpisodes:
             e.logprobs = [0.0] if self.spec.logprobs else []
         given = [r for r in run.rewards if r is not None]
         reward = None if run.error is not None else episode_reward(self.env, given)
-        e.extra["agent"] = {"environment": "openenv", "seed": run.seed, "reward": reward, "error": run.error}
-        e.extra["openenv"] = {"seed": run.seed, "rewards": run.rewards, "error": run.error}
+        e.outcome = EpisodeOutcome(reward=reward, error=run.error, seed=run.seed, step_rewards=tuple(run.rewards))
 
 
 def episode_reward(env: OpenEnvEnvironment, rewards: list[float]) -> float:

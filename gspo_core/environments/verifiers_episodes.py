@@ -16,12 +16,13 @@ import os
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from gspo_core.agents.remote import AgentEndpoint, AgentEnvironment, _Session
 from gspo_core.environments.verifiers_env import VerifiersEnvironment, check_allowed
+from gspo_core.rollout.base import EnvironmentScore, EpisodeOutcome
 from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
@@ -222,5 +223,5 @@ class VerifiersSessions(AgentEnvironment):
     def _outcome(self, s: _Session) -> None:
         super()._outcome(s)
         result = self.results.get(s.id, EpisodeResult())
-        s.episode.extra["agent"]["environment_reward"] = result.reward
-        s.episode.extra["agent"]["environment_metrics"] = result.metrics
+        outcome = cast(EpisodeOutcome, s.episode.outcome)
+        s.episode.outcome = replace(outcome, score=EnvironmentScore(result.reward, result.metrics))

@@ -37,6 +37,46 @@ class SamplingSpec:
         return self.max_tokens if self.max_tokens_each is None else self.max_tokens_each[prompt_index]
 
 
+@dataclass(frozen=True)
+class EnvironmentScore:
+    """A verifiers environment's own score of an episode: its rubric's ``reward`` (None: none) and metrics;
+    graders read them as ``sample.environment`` (the ``verifiers`` grader)."""
+
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """How an episode that an environment ran with its own transcript ended (a user's agent, an OpenEnv server,
+    a verifiers environment). ``reward``: the one the environment reported (None: the job's grader gives it);
+    ``error``: why the episode was dropped (None: it was not); ``session``: the agent session's id;
+    ``prefix_breaks``: the agent's requests that rewrote its history; ``seed`` and ``step_rewards``: an OpenEnv
+    episode's reset seed and each step's reward (None: the server gave none); ``score``: a verifiers
+    environment's."""
+
+    reward: float | None = None
+    error: str | None = None
+    session: str = ""
+    prefix_breaks: int = 0
+    seed: int | None = None
+    step_rewards: tuple[float | None, ...] = ()
+    score: EnvironmentScore | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeInfo:
+    """What a multi-turn episode adds to its completion: ``turns`` (model turns), ``tool_calls`` (OpenAI's
+    shape, every turn's), ``messages`` (the transcript: each turn's assistant text, tool calls and tool results;
+    an environment's own transcript whole) and ``outcome`` (None: the job's tools ran it, not an environment of
+    its own)."""
+
+    turns: int
+    tool_calls: list[dict] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    outcome: EpisodeOutcome | None = None
+
+
 @dataclass
 class Completion:
     """One sampled completion.
@@ -53,7 +93,8 @@ class Completion:
     (`gspo_core.agents.tools.ToolResult.drop`): the row trains nothing (``trained_mask`` all 0) and is not
     graded. ``discarded_tokens``: tokens the model sampled for the episode that the row no longer holds (an
     agent rewrote its history, so the row starts anew); not trained, but sampled, so usage counts them.
-    ``extra`` of an episode with tool calls: ``turns``, ``tool_calls`` (OpenAI's shape), ``messages``.
+    ``episode``: what a multi-turn episode (tool calls, an agent, an environment) adds (`EpisodeInfo`); None
+    for a single completion.
     """
 
     prompt_index: int
@@ -62,7 +103,7 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
-    extra: dict = field(default_factory=dict)
+    episode: EpisodeInfo | None = None
     mask: list[int] = field(default_factory=list)
     dropped: bool = False
     discarded_tokens: int = 0

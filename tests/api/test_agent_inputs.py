@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gspo_core.rollout.base import Completion
+from gspo_core.rollout.base import Completion, EpisodeInfo
 from gspo_core.step import grader_sample
 from tests.api.conftest import job_body
 
@@ -54,7 +54,7 @@ def test_a_transcript_is_graded_as_training_grades_the_episode(client, auth):
         {"role": "tool", "tool_call_id": "call_1_0", "name": "f", "content": "aaa"},
         {"role": "assistant", "content": "aaa"},
     ]
-    episode = Completion(0, [1], [5, 6, 7], [], "aaa", "stop", {"turns": 2, "tool_calls": [call], "messages": turns})
+    episode = Completion(0, [1], [5, 6, 7], [], "aaa", "stop", EpisodeInfo(turns=2, tool_calls=[call], messages=turns))
     trained = grader_sample(episode, "q:")
     expected = json.dumps({k: trained[k] for k in ("output_text", "output_tools", "messages", "output_json")})
     grader = {

@@ -161,7 +161,7 @@ def check_agent_rollout(rollout, rows, seen, tok, logp_BT, mask_BT, endpoint, at
         if mode == "fail":
             assert c.dropped and c.trained_mask == [0] * len(c.completion_ids)
             continue
-        first, messages, second = seen[c.extra["agent"]["session"]]
+        first, messages, second = seen[c.episode.outcome.session]
         ask = [{"role": "user", "content": "q:"}]
         if mode == "rewrite":  # the row is the rewritten request's context and its one sampled turn
             ask = messages
@@ -177,12 +177,12 @@ def check_agent_rollout(rollout, rows, seen, tok, logp_BT, mask_BT, endpoint, at
             assert c.mask == [1] * len(turn1) + [0] * len(env) + [1] * len(last)
         else:
             assert c.completion_ids == last and c.mask == [1] * len(last)
-        assert c.extra["messages"] == [*messages, {"role": "assistant", "content": c.text}]
+        assert c.episode.messages == [*messages, {"role": "assistant", "content": c.text}]
     assert len(seen) == 6
     for c in rollout.completions[:2]:  # the model really called f; the agent got the call in OpenAI's shape
-        (call,) = seen[c.extra["agent"]["session"]][0].choices[0].message.tool_calls
+        (call,) = seen[c.episode.outcome.session][0].choices[0].message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == ("f", {"key": "a"})
-        assert c.extra["tool_calls"] == [call.model_dump()] and c.text == "ok"
+        assert c.episode.tool_calls == [call.model_dump()] and c.text == "ok"
     for row, c in enumerate(rollout.completions):  # the recorded log-probs are the engine's, env ids at 0
         sampler = torch.tensor(c.logprobs) * mask_BT[row, : len(c.logprobs)]
         torch.testing.assert_close(logp_BT[row, : len(c.logprobs)], sampler, atol=atol, rtol=0)

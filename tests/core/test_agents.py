@@ -116,7 +116,7 @@ def test_episodes_train_exactly_the_sampled_ids(caller_dir):
         env = tool_turn_ids(tok, [{"role": "tool", "content": "aaa"}], tok.eos_token)
         assert c.completion_ids[: len(call_ids) + len(env)] == call_ids + env
         assert c.mask == [1] * len(call_ids) + [0] * len(env) + [1] * (len(c.completion_ids) - len(call_ids) - len(env))
-        assert c.text == ANSWER and c.extra["messages"][1]["content"] == "aaa"
+        assert c.text == ANSWER and c.episode.messages[1]["content"] == "aaa"
     batch = pack([c.prompt_ids for c in rollout.completions], [c.completion_ids for c in rollout.completions], 0)
     logp_BT, masked = episode_logprobs(model, rollout.completions, tok.pad_token_id, cfg.temperature)
     for row, c in enumerate(rollout.completions):

@@ -77,7 +77,7 @@ def test_malformed_requests_are_400s_naming_the_field_and_never_fail_the_job(cal
             server.close()
     said = {}
     for c in rollout.completions:
-        said.setdefault(rows[c.prompt_index]["mode"], set()).add(server.seen[c.extra["agent"]["session"]])
+        said.setdefault(rows[c.prompt_index]["mode"], set()).add(server.seen[c.episode.outcome.session])
     only_text = '({"type": "text", "text": "..."})'
     assert said == {
         "text_part": {("refused", 400, f"messages[0].content[0]: only text parts are supported {only_text}")},

@@ -61,16 +61,16 @@ def test_mcp_tools_are_offered_filtered_and_called_in_a_session_per_episode(call
         finally:
             box.close()
     assert [c.finish_reason for c in cut.completions] == ["stop", "stop", "length", "length"]
-    assert [len(c.extra["messages"]) for c in cut.completions] == [3, 3, 2, 2]
+    assert [len(c.episode.messages) for c in cut.completions] == [3, 3, 2, 2]
     assert cut.metrics["tool_errors/f/unknown_tool"] == 2 and len(mcp_server.calls) == 2 + 2
     env = tool_turn_ids(tok, [{"role": "tool", "content": "aaa"}], tok.eos_token)
     first, second = rollout.completions[:2], rollout.completions[2:]
     for c in first:
         assert c.completion_ids[: len(call_ids) + len(env)] == call_ids + env
         assert c.mask[len(call_ids) : len(call_ids) + len(env)] == [0] * len(env)
-        assert c.extra["messages"][1] == {"role": "tool", "tool_call_id": "call_1_0", "name": "f", "content": "aaa"}
+        assert c.episode.messages[1] == {"role": "tool", "tool_call_id": "call_1_0", "name": "f", "content": "aaa"}
     for c in second:
-        assert c.extra["messages"][1]["content"] == "error: no tool named 'f'"
+        assert c.episode.messages[1]["content"] == "error: no tool named 'f'"
     assert rollout.metrics["tool_errors/f/unknown_tool"] == 2
     assert mcp_server.calls == [("f", {"key": "a"})] * 4
     assert opened == 1 + 2 and left == {}  # the job start's listing, then one per calling episode

@@ -84,14 +84,14 @@ def test_episodes_are_the_servers_observations_after_exactly_the_sampled_ids(tin
         stop = tok.eos_token if turn1[-1] == tok.eos_token_id else ""
         assert env == tool_turn_ids(tok, [{"role": "user", "content": f"again {seed}.1?"}], stop)
         said = [tok.decode(turn1, skip_special_tokens=True), tok.decode(turn2, skip_special_tokens=True)]
-        assert c.extra["messages"] == [
+        assert c.episode.messages == [
             first[0],
             {"role": "assistant", "content": said[0]},
             {"role": "user", "content": f"again {seed}.1?"},
             {"role": "assistant", "content": said[1]},
         ]
-        assert c.extra["openenv"]["rewards"] == [step_reward(said[0]), step_reward(said[1])]
-        assert c.extra["agent"]["reward"] == step_reward(said[0]) + step_reward(said[1]) and not c.dropped
+        assert c.episode.outcome.step_rewards == (step_reward(said[0]), step_reward(said[1]))
+        assert c.episode.outcome.reward == step_reward(said[0]) + step_reward(said[1]) and not c.dropped
     logp_BT, masked = episode_logprobs(model, rollout.completions, tok.pad_token_id, cfg.temperature)
     for row, c in enumerate(rollout.completions):
         sampler = torch.tensor(c.logprobs) * masked.mask_BT[row, : len(c.logprobs)]
@@ -117,9 +117,9 @@ def test_a_server_that_keeps_its_episode_between_http_calls_plays_over_http(tiny
         server.close()
     (c,) = rollout.completions
     assert (rollout.metrics["turns/mean"], rollout.metrics["openenv/steps"], c.dropped) == (2, 2, False)
-    said = [m["content"] for m in c.extra["messages"] if m["role"] == "assistant"]
-    assert [m["content"] for m in c.extra["messages"] if m["role"] == "user"] == ["word 9?", "again 9.1?"]
-    assert c.extra["agent"]["reward"] == sum(map(step_reward, said))
+    said = [m["content"] for m in c.episode.messages if m["role"] == "assistant"]
+    assert [m["content"] for m in c.episode.messages if m["role"] == "user"] == ["word 9?", "again 9.1?"]
+    assert c.episode.outcome.reward == sum(map(step_reward, said))
 
 
 def _job(model_dir, tmp_path, url: str, **env) -> JobSpec:

@@ -273,7 +273,7 @@ def test_multi_turn_episodes_on_vllm(engine, policy, caller_dir):
     assert rollout.metrics["turns/mean"] == 2 and all(c.text == ANSWER for c in rollout.completions)
     logp_BT, _ = episode_logprobs(caller, rollout.completions, tok.pad_token_id, 1.0)
     for row, c in enumerate(rollout.completions):
-        assert 0 < sum(c.mask) < len(c.mask) and c.extra["messages"][1]["content"] == "aaa"
+        assert 0 < sum(c.mask) < len(c.mask) and c.episode.messages[1]["content"] == "aaa"
         torch.testing.assert_close(logp_BT[row, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4, rtol=0)
 
 

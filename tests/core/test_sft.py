@@ -174,3 +174,38 @@ def test_a_row_is_encoded_once_per_job(tiny_model_dir, tmp_path):
     example = trainer.example("train", 2)
     assert (example.ids, example.weights) == encode_chat(chats[2], trainer.tokenizer, 64 + 512)
     assert trainer.evaluate()["eval/loss"] > 0 and ("val", 1) in trainer._encoded  # validation rows too
+
+
+def test_a_supervised_job_stopped_and_resumed_ends_with_the_uninterrupted_weights(tiny_model_dir, tmp_path):
+    """The loop's checkpoints and resume serve a supervised job as a GSPO one: the same steps, learning rates,
+    losses and end weights as a run that was not stopped."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gspo_core.config import GSPOConfig, JobSpec
+    from tests.core.trainer_support import Recorder, one_torch_thread, train
+
+    chats = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "ab" * i}] for i in range(1, 9)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    hp = {"steps": 4, "prompts_per_step": 2, "learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 1}
+    cfg = GSPOConfig(method="supervised", **hp)
+
+    def spec(out: str) -> JobSpec:
+        files = {"training_file": str(tmp_path / "chat.jsonl"), "validation_file": str(tmp_path / "chat.jsonl")}
+        return JobSpec(
+            model=str(tiny_model_dir), reward={}, hyperparameters=cfg, output_dir=str(tmp_path / out), **files
+        )
+
+    with one_torch_thread():
+        full_rec, rec = Recorder(), Recorder()
+        full = train(spec("a"), full_rec)
+        stopped = train(spec("b"), Recorder(stop_after=2))
+        assert stopped.stopped and stopped.final_step == 2
+        resumed = train(spec("b"), rec, resume_from=stopped.final_checkpoint)
+    assert [s for s, _ in rec.steps] == [3, 4] and resumed.final_step == 4 and not resumed.stopped
+    assert any("resumed from step-000002" in m for m in rec.logs)
+    for name in ("loss", "lr"):
+        assert [m[name] for _, m in full_rec.steps[3:]] == [m[name] for _, m in rec.steps], name
+    a = load_file(f"{full.final_checkpoint}/model/model.safetensors")
+    b = load_file(f"{resumed.final_checkpoint}/model/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
