@@ -16,6 +16,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this process's threads and its waited-for children so far: less
+    sensitive than wall time to other work on a shared machine."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict:
     """gspo_core.trainer.train on the workload, ``overrides`` of GSPOConfig's defaults applied (and of
     RuntimeOptions' for its fields); phases come from its own ``time/*`` metrics. The run owns its process:
@@ -36,10 +43,12 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
     prepare_process(runtime)
     model, data = prepare(w, root)
     steps: list[dict] = []
+    cpu_marks: list[float] = []
 
     class Rec(Callbacks):
         def on_step(self, step, metrics):
             steps.append(metrics)
+            cpu_marks.append(cpu_s())
 
     cfg = GSPOConfig(
         steps=w.steps,
@@ -60,7 +69,7 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
         hyperparameters=cfg,
         output_dir=str(root / f"out-ours-{engine}"),
     )
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_s()
     train(spec, Rec(), runtime=runtime)
     phases = {k[5:]: [m[k] for m in steps] for k in steps[0] if k.startswith("time/")}
     return {
@@ -70,6 +79,9 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
         "step_s": phases.pop("step"),
         "phases": phases,
         "reward": [m["reward/mean"] for m in steps],
+        # CPU seconds between step ends (step 1's from the start of train(): model and engine start-up included)
+        "step_cpu_s": [b - a for a, b in itertools.pairwise([cpu0, *cpu_marks])],
+        "tokens_sampled": [m["tokens/sampled"] for m in steps],
         "wall_s": time.perf_counter() - t0,
         "peak_rss_mb": peak_rss_mb(),
         # the update leaves zero-advantage rows (tied groups) out of mini-batches 2..k: say how many

@@ -28,9 +28,19 @@ class SamplingSession:
 
     @classmethod
     def create(
-        cls, model_path: str, *, engine: str = "auto", seed: int = 0, max_model_len: int = 2048
+        cls,
+        model_path: str,
+        *,
+        engine: str = "auto",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        max_num_seqs: int | None = None,
+        max_new_tokens: int | None = None,
     ) -> SamplingSession:
-        """An engine over ``model_path``: vLLM where installed (``engine="auto"``), else transformers."""
+        """An engine over ``model_path``: vLLM where installed (``engine="auto"``), else transformers.
+        ``max_num_seqs`` (prompts x samples of the largest call) and ``max_new_tokens`` (the most tokens a call
+        usually samples), where the caller knows them: vLLM on CPU sizes its KV cache and blocks by them, as the
+        job loop's engine does (`gspo_core.rollout.make_engine`); None: vLLM's default cache (gigabytes)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kind = engine_kind(engine)
@@ -49,6 +59,8 @@ class SamplingSession:
             tokenizer=tokenizer,
             seed=seed,
             max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_new_tokens=max_new_tokens,
         )
         return cls(built, tokenizer, model)
 
@@ -56,6 +68,17 @@ class SamplingSession:
         """``n`` continuations of ``prompt_tokens``, each with the sampler's log-prob of every token."""
         if not prompt_tokens:
             raise ValueError("prompt_tokens: empty")
+        return self.sample_many([prompt_tokens], n, params)[0]
+
+    def sample_many(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[SampledSequence]]:
+        """``n`` continuations of each of ``prompts``, in one engine call: what a client's concurrent
+        :meth:`sample` calls (tinker-cookbook's groups) amount to. The engine batches every sequence's decode
+        steps together, as the job loop's rollout does; one prompt per call costs a whole decode loop of
+        engine steps per prompt (docs/bench.md, issue 38)."""
+        if not prompts:
+            raise ValueError("prompts: empty")
+        if empty := [i for i, prompt in enumerate(prompts) if not prompt]:
+            raise ValueError(f"prompts[{empty[0]}]: empty")
         if n < 1 or params.max_tokens < 1:
             raise ValueError("n and params.max_tokens: must be at least 1")
         if params.top_k not in (-1, 0):
@@ -67,11 +90,15 @@ class SamplingSession:
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
+            ignore_eos=params.ignore_eos,
             stop_token_ids=token_stops,  # the engine stops there; stop strings are cut after sampling
         )
         self.engine.wake()
-        completions = self.engine.generate([list(prompt_tokens)], spec)[0]
-        return [self._stopped(c.completion_ids, c.logprobs, c.finish_reason, params.stop) for c in completions]
+        groups = self.engine.generate([list(prompt) for prompt in prompts], spec)
+        return [
+            [self._stopped(c.completion_ids, c.logprobs, c.finish_reason, params.stop) for c in group]
+            for group in groups
+        ]
 
     def _stopped(self, tokens: list[int], logprobs: list[float], reason: str, stop) -> SampledSequence:
         """The sequence cut after its first stop token or stop string (kept), if any."""

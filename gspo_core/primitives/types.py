@@ -84,7 +84,8 @@ class SampledSequence:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample: at most ``max_tokens`` tokens; ``top_k`` -1: no top-k cut; ``stop``: strings or token
-    ids that end a sequence (kept in it, as the sampler produced them)."""
+    ids that end a sequence (kept in it, as the sampler produced them); ``ignore_eos``: the end-of-sequence
+    token does not end one (``max_tokens`` each: fixed-length work, as benchmarks ask)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -92,3 +93,4 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop: list[str] | list[int] | None = None
+    ignore_eos: bool = False

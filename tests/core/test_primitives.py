@@ -263,6 +263,48 @@ def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session,
     sampler.close()
 
 
+def test_ignore_eos_samples_max_tokens_past_the_end_of_sequence(tiny_model_dir):
+    """Without ``ignore_eos`` some of these samples end at EOS; with it every one runs to ``max_tokens`` (the
+    fixed-length work a benchmark compares), its log-probs still one per token."""
+    sampler = SamplingSession.create(str(tiny_model_dir), engine="transformers")
+    try:
+        prompt = sampler.tokenizer("say a:", add_special_tokens=False)["input_ids"]
+        free = sampler.sample(prompt, 16, SamplingParams(max_tokens=48, seed=0))
+        assert any(s.stop_reason == "stop" and len(s.tokens) < 48 for s in free)  # the case under test occurs
+        fixed = sampler.sample(prompt, 16, SamplingParams(max_tokens=48, seed=0, ignore_eos=True))
+        assert all(len(s.tokens) == len(s.logprobs) == 48 and s.stop_reason == "length" for s in fixed)
+    finally:
+        sampler.close()
+
+
+def test_sample_many_samples_every_prompts_group_in_one_engine_call(tiny_model_dir):
+    """Many prompts' groups in one call of the engine (the batching a loop of one call per prompt loses), each
+    group sampled from its own prompt; an empty prompt is refused by its index."""
+    sampler = SamplingSession.create(str(tiny_model_dir), engine="transformers")
+    calls = []
+    generate = sampler.engine.generate
+
+    def counted(prompt_ids, spec):
+        calls.append(len(prompt_ids))
+        return generate(prompt_ids, spec)
+
+    sampler.engine.generate = counted  # the real engine, its calls counted
+    try:
+        prompts = [sampler.tokenizer(f"say {c}:", add_special_tokens=False)["input_ids"] for c in "abc"]
+        groups = sampler.sample_many(prompts, 2, SamplingParams(max_tokens=6, seed=0, ignore_eos=True))
+        assert calls == [3]
+        assert [len(g) for g in groups] == [2, 2, 2]
+        assert all(len(s.tokens) == len(s.logprobs) == 6 for g in groups for s in g)
+        # each group's log-probs are its own prompt's: rescoring prompt + tokens gives them back
+        for prompt, group in zip(prompts, groups, strict=True):
+            scored = sampler.compute_logprobs(prompt + group[0].tokens)[len(prompt) :]
+            torch.testing.assert_close(torch.tensor(scored), torch.tensor(group[0].logprobs), atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match=r"^prompts\[1\]: empty"):
+            sampler.sample_many([prompts[0], []], 2, SamplingParams(max_tokens=3))
+    finally:
+        sampler.close()
+
+
 def _datums(completions, rows, old_NT, adv_N, n_rows):
     """The job loop's rows as Datums: completion positions carry the old log-probs and the advantage as a share
     of the mini-batch's mean (the job loop's loss is a mean over the mini-batch's ``n_rows`` rows)."""
