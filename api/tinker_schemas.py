@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,6 +22,21 @@ class CreateSession(_Body):
 
 class SessionRef(_Body):
     session_id: str = Field(max_length=64)
+
+
+class FinishReason(_Body):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSession(_Body):
+    """`ServiceClient.close` (and leaving its `with` block): how the client's work on the session ended."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"reason": {"type": "success"}, "detail": "training complete"}]}
+    )
+
+    reason: FinishReason
+    detail: str | None = Field(None, max_length=1000)
 
 
 class LoraConfig(_Body):

@@ -3,7 +3,9 @@ sampling requests queued as futures for the session worker, and retrieve_future.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.bodies import StrictJsonRoute
@@ -14,6 +16,7 @@ from api.tinker_schemas import (
     CreateModel,
     CreateSamplingSession,
     CreateSession,
+    FinishSession,
     LoadWeights,
     ModelRef,
     OptimStep,
@@ -63,6 +66,14 @@ def create_session(body: CreateSession, tenant: TinkerTenantDep, s: SessionDep, 
 def session_heartbeat(body: SessionRef, tenant: TinkerTenantDep, s: SessionDep) -> dict:
     svc.heartbeat(s, tenant.id, body.session_id)
     return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish_session(
+    session_id: Annotated[str, Path(max_length=64)], body: FinishSession, tenant: TinkerTenantDep, s: SessionDep
+) -> dict:
+    svc.finish_session(s, tenant.id, session_id, body.reason.type, body.detail)
+    return {"type": "session_finish", "session_id": session_id}
 
 
 @router.post("/create_model")

@@ -164,6 +164,17 @@ def supported_models(settings: Settings) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
 
 
+def finish_session(s: Session, tenant_id: str, session_id: str, reason: str, detail: str | None) -> None:
+    """Close a session as its client asks (`ServiceClient.close`): the first reason stays; finishing again is a
+    no-op, since the SDK retries its call."""
+    row = tinker.owned(s, TinkerSession, session_id, tenant_id)
+    if row is None:
+        raise not_found("session", session_id)
+    if row.status == "active":
+        tinker.close(s, row, f"finished by its client: {reason}" + (f" ({detail})" if detail else ""))
+        s.commit()
+
+
 def heartbeat(s: Session, tenant_id: str, session_id: str) -> None:
     row = session_of(s, tenant_id, session_id)
     row.heartbeat_at = utcnow()
