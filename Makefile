@@ -28,6 +28,10 @@ export TOKENIZERS_PARALLELISM ?= false
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[cpu,dev,bench]'
+	# tinker-cookbook for tests/api/test_tinker_cookbook.py, without its dependencies: it requires tml-renderers
+	# >= 0.4.1, which no index here has, and imports it only for Thinking Machines' own tokenizers (Inkling,
+	# Kimi K3.1-Pro), never for a Hugging Face tokenizer; its other requirements are in the `dev` extra.
+	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
 	# PyPI's torchvision/torchaudio are CUDA builds that break transformers on a CPU torch.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

@@ -91,6 +91,33 @@ def test_futures_wait_in_order_then_answer_the_result(client, app, auth, other_a
     assert _retrieve(client, headers, step_id).json() == {"error": "ValueError: bad", "category": "user"}
 
 
+def test_finish_closes_the_session_and_frees_its_place(client, app, auth, other_auth):
+    """`ServiceClient.close` (the cookbook's loops leave its `with` block): POST /sessions/{id}/finish."""
+    headers = _tml(auth)
+    session_id = _session(client, headers)
+    _session(client, headers)  # the tenant's cap (2) reached
+    model_id, create_id = _model(client, headers, session_id)
+    finish = f"/api/v1/sessions/{session_id}/finish"
+    assert client.post(finish, json={"reason": {"type": "success"}}, headers=_tml(other_auth)).status_code == 404
+    r = client.post(finish, json={"reason": {"type": "finished"}}, headers=headers)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "reason.type"
+
+    r = client.post(finish, json={"reason": {"type": "errored"}, "detail": "boom"}, headers=headers)
+    assert r.status_code == 200, r.text
+    assert _retrieve(client, headers, create_id).json()["error"] == (
+        "session closed: finished by the client (errored): boom"
+    )  # its pending request failed, which the SDK raises
+    r = client.post("/api/v1/session_heartbeat", json={"session_id": session_id}, headers=headers)
+    assert r.status_code == 409 and "errored" in r.json()["error"]["message"]
+    assert client.post("/api/v1/get_info", json={"model_id": model_id}, headers=headers).status_code == 409
+    # the SDK retries its finish: a no-op that keeps the first reason
+    r = client.post(finish, json={"reason": {"type": "success"}, "detail": None}, headers=headers)
+    assert r.status_code == 200
+    r = client.post("/api/v1/session_heartbeat", json={"session_id": session_id}, headers=headers)
+    assert "(errored): boom" in r.json()["error"]["message"]
+    _session(client, headers)  # its place under the cap is free again
+
+
 def test_a_request_lost_with_its_worker_is_a_410(client, app, auth):
     headers = _tml(auth)
     session_id = _session(client, headers)

@@ -1,0 +1,239 @@
+"""tinker-cookbook 0.6.1's own loops, unchanged (`tinker_cookbook.supervised.train.main` and
+`tinker_cookbook.rl.train.main`), for a few steps against a live `gspo api` and session worker on the toy model:
+the SFT loss falls, the RL reward moves, and the checkpoints the loops save are listed by the REST routes and
+their archives load in `transformers`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import string
+import tarfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.api.conftest import api_and_worker
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("tinker_cookbook")  # installed with --no-deps beside `tinker` (docs/tinker.md)
+
+import chz  # noqa: E402
+import tinker  # noqa: E402
+from tinker_cookbook import renderers  # noqa: E402
+from tinker_cookbook.completers import StopCondition  # noqa: E402
+from tinker_cookbook.rl import train as rl_train  # noqa: E402
+from tinker_cookbook.rl.types import (  # noqa: E402
+    Action,
+    ActionExtra,
+    Env,
+    EnvGroupBuilder,
+    Observation,
+    RLDataset,
+    RLDatasetBuilder,
+    StepResult,
+)
+from tinker_cookbook.supervised import train as sl_train  # noqa: E402
+from tinker_cookbook.supervised.data import FromConversationFileBuilder  # noqa: E402
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig  # noqa: E402
+from tinker_cookbook.tokenizer_utils import get_tokenizer, register_tokenizer  # noqa: E402
+
+RENDERER = "role_colon"  # the cookbook's renderer for a tokenizer of no known family (any HF tokenizer)
+PROMPT = "say something in lowercase"
+
+
+@pytest.fixture(scope="module")
+def cookbook_service(tmp_path_factory, tiny_model_dir):
+    """``(url, key)``: `gspo api` + a session worker; the toy model's tokenizer registered as the cookbook's
+    ``toy`` (its own extension point: get_tokenizer would otherwise ask the Hugging Face hub for "toy")."""
+    from transformers import AutoTokenizer
+
+    register_tokenizer("toy", lambda: AutoTokenizer.from_pretrained(tiny_model_dir))
+    tmp = tmp_path_factory.mktemp("cookbook")
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+        "GSPO_WORKER_MODE": "sessions",
+    }
+    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme",)) as (url, keys):
+        yield url, keys[0]
+
+
+@pytest.fixture()
+def cookbook_env(cookbook_service, monkeypatch):
+    """The service's URL, with the key where the cookbook's ServiceClient reads it (TINKER_API_KEY)."""
+    url, key = cookbook_service
+    monkeypatch.setenv("TINKER_API_KEY", f"tml-{key}")
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    return url, key
+
+
+def _metrics(log_path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "step" in r]
+
+
+def _checkpoints(log_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _check_saved_checkpoint(url: str, key: str, sampler_path: str, tmp_path: Path):
+    """The loop's sampler checkpoint is listed by the REST routes and its archive loads in transformers: the
+    loaded model."""
+    from transformers import AutoModelForCausalLM
+
+    run_id, _, name = sampler_path.removeprefix("tinker://").split("/")
+    rest = tinker.RestClient(base_url=url, api_key=f"tml-{key}")
+    assert sampler_path in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+    archive = httpx.get(
+        f"{url}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/{name}/archive",
+        headers={"X-API-Key": f"tml-{key}"},
+        timeout=120,
+    )
+    assert archive.status_code == 200, archive.text
+    out = tmp_path / "archive"
+    with tarfile.open(fileobj=BytesIO(archive.content), mode="r:gz") as tar:
+        tar.extractall(out, filter="data")
+    model_dir = next(p.parent for p in out.rglob("config.json"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.vocab_size == len(get_tokenizer("toy"))
+    return model
+
+
+def test_cookbook_supervised_loop(cookbook_env, tmp_path):
+    url, key = cookbook_env
+    data = tmp_path / "conversations.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"say {x}"}, {"role": "assistant", "content": x * 4}]}
+        for x in "abcdabcdabcdabcd"
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer="toy", renderer_name=RENDERER, max_length=64, batch_size=4
+    )
+    log_path = tmp_path / "sft"
+    config = sl_train.Config(
+        log_path=str(log_path),
+        model_name="toy",
+        recipe_name="gspo_cookbook_test",
+        renderer_name=RENDERER,
+        dataset_builder=FromConversationFileBuilder(common_config=common, file_path=str(data)),
+        learning_rate=1e-2,
+        lr_schedule="constant",
+        num_epochs=2,
+        lora_rank=8,
+        base_url=url,
+        save_every=4,
+        eval_every=0,
+    )
+    asyncio.run(sl_train.main(config))
+
+    nll = [m["train_mean_nll"] for m in _metrics(log_path) if "train_mean_nll" in m]
+    assert len(nll) == 8 and all(math.isfinite(x) for x in nll), nll
+    assert sum(nll[-2:]) < sum(nll[:2]), nll
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final" and final["state_path"].endswith("/weights/final")
+    _check_saved_checkpoint(url, key, final["sampler_path"], tmp_path)
+
+
+class LowercaseEnv(Env):
+    """One turn, rewarded by the share of the reply's characters that are lowercase letters: about a quarter of
+    the toy's random characters at first, a dense signal that a few steps move."""
+
+    def __init__(self, renderer: renderers.Renderer) -> None:
+        self.renderer = renderer
+
+    async def initial_observation(self) -> tuple[Observation, StopCondition]:
+        prompt = self.renderer.build_generation_prompt([{"role": "user", "content": PROMPT}])
+        return prompt, self.renderer.get_stop_sequences()
+
+    async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
+        message, _ = self.renderer.parse_response(action)
+        text = renderers.get_text_content(message)
+        share = sum(ch in string.ascii_lowercase for ch in text) / max(len(text), 1)
+        return StepResult(
+            reward=share,
+            episode_done=True,
+            next_observation=tinker.ModelInput.empty(),
+            next_stop_condition=self.renderer.get_stop_sequences(),
+            metrics={"lowercase_share": share},
+        )
+
+
+@dataclass(frozen=True)
+class LowercaseGroupBuilder(EnvGroupBuilder):
+    group_size: int
+
+    async def make_envs(self) -> Sequence[Env]:
+        renderer = renderers.get_renderer(RENDERER, get_tokenizer("toy"))
+        return [LowercaseEnv(renderer) for _ in range(self.group_size)]
+
+    def logging_tags(self) -> list[str]:
+        return ["lowercase"]
+
+
+class LowercaseDataset(RLDataset):
+    def __init__(self, batches: int, groups: int, group_size: int) -> None:
+        self.batches, self.groups, self.group_size = batches, groups, group_size
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        return [LowercaseGroupBuilder(self.group_size) for _ in range(self.groups)]
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+@chz.chz
+class LowercaseDatasetBuilder(RLDatasetBuilder):
+    batches: int = 4
+    groups: int = 2
+    group_size: int = 8
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        return LowercaseDataset(self.batches, self.groups, self.group_size), None
+
+
+def test_cookbook_rl_loop(cookbook_env, tiny_model_dir, tmp_path):
+    """The RL loop's metrics, its sampler following its trainer, and trained weights. Whether the reward rises
+    is not asserted: 16 one-sample requests a step (the cookbook's rollouts) are what this shared machine allows,
+    and at that size the toy's reward is noise over 4 steps (docs/tinker.md)."""
+    from transformers import AutoModelForCausalLM
+
+    url, key = cookbook_env
+    log_path = tmp_path / "rl"
+    config = rl_train.Config(
+        learning_rate=3e-2,
+        dataset_builder=LowercaseDatasetBuilder(),
+        model_name="toy",
+        recipe_name="gspo_cookbook_test",
+        max_tokens=8,
+        log_path=str(log_path),
+        renderer_name=RENDERER,
+        lora_rank=8,
+        base_url=url,
+        eval_every=0,
+        save_every=2,
+    )
+    asyncio.run(rl_train.main(config))
+
+    rows = [m for m in _metrics(log_path) if "env/all/reward/total" in m]
+    assert len(rows) == 4, rows
+    for m in rows:
+        assert 0 <= m["env/all/reward/total"] <= 1 and m["env/all/reward/total"] == m["env/all/lowercase_share"]
+        assert m["env/all/ac_tokens_per_turn"] > 0
+        # the log-probs our sampler reported are those our trainer computes for the same tokens: the sampler
+        # of each step holds the weights saved at that step
+        assert abs(m["optim/kl_sample_train_v2"]) < 1e-3, m
+    names = [c["name"] for c in _checkpoints(log_path)]
+    assert names == ["000002", "000004", "final"], names  # every 2nd step, and after the last
+    trained = _check_saved_checkpoint(url, key, _checkpoints(log_path)[-1]["sampler_path"], tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, base[k])]
+    assert moved, "the RL loop's optimizer steps left the weights as they were"
