@@ -21,7 +21,7 @@ class Evaluation:
 
     @classmethod
     def of(cls, when: Literal["before", "after"], step: int, prompts: int, metrics: dict[str, float]) -> Evaluation:
-        """The summary of an evaluation's metrics (`gspo_core.trainer.Trainer.evaluate`'s names)."""
+        """The summary of an evaluation's metrics (`gspo_core.gspo_loop.evaluate`'s names)."""
         return cls(
             when,
             step,

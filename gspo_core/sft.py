@@ -15,13 +15,13 @@ import torch
 from gspo_core import loop
 from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
-from gspo_core.config import JobSpec
+from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError, check_sft_row, spec_rows
 from gspo_core.distributed import join_group, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import Policy, autocast_dtype, completion_logprobs, load_policy
-from gspo_core.primitives.core import optimizer_update
+from gspo_core.primitives.core import PolicyState, optimizer_update
 from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
 
 if TYPE_CHECKING:
@@ -224,49 +224,62 @@ class SFTTrainer:
         ids_packed, weights_packed = self._encoded[key]
         return Example(ids_packed.tolist(), list(weights_packed))
 
-    def _nll(self, batch: list[Example]) -> torch.Tensor:
-        """Summed negative log-likelihood of the batch's weighted tokens (token t predicted from tokens < t)."""
-        packed = pack([e.ids[:1] for e in batch], [e.ids[1:] for e in batch], self.policy.pad_id)
-        weight_BT = torch.zeros_like(packed.mask_BT)
-        for row, e in enumerate(batch):
-            weight_BT[row, : len(e.weights) - 1] = torch.tensor(e.weights[1:], dtype=weight_BT.dtype)
-        packed.mask_BT = weight_BT
-        logp_BT = completion_logprobs(self.model, packed.to(self.policy.device), 1.0, self.policy.amp)
-        return -logp_BT.sum()
-
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
-        cfg, policy, start = self.cfg, self.policy, time.perf_counter()
+        """One supervised step (:func:`sft_step`) on step ``step``'s rows; no samples to report."""
+        cfg = self.cfg
         picked = batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)
-        examples = [self.example("train", i) for i in picked]
-        trained = max(1, sum(sum(e.weights[1:]) for e in examples))
-        policy.optimizer.zero_grad(set_to_none=True)
-        nll = 0.0
-        for batch in micro_batches(examples, cfg.micro_batch_tokens):
-            loss = self._nll(batch) / trained  # micro-batches add up to the step's token mean
-            loss.backward()
-            nll += float(loss.detach())
-        lr = policy.optimizer.param_groups[0]["lr"]
-        grad_norm = optimizer_update(policy, cfg.max_grad_norm)
-        self.scheduler.step()
-        tokens = sum(len(e.ids) for e in examples)
-        elapsed = time.perf_counter() - start
-        metrics = {
-            "loss": nll,
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "time/step": elapsed,
-            "step": float(step),
-            "total_steps": float(cfg.steps),
-            "tokens/sampled": 0.0,
-            "tokens/trained": float(tokens),
-            "throughput/tokens_per_s": tokens / max(elapsed, 1e-9),
-        }
-        return metrics, []
+        return sft_step(self.policy, [self.example("train", i) for i in picked], cfg, step), []
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss per trained token over the first ``eval_prompts`` validation rows."""
+        """The held-out evaluation (:func:`sft_evaluate`) on the first ``eval_prompts`` validation rows."""
         examples = [self.example("val", i) for i in range(min(len(self.val_rows), self.cfg.eval_prompts))]
-        trained = max(1, sum(sum(e.weights[1:]) for e in examples))
-        nll = sum(float(self._nll(batch)) for batch in micro_batches(examples, self.cfg.micro_batch_tokens))
-        return {"eval/loss": nll / trained}
+        return sft_evaluate(self.policy, examples, self.cfg)
+
+
+def nll_sum(policy: PolicyState, batch: list[Example]) -> torch.Tensor:
+    """Summed negative log-likelihood of the batch's weighted tokens (token t predicted from tokens < t)."""
+    packed = pack([e.ids[:1] for e in batch], [e.ids[1:] for e in batch], policy.pad_id)
+    weight_BT = torch.zeros_like(packed.mask_BT)
+    for row, e in enumerate(batch):
+        weight_BT[row, : len(e.weights) - 1] = torch.tensor(e.weights[1:], dtype=weight_BT.dtype)
+    packed.mask_BT = weight_BT
+    logp_BT = completion_logprobs(policy.model, packed.to(policy.device), 1.0, policy.amp)
+    return -logp_BT.sum()
+
+
+def sft_step(policy: PolicyState, examples: list[Example], cfg: GSPOConfig, step: int) -> dict[str, float]:
+    """One supervised step: the mean negative log-likelihood over the examples' trained tokens, its gradient
+    a micro-batch at a time, one optimizer update and the LR schedule's step; returns the step's metrics."""
+    start = time.perf_counter()
+    trained = max(1, sum(sum(e.weights[1:]) for e in examples))
+    policy.optimizer.zero_grad(set_to_none=True)
+    nll = 0.0
+    for batch in micro_batches(examples, cfg.micro_batch_tokens):
+        loss = nll_sum(policy, batch) / trained  # micro-batches add up to the step's token mean
+        loss.backward()
+        nll += float(loss.detach())
+    lr = policy.optimizer.param_groups[0]["lr"]
+    grad_norm = optimizer_update(policy, cfg.max_grad_norm)
+    assert policy.scheduler is not None, "a supervised job's policy has its LR schedule"
+    policy.scheduler.step()
+    tokens = sum(len(e.ids) for e in examples)
+    elapsed = time.perf_counter() - start
+    return {
+        "loss": nll,
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "time/step": elapsed,
+        "step": float(step),
+        "total_steps": float(cfg.steps),
+        "tokens/sampled": 0.0,
+        "tokens/trained": float(tokens),
+        "throughput/tokens_per_s": tokens / max(elapsed, 1e-9),
+    }
+
+
+@torch.no_grad()
+def sft_evaluate(policy: PolicyState, examples: list[Example], cfg: GSPOConfig) -> dict[str, float]:
+    """Mean loss per trained token over the held-out ``examples``."""
+    trained = max(1, sum(sum(e.weights[1:]) for e in examples))
+    nll = sum(float(nll_sum(policy, batch)) for batch in micro_batches(examples, cfg.micro_batch_tokens))
+    return {"eval/loss": nll / trained}

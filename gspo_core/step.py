@@ -1,6 +1,6 @@
 """One GSPO step as a one-way pipeline of phases, each taking values and returning values.
 
-`gspo_core.trainer.Trainer.run_step` calls them in this order, each timed as ``time/<phase>``:
+`gspo_core.gspo_loop.gspo_step` calls them in this order, each timed as ``time/<phase>``:
 
 1. ``rollout``: :func:`sample` -- ``P`` prompts, ``G`` completions each: a `Rollout` of ``N = P * G``
    rows, each prompt's group contiguous.
@@ -11,7 +11,7 @@
 4. ``old_logprobs``: :func:`old_logprobs` -- the old policy's log-probs of the rows the update reads:
    `OldLogprobs`.
 5. ``train``: :func:`update` -- ``mini_batches`` optimizer updates: `UpdateResult`, which also says whether
-   the sampler's log-probs failed their check (``old_logprobs=auto``); the trainer keeps that decision.
+   the sampler's log-probs failed their check (``old_logprobs=auto``); the job keeps that decision.
 6. ``weight_sync``: :func:`push_weights` -- the new weights into the rollout engine.
 
 No phase changes what an earlier one returned; the policy's training state (model, optimizer, LR

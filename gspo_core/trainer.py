@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
 from typing import TYPE_CHECKING
 
-import torch
-
-from gspo_core import loop
+from gspo_core import gspo_loop, loop
 from gspo_core import step as phases
 from gspo_core.agents import build_toolbox
 from gspo_core.callbacks import Callbacks
@@ -17,8 +13,6 @@ from gspo_core.data import DataError, check_row_tools, render_prompt
 from gspo_core.distributed import (
     Ranks,
     broadcast,
-    full_weights,
-    gather_state_dict,
     join_group,
     local_device,
     shard,
@@ -31,9 +25,9 @@ from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
-from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
+from gspo_core.schedule import batch_indices, make_optimizer, seed_everything  # noqa: F401  (tests read it here)
 from gspo_core.sft import SFTTrainer
-from gspo_core.stopping import NEVER, StepStopped, StopCheck
+from gspo_core.stopping import NEVER, StopCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,7 +37,8 @@ if TYPE_CHECKING:
 
 
 class Trainer:
-    """Owns the run's objects; :meth:`run_step` calls the phases of :mod:`gspo_core.step` in order.
+    """Owns the run's objects (built, closed); its step and evaluation are `gspo_core.gspo_loop`'s functions over
+    them (:meth:`parts`).
 
     An SPMD program: every rank of the job (torchrun's, or this process alone as a 1-rank group) runs it.
     The policy is sharded over the ranks (FSDP2); rank 0 samples with its engine, scores, and hands the
@@ -183,68 +178,26 @@ class Trainer:
         self.push_weights()
         loop.resumed(self, ckpt_dir)
 
+    def parts(self) -> gspo_loop.GSPORun:
+        """What this rank's step runs against now (the engine as it is: a test may wrap it after start-up)."""
+        return gspo_loop.GSPORun(
+            cfg=self.cfg,
+            policy=self.policy,
+            sharded=self.sharded,
+            tokenizer=self.tokenizer,
+            engine=self.engine,
+            reward_fn=self.reward_fn,
+            agent=self.agent,
+            tool_schemas=self.tool_schemas,
+            engine_shares_weights=self.engine_shares_weights,
+            push_backend=self.push_backend,
+            peer_push=self.peer_push,
+            stop=self.stop,
+        )
+
     def push_weights(self) -> None:
-        """The new weights into rank 0's engine, gathered from every rank's shards (a collective: to rank 0,
-        or to every rank where each sends its copy); nothing to do for an engine that samples with the
-        trainer's own weights."""
-        state = None
-        if not self.engine_shares_weights:
-            from gspo_core.rollout.weight_push import every_rank_sends
-
-            state = gather_state_dict(self.model, everywhere=every_rank_sends(self.push_backend))
-        sink = self.engine or self.peer_push
-        if sink is not None:
-            sink.wake()
-            phases.push_weights(self.model, sink, state)
-
-    def sample(
-        self, rows: list[dict], seed: int, n: int | None = None, logprobs: bool = True, greedy: bool = False
-    ) -> phases.Rollout:
-        """Rank 0 samples ``rows``' prompts with its engine (the whole policy gathered on every rank while it
-        does, when the engine samples with the trainer's weights); every rank gets the rollout. ``greedy``:
-        the most likely completion of each (evaluation)."""
-        rollout: phases.Rollout | StepStopped | None = None
-        prompts = [render_prompt(row, self.tokenizer, self.tool_schemas) for row in rows]
-        gathered = full_weights(self.sharded) if self.engine_shares_weights else contextlib.nullcontext()
-        with gathered:
-            if self.engine is not None:
-                self.engine.wake()
-                try:
-                    rollout = phases.sample(
-                        self.engine,
-                        self.tokenizer,
-                        rows,
-                        prompts,
-                        self.cfg,
-                        seed,
-                        n,
-                        logprobs,
-                        self.agent,
-                        greedy,
-                        self.stop,
-                    )
-                except StepStopped as exc:
-                    rollout = exc
-                finally:
-                    self.engine.sleep()
-        return self._shared(rollout)
-
-    def score(self, rollout: phases.Rollout) -> phases.Scores:
-        """Rank 0 scores the rollout; every rank gets the scores."""
-        scores: phases.Scores | StepStopped | None = None
-        if self.reward_fn is not None:
-            try:
-                scores = phases.score(self.reward_fn, rollout, self.stop)
-            except StepStopped as exc:
-                scores = exc
-        return self._shared(scores)
-
-    def _shared(self, value):
-        """Rank 0's ``value`` on every rank; a stop of rank 0's step (`StepStopped`) is raised on every rank."""
-        value = broadcast(value, self.ranks)
-        if isinstance(value, StepStopped):
-            raise value
-        return value
+        """The current weights into rank 0's engine (`gspo_core.gspo_loop.push_weights`)."""
+        gspo_loop.push_weights(self.parts())
 
     def begin_step(self) -> bool:
         """Whether the run goes on (rank 0's callbacks decide for every rank); if so, the step about to run
@@ -256,48 +209,12 @@ class Trainer:
         return True
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
-        """One GSPO step, its phases in order (each timed as ``time/<phase>``); returns its metrics and
-        sample rows."""
-        cfg, timer = self.cfg, phases.Timer()
-        start = time.perf_counter()
-        mode = phases.old_logprob_mode(cfg, self.sampler_trusted)
-        rows = [self.rows[i] for i in batch_indices(len(self.rows), step, cfg.prompts_per_step, cfg.seed, cfg.shuffle)]
-        with timer.phase("rollout"):
-            rollout = self.sample(
-                rows, seed=cfg.seed * 100_003 + step, logprobs=phases.sampler_logprobs_needed(cfg, step, mode)
-            )
-        with timer.phase("reward"):
-            scores = self.score(rollout)
-        with timer.phase("advantages"):
-            adv_N, adv_metrics = phases.advantages(scores.rewards_N, cfg)
-            generator = torch.Generator().manual_seed(cfg.seed * 7919 + step)
-            plan = phases.plan_minibatches(rollout, adv_N, cfg, generator)
-        with timer.phase("old_logprobs"):
-            old = phases.old_logprobs(self.policy, rollout, plan, cfg, mode)
-        with timer.phase("train"):
-            result = phases.update(self.policy, rollout, old, adv_N, plan, cfg)
-        if result.sampler_rejected:
-            self._stop_trusting_sampler(result.metrics["old_logprobs/sampler_err_max"])
-        with timer.phase("weight_sync"):
-            self.push_weights()
-        timer["time/step"] = time.perf_counter() - start
-        # Not tool results; with the tokens an agent's prefix break took out of a row (sampled all the same).
-        sampled = sum(c.sampled_tokens + c.discarded_tokens for c in rollout.completions)
-        row_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
-        metrics = {
-            **scores.metrics,
-            **adv_metrics,
-            **result.metrics,
-            **phases.completion_metrics(rollout),
-            **timer,
-            "step": float(step),
-            "total_steps": float(cfg.steps),
-        }
-        metrics["throughput/tokens_per_s"] = sampled / max(timer["time/step"], 1e-9)
-        # Usage counts: completion tokens sampled; prompt + completion tokens of the rows the update trained on.
-        metrics["tokens/sampled"] = float(sampled)
-        metrics["tokens/trained"] = float(row_tokens)
-        return metrics, phases.sample_rows(rollout, scores, cfg)
+        """One GSPO step (`gspo_core.gspo_loop.gspo_step`); a failed check of the sampler's log-probs is kept
+        as the job's decision for the later steps."""
+        outcome = gspo_loop.gspo_step(self.parts(), self.rows, step, self.sampler_trusted)
+        if outcome.sampler_rejected_err is not None:
+            self._stop_trusting_sampler(outcome.sampler_rejected_err)
+        return outcome.metrics, outcome.samples
 
     def _stop_trusting_sampler(self, err: float) -> None:
         """``old_logprobs=auto`` failed its check (the sampler does not compute in the trainer's
@@ -310,23 +227,8 @@ class Trainer:
         )
 
     def evaluate(self) -> dict[str, float]:
-        """On the validation prompts (the first ``eval_prompts``): the mean reward of one sampled completion each
-        (``eval/reward/mean``, with a fixed sampling seed so evaluations of different steps are comparable) and
-        of the greedy completion each (``eval/greedy/reward/mean``: greedy accuracy where rewards are 0 or 1),
-        with each grader's mean beside them."""
-        rows = self.val_rows[: self.cfg.eval_prompts]
-        out = {"eval/prompts": float(len(rows))}
-        for prefix, greedy in (("eval", False), ("eval/greedy", True)):
-            rollout = self.sample(rows, seed=self.cfg.seed + 17, n=1, logprobs=False, greedy=greedy)
-            metrics = self.score(rollout).metrics
-            out.update(
-                {
-                    f"{prefix}/{name}": value
-                    for name, value in metrics.items()
-                    if name.startswith("reward/") and name.endswith("/mean")
-                }
-            )
-        return out
+        """The held-out evaluation (`gspo_core.gspo_loop.evaluate`)."""
+        return gspo_loop.evaluate(self.parts(), self.val_rows)
 
     @property
     def tool_schemas(self) -> list[dict] | None:
