@@ -151,6 +151,26 @@ def claim_next(
     return candidate
 
 
+def claim_following(s: Session, first: TinkerRequest, cap: int) -> list[TinkerRequest]:
+    """Up to ``cap`` of the session's pending requests queued next after ``first`` (a running ``sample``) that
+    sample the same sampler, marked running: the worker serves them with ``first`` in one engine call. The
+    session's lease and its running ``first`` keep every other worker off them."""
+    rows = s.scalars(
+        select(TinkerRequest)
+        .where(TinkerRequest.session_id == first.session_id, TinkerRequest.status == "pending")
+        .order_by(TinkerRequest.created_at, TinkerRequest.id)
+        .limit(cap)
+    ).all()
+    taken = []
+    for row in rows:
+        if row.kind != first.kind or row.model_id != first.model_id:
+            break
+        row.status = "running"
+        taken.append(row)
+    s.commit()
+    return taken
+
+
 def renew_lease(s: Session, worker: str, lease_seconds: float) -> None:
     s.execute(
         update(TinkerSession)

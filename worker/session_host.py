@@ -1,4 +1,4 @@
-"""What a session worker holds: each session's training and sampling sessions (gspo_core.primitives), and the
+"""What a session worker holds: each session's training sessions and sampling engines (gspo_core.primitives), and the
 one function per request kind that calls them; every computation is a primitive's."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from gspo_core import primitives as prim
 from store.model_refs import resolve_model
 from store.objects import ObjectStore, put_dir
 from store.settings import Settings
+from worker.session_samplers import SampleCall, SamplerEngines, sample_calls
 
 
 class SessionRequestError(ValueError):
@@ -44,8 +45,12 @@ class SessionHost:
     settings: Settings
     objects: ObjectStore
     trainers: dict[str, prim.TrainingSession] = field(default_factory=dict)
-    samplers: dict[str, prim.SamplingSession] = field(default_factory=dict)
-    owners: dict[str, str] = field(default_factory=dict)  # model or sampler id -> session id
+    owners: dict[str, str] = field(default_factory=dict)  # model id -> session id
+    bases: dict[str, str] = field(default_factory=dict)  # model id -> its base model's directory
+    engines: SamplerEngines = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.engines = SamplerEngines(self.settings.rollout_engine)
 
     def trainer(self, model_id: str) -> prim.TrainingSession:
         trainer = self.trainers.get(model_id)
@@ -62,7 +67,7 @@ class SessionHost:
         seed = int(lora.get("seed") or 0) if lora else 0
         path = resolve_model(self.settings.models_dir, payload["base_model"])
         self.trainers[model_id] = prim.TrainingSession.create(path, lora=spec, seed=seed)
-        self.owners[model_id] = session_id
+        self.owners[model_id], self.bases[model_id] = session_id, path
         return Outcome({"type": "create_model", "model_id": model_id})
 
     def forward_backward(self, model_id: str, payload: dict, backward: bool) -> Outcome:
@@ -95,6 +100,7 @@ class SessionHost:
         else:
             trainer.export_hf(str(directory))
             size = put_dir(self.objects, f"{prefix}/model", directory)
+            self.engines.pushed(self.owners[model_id], self.bases[model_id], str(directory), trainer)
         kind = "save_weights" if payload["kind"] == "training" else "save_weights_for_sampler"
         result = {"type": kind, "path": payload["path"]}
         if payload.get("sampling_session_id"):
@@ -105,30 +111,14 @@ class SessionHost:
         self.trainer(model_id).load_state(payload["directory"], optimizer=bool(payload["optimizer"]))
         return Outcome({"type": "load_weights", "path": payload["path"]})
 
-    def sample(self, session_id: str, sampler_id: str, weights_dir: str, payload: dict) -> Outcome:
-        sampler = self.samplers.get(sampler_id)
-        if sampler is None:
-            engine = self.settings.rollout_engine
-            sampler = self.samplers[sampler_id] = prim.SamplingSession.create(weights_dir, engine=engine)
-            self.owners[sampler_id] = session_id
-        params = payload["params"]
-        stop = params.get("stop")
-        sampling = prim.SamplingParams(
-            max_tokens=int(params.get("max_tokens") or 16),
-            temperature=float(params["temperature"]),
-            top_p=float(params["top_p"]),
-            top_k=int(params["top_k"]),
-            seed=params.get("seed"),
-            stop=[stop] if isinstance(stop, str) else stop,
-        )
-        tokens = payload["tokens"]
-        seqs = sampler.sample(tokens, int(payload["n"]), sampling)
-        result: dict[str, Any] = {
-            "sequences": [{"tokens": q.tokens, "logprobs": q.logprobs, "stop_reason": q.stop_reason} for q in seqs]
-        }
-        if payload.get("prompt_logprobs"):
-            result["prompt_logprobs"] = sampler.compute_logprobs(tokens)
-        return Outcome(result, sampled=sum(len(q.tokens) for q in seqs))
+    def sample(self, session_id: str, base: str, weights_dir: str, payloads: list[dict]) -> list[Outcome]:
+        """Queued ``asample`` requests of one sampler, in one engine call where their parameters agree; the
+        session's engine for ``base`` takes the sampler's weights first if it holds others."""
+        calls = [SampleCall.of(payload) for payload in payloads]
+        seqs = sum(call.n for call in calls)
+        sampler = self.engines.engine(session_id, base, weights_dir, seqs, max(c.params.max_tokens for c in calls))
+        results = sample_calls(sampler, calls)
+        return [Outcome(r, sampled=sum(len(q["tokens"]) for q in r["sequences"])) for r in results]
 
     def unload(self, model_id: str) -> Outcome:
         self._drop(model_id)
@@ -138,16 +128,18 @@ class SessionHost:
         """Free every model of a session (closed, idle or lost)."""
         for model_id in [m for m, owner in self.owners.items() if owner == session_id]:
             self._drop(model_id)
+        self.engines.release(session_id)
 
     def _drop(self, model_id: str) -> None:
+        """Free a training model (a sampler id holds nothing of its own: its session's engine stays)."""
         self.owners.pop(model_id, None)
-        for table in (self.trainers, self.samplers):
-            held = table.pop(model_id, None)
-            if held is not None:
-                held.close()
+        self.bases.pop(model_id, None)
+        held = self.trainers.pop(model_id, None)
+        if held is not None:
+            held.close()
 
     def sessions(self) -> set[str]:
-        return set(self.owners.values())
+        return set(self.owners.values()) | self.engines.sessions()
 
 
 def _datum(index: int, row: dict) -> prim.Datum:

@@ -22,6 +22,8 @@ from worker.session_host import Outcome, SessionHost, SessionRequestError
 log = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.05
 HOUSEKEEPING_SECONDS = 2.0
+#: The most queued ``asample`` requests of one sampler served in one engine call (a cookbook step's group).
+SAMPLE_BATCH_CAP = 64
 
 
 def run_request(host: SessionHost, db: Database, request: TinkerRequest) -> Outcome:
@@ -45,22 +47,32 @@ def run_request(host: SessionHost, db: Database, request: TinkerRequest) -> Outc
     if request.kind == "unload":
         return host.unload(model_id)
     if request.kind == "sample":
-        return host.sample(request.session_id, model_id, _sampler_weights(host, db, request), payload)
+        return run_samples(host, db, [request])[0]
     raise SessionRequestError(f"unknown request kind {request.kind!r}")
 
 
-def _sampler_weights(host: SessionHost, db: Database, request: TinkerRequest) -> str:
-    """The directory a sampler loads: its sampler checkpoint's export, or the base model."""
+def run_samples(host: SessionHost, db: Database, requests: list[TinkerRequest]) -> list[Outcome]:
+    """``asample`` requests of one sampler (queued one after another), served together."""
+    base, weights = _sampler_weights(host, db, requests[0])
+    first = requests[0]
+    log.info("sample batch of %d for sampler %s (session %s)", len(requests), first.model_id, first.session_id)
+    return host.sample(requests[0].session_id, base, weights, [request.payload for request in requests])
+
+
+def _sampler_weights(host: SessionHost, db: Database, request: TinkerRequest) -> tuple[str, str]:
+    """A sampler's base model directory, and the directory of its weights: its sampler checkpoint's export, or
+    the base model."""
     with db.read_session() as s:
         sampler = s.get(TinkerModel, request.model_id)
         assert sampler is not None
+        base = resolve_model(host.settings.models_dir, sampler.base_model)
         if sampler.model_path is None:
-            return resolve_model(host.settings.models_dir, sampler.base_model)
+            return base, base
         run_id, _, name = sampler.model_path.removeprefix("tinker://").split("/")
         ckpt = tinker.find_checkpoint(s, request.tenant_id, run_id, "sampler", name)
         if ckpt is None:
             raise SessionRequestError(f"no sampler weights at {sampler.model_path}")
-        return ckpt.directory
+        return base, ckpt.directory
 
 
 def _over_budget(db: Database, policy: QueuePolicy, request: TinkerRequest) -> bool:
@@ -73,25 +85,53 @@ def _over_budget(db: Database, policy: QueuePolicy, request: TinkerRequest) -> b
         return b.exhausted
 
 
-def _execute(host: SessionHost, db: Database, policy: QueuePolicy, request: TinkerRequest, name: str) -> None:
-    if _over_budget(db, policy, request):
+def _execute(host: SessionHost, db: Database, policy: QueuePolicy, requests: list[TinkerRequest], name: str) -> None:
+    """Run one request, or a batch of one sampler's ``asample`` requests (one engine call; each its own result,
+    and its share of the wall time as usage). A batch a request's fault fails is run again one by one, so
+    only that request fails."""
+    requests = [request for request in requests if not _over_budget(db, policy, request)]
+    if not requests:
         return
     started = time.monotonic()
     try:
-        outcome = run_request(host, db, request)
+        outcomes = run_samples(host, db, requests) if len(requests) > 1 else [run_request(host, db, requests[0])]
     except (SessionRequestError, ValueError, KeyError) as exc:
-        log.info("request %s (%s) refused: %s", request.id, request.kind, exc)
-        with db.session() as s:
-            tinker.finish(s, request.id, None, f"{type(exc).__name__}: {exc}", "user")
+        if len(requests) > 1:
+            for request in requests:
+                _execute(host, db, policy, [request], name)
+            return
+        log.info("request %s (%s) refused: %s", requests[0].id, requests[0].kind, exc)
+        _fail(db, requests, f"{type(exc).__name__}: {exc}", "user")
         return
-    except Exception as exc:  # a fault of ours: the request fails, the worker serves on
-        log.exception("request %s (%s) failed", request.id, request.kind)
-        with db.session() as s:
-            tinker.finish(s, request.id, None, f"{type(exc).__name__}: {exc}", "server")
+    except Exception as exc:  # a fault of ours: the requests fail, the worker serves on
+        log.exception("request %s (%s) failed", requests[0].id, requests[0].kind)
+        _fail(db, requests, f"{type(exc).__name__}: {exc}", "server")
         return
+    share = (time.monotonic() - started) / len(requests)
     with db.session() as s:
-        tinker.add_usage(s, policy, request, name, time.monotonic() - started, outcome.sampled, outcome.trained)
-        tinker.finish(s, request.id, outcome.result)
+        for request, outcome in zip(requests, outcomes, strict=True):
+            tinker.add_usage(s, policy, request, name, share, outcome.sampled, outcome.trained)
+            tinker.finish(s, request.id, outcome.result)
+
+
+def _fail(db: Database, requests: list[TinkerRequest], error: str, category: str) -> None:
+    with db.session() as s:
+        for request in requests:
+            tinker.finish(s, request.id, None, error, category)
+
+
+def _claim(db: Database, settings: Settings, policy: QueuePolicy, name: str) -> list[TinkerRequest]:
+    """The next request in the fair order, with the same sampler's ``asample`` requests queued right after it."""
+    with db.session() as s:
+        request = tinker.claim_next(s, name, settings.lease_seconds, policy)
+        if request is None:
+            return []
+        batch = [request]
+        if request.kind == "sample":
+            batch += tinker.claim_following(s, request, SAMPLE_BATCH_CAP - 1)
+        for row in batch:
+            s.expunge(row)
+        return batch
 
 
 def _housekeeping(host: SessionHost, db: Database, settings: Settings, name: str) -> None:
@@ -118,14 +158,11 @@ def serve(settings: Settings, stop: threading.Event, name: str | None = None) ->
             if time.monotonic() - last_housekeeping > HOUSEKEEPING_SECONDS:
                 _housekeeping(host, db, settings, name)
                 last_housekeeping = time.monotonic()
-            with db.session() as s:
-                request = tinker.claim_next(s, name, settings.lease_seconds, policy)
-                if request is not None:
-                    s.expunge(request)
-            if request is None:
+            batch = _claim(db, settings, policy, name)
+            if not batch:
                 stop.wait(IDLE_POLL_SECONDS)
                 continue
-            _execute(host, db, policy, request, name)
+            _execute(host, db, policy, batch, name)
     finally:
         for session_id in sorted(host.sessions()):
             host.release(session_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -151,6 +152,27 @@ class SamplingSession:
 
         self.engine.wake()
         push_weights(policy.model, self.engine, state)
+
+    def load_weights(self, model_dir: str) -> None:
+        """The weights of a Hugging Face export (``model_dir``'s ``*.safetensors``, as ``TrainingSession.export_hf``
+        writes them) into this engine, as :meth:`take_weights` pushes a live model's: no new engine."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model_dir: no *.safetensors in {model_dir}")
+        weights = {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
+        if self.model is None:
+            self.engine.wake()
+            self.engine.load_weights(weights.items())
+            return
+        # Tied parameters appear once in named_parameters and once in the export: only they may be absent.
+        needed = {name for name, _ in self.model.named_parameters()}
+        if missing := sorted(needed - set(weights)):
+            raise ValueError(f"model_dir: {model_dir} lacks {missing[:3]}")
+        loaded = self.model.load_state_dict({k: v.to(self.model.device) for k, v in weights.items()}, strict=False)
+        if loaded.unexpected_keys:
+            raise ValueError(f"model_dir: {model_dir} has unknown tensors {loaded.unexpected_keys[:3]}")
 
     def close(self) -> None:
         """Release the engine."""

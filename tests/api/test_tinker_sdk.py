@@ -36,6 +36,7 @@ def tinker_service(tmp_path_factory, tiny_model_dir):
         "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
         "GSPO_TENANT_DEVICE_HOURS_PER_PERIOD": str(BUDGET_H),
         "TINKER_TELEMETRY": "0",
+        "GSPO_LOG_LEVEL": "INFO",  # the worker logs its sampling engines' starts and its sample batches
     }
     with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme", "globex", "initech", "umbrella")) as (url, keys):
         yield url, keys, tmp
@@ -139,6 +140,54 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service, sdk):
         sdk(keys[1]).create_sampling_client(model_path=sampler_path).result()
     rest.delete_checkpoint(run_id, "sampler_weights/s4").result()
     assert sampler_path not in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+
+
+def _forward_logprobs(training, tokens: list[int]) -> list[float]:
+    """The training model's log-prob of each token of ``tokens`` after the first."""
+    return training.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def _worker_log(tmp, session_id: str, what: str) -> list[str]:
+    return [line for line in (tmp / "worker.log").read_text().splitlines() if what in line and session_id in line]
+
+
+def test_samplers_share_one_engine_batch_concurrent_samples_and_keep_their_weights(tinker_service, sdk):
+    _, keys, tmp = tinker_service
+    service = sdk(keys[0])
+    training = service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()
+    session_id = training.model_id.split(":")[0]
+    probe = [*PROMPT, 11, 12, 13]
+    step = lambda: training.optim_step(types.AdamParams(learning_rate=5e-2)).result()  # noqa: E731
+    training.forward_backward([_datum(probe)], "cross_entropy").result()
+    step()
+    sampler_a = service.create_sampling_client(model_path=training.save_weights_for_sampler("a").result().path).result()
+    params = types.SamplingParams(max_tokens=4, temperature=1.0)
+    prompts = [[5 + i, 6 + i, 7 + i] for i in range(6)]
+    futures = [sampler_a.sample(types.ModelInput.from_ints(p), num_samples=2, sampling_params=params) for p in prompts]
+    for prompt, future in zip(prompts, futures, strict=True):  # each future has its own prompt's continuations
+        sequences = future.result().sequences
+        assert len(sequences) == 2
+        for seq in sequences:
+            expected = _forward_logprobs(training, [*prompt, *seq.tokens])[len(prompt) - 1 :]
+            assert seq.logprobs == pytest.approx(expected, abs=2e-3)
+    weights_a = _forward_logprobs(training, probe)
+
+    training.forward_backward([_datum(probe)], "cross_entropy").result()
+    step()
+    sampler_b = service.create_sampling_client(model_path=training.save_weights_for_sampler("b").result().path).result()
+    weights_b = _forward_logprobs(training, probe)
+    assert weights_b != pytest.approx(weights_a, abs=1e-3)
+    # the older sampler after the newer push samples with its own weights, then the newer with its own
+    for sampler, weights in ((sampler_b, weights_b), (sampler_a, weights_a), (sampler_b, weights_b)):
+        assert sampler.compute_logprobs(types.ModelInput.from_ints(probe)).result()[1:] == pytest.approx(
+            weights, abs=2e-3
+        )
+    assert len(_worker_log(tmp, session_id, "sampling engine")) >= 2  # the older sampler's weights read back
+    assert len(_worker_log(tmp, session_id, "started for session")) == 1  # one engine for both samplers
+    batches = [
+        int(line.split("sample batch of ")[1].split()[0]) for line in _worker_log(tmp, session_id, "sample batch of")
+    ]
+    assert sum(batches) >= len(prompts) and max(batches) > 1, batches
 
 
 def test_bad_requests_raise_the_sdks_exceptions(tinker_service, sdk):

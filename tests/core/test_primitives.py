@@ -231,7 +231,7 @@ def test_lora_session_trains_only_its_adapter(tiny_model_dir, tmp_path):
         TrainingSession.create(str(tiny_model_dir), lora=LoraSpec(rank=0), device="cpu")
 
 
-def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session, tiny_model_dir):
+def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session, tiny_model_dir, tmp_path):
     sampler = SamplingSession.create(str(tiny_model_dir), engine="transformers")
     prompt = session.tokenizer("say a:", add_special_tokens=False)["input_ids"]
     seqs = sampler.sample(prompt, 3, SamplingParams(max_tokens=5, seed=0))
@@ -252,6 +252,7 @@ def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session,
     torch.testing.assert_close(torch.tensor(scored[len(prompt) :]), torch.tensor(seqs[0].logprobs), atol=1e-5, rtol=0)
     # after a training step, take_weights makes the sampler score by the new weights
     datum = Datum(tokens=tokens[:-1], target_tokens=tokens[1:], weights=[1.0] * (len(tokens) - 1))
+    session.export_hf(str(tmp_path / "before"))
     session.forward_backward([datum], "cross_entropy")
     session.optim_step(AdamParams(learning_rate=5e-2))
     trained = session.forward([datum], "cross_entropy").logprobs[0]
@@ -259,6 +260,11 @@ def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session,
     sampler.take_weights(session)
     torch.testing.assert_close(
         torch.tensor(sampler.compute_logprobs(tokens)[1:]), torch.tensor(trained), atol=1e-5, rtol=0
+    )
+    # load_weights: an export's weights back into the same engine (an older sampler's, in a session worker)
+    sampler.load_weights(str(tmp_path / "before"))
+    torch.testing.assert_close(
+        torch.tensor(sampler.compute_logprobs(tokens)[1:]), torch.tensor(scored[1:]), atol=1e-5, rtol=0
     )
     sampler.close()
 
@@ -403,7 +409,7 @@ def test_two_ranks_follow_rank_zero_to_the_weights_of_one(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.vllm
-def test_vllm_sampling_session_scores_as_the_trainer_and_takes_its_weights(session, tiny_model_dir):
+def test_vllm_sampling_session_scores_as_the_trainer_and_takes_its_weights(session, tiny_model_dir, tmp_path):
     pytest.importorskip("vllm")
     sampler = SamplingSession.create(str(tiny_model_dir), engine="vllm", max_model_len=64)
     try:
@@ -419,12 +425,17 @@ def test_vllm_sampling_session_scores_as_the_trainer_and_takes_its_weights(sessi
         torch.testing.assert_close(
             torch.tensor(seqs[0].logprobs), torch.tensor(trainer_logprobs[len(prompt) - 1 :]), atol=1e-4, rtol=0
         )
+        session.export_hf(str(tmp_path / "before"))
         session.forward_backward([datum], "cross_entropy")
         session.optim_step(AdamParams(learning_rate=5e-2))
         trained = session.forward([datum], "cross_entropy").logprobs[0]
         sampler.take_weights(session)  # the push: vLLM's weight-transfer API, no disk
         torch.testing.assert_close(
             torch.tensor(sampler.compute_logprobs(tokens)[1:]), torch.tensor(trained), atol=1e-4, rtol=0
+        )
+        sampler.load_weights(str(tmp_path / "before"))  # an export back into the same engine
+        torch.testing.assert_close(
+            torch.tensor(sampler.compute_logprobs(tokens)[1:]), torch.tensor(scored[1:]), atol=1e-4, rtol=0
         )
     finally:
         sampler.close()
