@@ -128,7 +128,7 @@ def plot(runs: list[dict], path: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.real_model", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="a Hugging Face model directory, or `smollm2` (bench.smollm2)")
-    p.add_argument("--tasks", default="chain_sum,leg_counting", help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--tasks", default="basic_arithmetic,letter_counting", help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--seeds", default="0", help="comma list of trainer seeds (sampling, data order)")
     p.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma list of {', '.join(TRAINERS)}")
     p.add_argument("--steps", type=int, default=20)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ TASKS: dict[str, dict] = {
         "min_terms": 2,
         "max_terms": 2,
         "max_digits": 2,
-        "operators": ["+", "-"],
+        "operators": ["+"],
         "allow_parentheses": False,
         "allow_negation": False,
     },
@@ -35,26 +34,16 @@ OURS_LOSSES = {
     "ours-grpo": {"loss": "grpo", "clip_eps_low": 0.2, "clip_eps_high": 0.2},
 }
 TRAINERS = (*OURS_LOSSES, "trl")
-#: The bench's system prompt: the environment's default (bare ``<answer>`` tags) plus one worked example, the
-#: shape a 135M instruct model copies more readily than an instruction alone (docs/bench.md, the probe).
-SYSTEM_PROMPT = (
-    "Solve the problem. Give only the final answer between <answer> and </answer> tags.\n"
-    "Example:\nQuestion: What is 3 + 4?\nAnswer: <answer>7</answer>"
-)
-#: The training reward: the task's own score, plus a small one for answering inside ``<answer>`` tags. The
-#: untrained model answers in prose ("The final answer is 81."), which the tasks' exact scorers give 0.01, so
-#: nearly every group of the task score alone ties (zero advantage, nothing to learn); the format term splits
-#: them and teaches the tags, after which the task score is what differs (docs/bench.md, the probe).
-FORMAT_PATTERN = r"\s*<answer>[^<]+</answer>\s*"
-FORMAT_WEIGHT = 0.2
-REWARD = {
-    "type": "multi",
-    "graders": {
-        "answer": {"type": "reasoning_gym"},
-        "format": {"type": "regex", "pattern": FORMAT_PATTERN, "mode": "fullmatch"},
-    },
-    "calculate_output": f"{1 - FORMAT_WEIGHT} * answer + {FORMAT_WEIGHT} * format",
-}
+#: The bench's system prompt: none, the question alone (the model's chat template adds its own default system
+#: message). A worked one-shot example taught the policy to answer the example's own number everywhere, and an
+#: ``<answer>``-tag instruction is ignored by this model (docs/bench.md, the probes).
+SYSTEM_PROMPT: str | None = None
+#: How the answer is read: the last ``<answer>`` tags, else the last number in the text. The model answers in
+#: prose ("So, 19 + 49 = 68."), which the tasks' exact scorers give 0.01 as a whole line; read as a number, a
+#: correct answer scores 1 and groups split on correctness from step 1 (docs/bench.md, the probes).
+EXTRACT = "number"
+#: The training reward: the task's own ``score_answer`` of that answer, nothing else (no format term to hack).
+REWARD = {"type": "reasoning_gym", "extract": EXTRACT}
 
 
 @dataclass(frozen=True)
@@ -106,18 +95,13 @@ def rows(w: RealWorkload) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
-def task_score(text: str, item: dict) -> float:
-    """What the ``reasoning_gym`` grader computes for a completion (its functions: the answer read as
-    ``extract: auto`` does, scored by the item's task's own ``score_answer``): the held-out accuracy's unit."""
+def reward(text: str, item: dict) -> float:
+    """What :data:`REWARD` computes for a completion (TRL's reward function; ours runs the grader spec): the
+    answer read as ``extract`` says, scored by the item's task's own ``score_answer``; also the held-out
+    accuracy's unit."""
     from gspo_core.environments.reasoning_gym import extract_answer, score
 
-    return score(extract_answer(text, "auto"), item)
-
-
-def reward(text: str, item: dict) -> float:
-    """What :data:`REWARD` computes for a completion (TRL's reward function; ours runs the grader spec)."""
-    fmt = 1.0 if re.fullmatch(FORMAT_PATTERN, text) else 0.0
-    return (1 - FORMAT_WEIGHT) * task_score(text, item) + FORMAT_WEIGHT * fmt
+    return score(extract_answer(text, EXTRACT), item)
 
 
 def greedy_accuracy(model_dir: str | Path, held_out: list[dict], tokens: int, batch: int = 16) -> dict:
@@ -137,7 +121,7 @@ def greedy_accuracy(model_dir: str | Path, held_out: list[dict], tokens: int, ba
         with torch.no_grad():
             out_BT = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         texts += tok.batch_decode(out_BT[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    scores = [task_score(text, row) for text, row in zip(texts, held_out, strict=True)]
+    scores = [reward(text, row) for text, row in zip(texts, held_out, strict=True)]
     return {
         "accuracy": sum(scores) / max(len(scores), 1),
         "items": len(scores),

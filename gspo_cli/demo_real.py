@@ -15,21 +15,21 @@ import gspo_cli
 
 MODEL = "SmolLM2-135M-Instruct"
 #: The demo's task, system prompt and reward as bench/real_model.py runs them (bench.real_trainers: TASKS,
-#: SYSTEM_PROMPT, REWARD; copied, since an installed CLI has no bench/): the task's own score plus 0.2 for the
-#: ``<answer>`` tags, without which nearly every group of the untrained model ties (docs/bench.md).
-TASK = {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "max_digits": 2}}
-SYSTEM_PROMPT = (
-    "Solve the problem. Give only the final answer between <answer> and </answer> tags.\n"
-    "Example:\nQuestion: What is 3 + 4?\nAnswer: <answer>7</answer>"
-)
-REWARD = {
-    "type": "multi",
-    "graders": {
-        "answer": {"type": "reasoning_gym"},
-        "format": {"type": "regex", "pattern": r"\s*<answer>[^<]+</answer>\s*", "mode": "fullmatch"},
+#: SYSTEM_PROMPT, REWARD; copied, since an installed CLI has no bench/): two-digit sums, the question alone, and
+#: the task's own score of the answer read as a number (docs/bench.md: 0.06 -> 0.56 held-out in 7 steps).
+TASK = {
+    "name": "basic_arithmetic",
+    "config": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "max_digits": 2,
+        "operators": ["+"],
+        "allow_parentheses": False,
+        "allow_negation": False,
     },
-    "calculate_output": "0.8 * answer + 0.2 * format",
 }
+SYSTEM_PROMPT: str | None = None
+REWARD = {"type": "reasoning_gym", "extract": "number"}
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -78,9 +78,8 @@ def _watch(client, job_id: str, total: int) -> None:
                 bar.write(f"[{event}] {data['message']}")
 
 
-#: The held-out greedy mean of the task's own score alone (the ``answer`` grader of :data:`REWARD`): the
-#: accuracy, where the job's ``greedy_reward`` also counts the format term.
-ANSWER_METRIC = "eval/greedy/reward/answer/mean"
+#: The held-out greedy mean of the task's own score (:data:`REWARD`, 0 or 1 an item): the accuracy.
+ANSWER_METRIC = "eval/greedy/reward/mean"
 
 
 def _accuracy(points: list[dict], step: int | None) -> str:

@@ -24,6 +24,8 @@ HELD_OUT_TRIES = 4
 #: Config fields the environment sets itself, not the task's config.
 OWN_FIELDS = ("seed", "size")
 _ANSWER = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+#: A number as a weak model writes it in prose: sign, thousands separators, decimals ("-1,234.5").
+_NUMBER = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?")
 
 
 def _library() -> ModuleType:
@@ -180,7 +182,8 @@ def rows(env: ReasoningGymEnvironment) -> tuple[list[dict], list[dict]]:
 
 def extract_answer(text: str, mode: str = "auto") -> str | None:
     """The answer in a completion: ``answer_tag`` the last ``<answer>...</answer>`` (None without one, as
-    reasoning-gym's own ``extract_answer``); ``auto`` that, else the last non-empty line; ``none`` the text."""
+    reasoning-gym's own ``extract_answer``); ``auto`` that, else the last non-empty line; ``number`` the tags,
+    else the last number in the text ("17 + 25 = 42." -> "42"); ``none`` the text."""
     if mode == "none":
         return text.strip()
     tagged = _ANSWER.findall(text)
@@ -188,6 +191,9 @@ def extract_answer(text: str, mode: str = "auto") -> str | None:
         return tagged[-1].strip()
     if mode == "answer_tag":
         return None
+    if mode == "number":
+        numbers = _NUMBER.findall(text)
+        return numbers[-1].replace(",", "") if numbers else None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else None
 

@@ -7,7 +7,7 @@ from gspo_core.rewards.policy import DEFAULT_POLICY
 from gspo_core.rewards.pool import Killable
 
 #: How the answer is read from the completion (`gspo_core.environments.reasoning_gym.extract_answer`).
-EXTRACT_MODES = ("auto", "answer_tag", "none")
+EXTRACT_MODES = ("auto", "answer_tag", "number", "none")
 
 
 @register("reasoning_gym")
@@ -15,7 +15,8 @@ class ReasoningGymGrader(Killable):
     """Scores ``input`` (default the completion) with the scorer of the item's ``task`` (reasoning-gym's own
     ``score_answer``, built with the item's ``task_config``), reading the answer as ``extract`` says: ``auto``
     the last ``<answer>`` tags, else the last non-empty line; ``answer_tag`` only tags (none: no answer, 0);
-    ``none`` the whole text. Killable: a task's scorer is third-party code (some run sympy)."""
+    ``number`` the tags, else the last number in the text; ``none`` the whole text. Killable: a task's scorer
+    is third-party code (some run sympy)."""
 
     def __init__(self, spec, path, policy=DEFAULT_POLICY):
         super().__init__(spec, path, policy)

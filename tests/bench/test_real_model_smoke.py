@@ -37,17 +37,16 @@ def test_real_model_bench_runs_ours_gspo_grpo_and_trl(tmp_path, tiny_model_dir):
 
 def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
     """TRL's reward function (bench.real_trainers.reward, Python) and ours (the REWARD grader spec, run by the
-    graders) give every completion the same reward: the task's score and the format term, weighted alike."""
-    from bench.real_trainers import REWARD, SYSTEM_PROMPT, TASKS, RealWorkload, reward, rows
+    graders) give every completion the same reward: the task's own score of the answer read as a number."""
+    from bench.real_trainers import REWARD, TASKS, RealWorkload, reward, rows
     from gspo_core.rewards import build_reward
 
-    w = RealWorkload(model_dir="unused", task="chain_sum", config=TASKS["chain_sum"], size=4, eval_prompts=0)
-    item = rows(w)[0][0]
-    assert item["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
-    right = item["answer"]
-    texts = [f"<answer>{right}</answer>", right, f"The answer is {right}.", "<answer>no</answer>", ""]
-    # what leg_counting's policy collapsed to under a `search` pattern: the system prompt, tags and all
-    texts += ["<answer></answer>", "Solve the problem. Give only the final answer between <answer> and </answer> tags."]
+    w = RealWorkload(model_dir="unused", task="basic_arithmetic", config=TASKS["basic_arithmetic"], size=4)
+    item = rows(RealWorkload(**{**w.__dict__, "eval_prompts": 0}))[0][0]
+    assert [m["role"] for m in item["messages"]] == ["user"], "the question alone: no system prompt to copy"
+    right, wrong = item["answer"], str(int(item["answer"]) + 1)
+    texts = [f"<answer>{right}</answer>", right, f"So, the sum is {right}.", f"It is {right}, no, {wrong}."]
+    texts += [f"<answer>{wrong}</answer> though {right}", "no number here", ""]
     fn = build_reward(REWARD)
     try:
         ours = [g.reward for g in fn.score_batch([item] * len(texts), [{"output_text": t} for t in texts])]
@@ -55,8 +54,8 @@ def test_the_bench_rewards_trl_as_our_grader_spec_rewards_ours():
         fn.close()
     trl = [reward(t, item) for t in texts]
     assert ours == pytest.approx(trl)
-    assert trl[0] == pytest.approx(1.0) and trl[1] == pytest.approx(0.8) and trl[3] < 0.3 and trl[4] == 0.0
-    assert trl[-1] < 0.2, "quoting the instruction's tags is not answering in them"
+    assert trl[:3] == [1.0, 1.0, 1.0], "a correct answer scores 1 in tags, bare or at the end of prose"
+    assert trl[3:] == [0.0] * 4, "the last number counts, tags before prose, no number is no answer"
 
 
 def test_the_bench_refuses_a_task_config_whose_held_out_split_comes_out_short():

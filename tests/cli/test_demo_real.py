@@ -33,12 +33,12 @@ def test_the_real_demo_runs_the_benchmarks_task_prompt_and_reward():
     from bench.real_trainers import REWARD, SYSTEM_PROMPT, TASKS
     from gspo_cli import demo_real
 
-    assert {"name": "chain_sum", "config": TASKS["chain_sum"]} == demo_real.TASK
+    assert {"name": "basic_arithmetic", "config": TASKS["basic_arithmetic"]} == demo_real.TASK
     assert demo_real.SYSTEM_PROMPT == SYSTEM_PROMPT and demo_real.REWARD == REWARD
     points = [
-        {"step": 0, "metrics": {"eval/greedy/reward/mean": 0.2, demo_real.ANSWER_METRIC: 0.05}},
+        {"step": 0, "metrics": {"eval/reward/mean": 0.2, demo_real.ANSWER_METRIC: 0.05}},
         {"step": 1, "metrics": {"reward/mean": 0.4}},
-        {"step": 2, "metrics": {"eval/greedy/reward/mean": 0.6, demo_real.ANSWER_METRIC: 0.375}},
+        {"step": 2, "metrics": {"eval/reward/mean": 0.6, demo_real.ANSWER_METRIC: 0.375}},
     ]
     assert (demo_real._accuracy(points, 0), demo_real._accuracy(points, None)) == ("0.050", "0.375")
     assert demo_real._accuracy(points[1:2], 0) == "?"

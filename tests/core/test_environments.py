@@ -141,6 +141,11 @@ def test_the_grader_extracts_the_answer_and_scores_it_inside_multi():
     assert rg.extract_answer("x\n<answer> 4 </answer>\ny", "answer_tag") == "4"
     assert rg.extract_answer("no tags\n 5 \n", "answer_tag") is None
     assert rg.extract_answer("no tags\n 5 \n") == "5"
+    # `number`: the tags first, else the last number as prose writes it; none at all: no answer
+    assert rg.extract_answer("17 + 25 = 42.", "number") == "42"
+    assert rg.extract_answer("The legs total -1,234.5 here", "number") == "-1234.5"
+    assert rg.extract_answer("It is 3, or <answer>4</answer> then 9", "number") == "4"
+    assert rg.extract_answer("no digits", "number") is None
 
 
 @pytest.mark.parametrize(
