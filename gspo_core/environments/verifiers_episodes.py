@@ -159,7 +159,7 @@ class VerifiersRunner:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.close()  # end of input: the runner exits
-                self.proc.wait(10)
+                self.proc.wait(30)  # its interpreter's shutdown took over 10 s on a loaded 2-core machine
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
