@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=2, help="optimizer updates per step")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument(
-        "--micro-batch-tokens", type=int, default=1024, help="ours: tokens per forward + backward (0: a mini-batch)"
+        "--micro-batch-tokens", type=int, default=512, help="ours: tokens per forward + backward (0: a mini-batch)"
     )
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out items (the same for every run)")
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")

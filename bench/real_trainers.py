@@ -70,7 +70,7 @@ class RealWorkload:
     #: Ours: most tokens one forward + backward holds (GSPOConfig.micro_batch_tokens; 0 = a mini-batch at once).
     #: Mini-batch 0 runs all 64 rows (its sampler check), whose 49k-vocabulary logits, their gradient and the
     #: trunk's activations set the run's peak RSS at once; in micro-batches the same update (docs/bench.md).
-    micro_batch_tokens: int = 1024
+    micro_batch_tokens: int = 512
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
