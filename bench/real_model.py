@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--updates", type=int, default=2, help="optimizer updates per step")
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument(
+        "--micro-batch-tokens", type=int, default=512, help="ours: tokens per forward + backward (0: a mini-batch)"
+    )
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out items (the same for every run)")
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument("--out", default=str(RESULTS))
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         updates=a.updates,
         lr=a.lr,
         eval_prompts=a.eval_prompts,
+        micro_batch_tokens=a.micro_batch_tokens,
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

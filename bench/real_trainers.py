@@ -67,6 +67,10 @@ class RealWorkload:
     lr: float = 2e-5
     size: int = 2000
     eval_prompts: int = 32
+    #: Ours: most tokens one forward + backward holds (GSPOConfig.micro_batch_tokens; 0 = a mini-batch at once).
+    #: Mini-batch 0 runs all 64 rows (its sampler check), whose 49k-vocabulary logits, their gradient and the
+    #: trunk's activations set the run's peak RSS at once; in micro-batches the same update (docs/bench.md).
+    micro_batch_tokens: int = 512
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -165,6 +169,7 @@ def run_ours(w: RealWorkload, root: Path, trainer: str, engine: str = "auto") ->
         learning_rate=w.lr,
         seed=w.seed,
         samples_per_step=0,
+        micro_batch_tokens=w.micro_batch_tokens,
         **OURS_LOSSES[trainer],
     )
     spec = JobSpec(

@@ -117,3 +117,39 @@ def test_micro_batched_auto_check_still_recomputes_before_the_first_step(sampled
     view, metrics, _ = split
     assert view.recomputed and metrics["old_logprobs/sampler_err_max"] == pytest.approx(1e-3, rel=0.05)
     _assert_same_update(split, ref, seen, grads_ref, keys=("loss", "entropy", "ratio/mean", "grad_norm"))
+
+
+def test_micro_batches_bound_what_a_forward_keeps_for_its_backward(sampled, monkeypatch):
+    """The memory micro-batches are for: the activations and logits one forward saves for its backward (the
+    bytes autograd packs, parameters left out) shrink with the token budget; mini-batch 0's forward over every
+    row set the real-model bench's peak RSS (docs/bench.md)."""
+    real = policy_core.completion_logprobs
+
+    def saved_bytes(cfg) -> list[int]:
+        per_forward: list[int] = []
+
+        def forward(model, batch, *a, **kw):
+            if not torch.is_grad_enabled():
+                return real(model, batch, *a, **kw)
+            weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = real(model, batch, *a, **kw)
+            per_forward.append(sum(storages.values()))
+            return out
+
+        monkeypatch.setattr(policy_core, "completion_logprobs", forward)
+        update_step(sampled, cfg)
+        return per_forward
+
+    whole = saved_bytes(UPDATE_CFG)
+    split = saved_bytes(UPDATE_CFG.model_copy(update={"micro_batch_tokens": 1}))  # a row a forward
+    assert len(split) > len(whole) == UPDATE_CFG.mini_batches
+    assert max(split) < 0.5 * max(whole)
