@@ -10,6 +10,8 @@ from store import tinker
 from store.models import TinkerModel, TinkerRequest, TinkerSession, UsageRecord, utcnow
 from store.settings import Settings
 from store.usage import QueuePolicy
+from tests.api.tinker_support import open_session as _session
+from tests.api.tinker_support import tml as _tml
 from tests.conftest import empty_database_url
 
 BUDGET_H = 1.0
@@ -27,16 +29,6 @@ def settings(request, tmp_path):
         tenant_device_hours_per_period=BUDGET_H,
         tinker_long_poll_seconds=0.2,
     )
-
-
-def _tml(auth: dict) -> dict:
-    return {"X-API-Key": "tml-" + auth["Authorization"].removeprefix("Bearer ")}
-
-
-def _session(client, headers) -> str:
-    r = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}, headers=headers)
-    assert r.status_code == 200, r.text
-    return r.json()["session_id"]
 
 
 def _model(client, headers, session_id: str) -> str:
