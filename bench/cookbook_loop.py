@@ -11,10 +11,8 @@ same data.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +22,7 @@ import torch
 from bench.trainers import cpu_s, peak_rss_mb
 from bench.workload import Workload, prepare
 from gspo_core.primitives import Datum
+from gspo_core.step import Timer
 
 if TYPE_CHECKING:
     from gspo_core.config import GSPOConfig
@@ -38,13 +37,10 @@ class Clock:
     step_s: list[float] = field(default_factory=list)
     step_cpu_s: list[float] = field(default_factory=list)
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases.setdefault(name, []).append(time.perf_counter() - start)
+    def record(self, timer: Timer) -> None:
+        """A step's phases, as the job loop's own ``Timer`` measured them (``time/<phase>``)."""
+        for key, seconds in timer.items():
+            self.phases.setdefault(key.removeprefix("time/"), []).append(seconds)
 
 
 def datums(
@@ -172,32 +168,33 @@ class Loop:
         rewards, tokens = [], []
         try:
             for step in range(1, w.steps + 1):
-                start = time.perf_counter()
+                start, timer = time.perf_counter(), Timer()
                 picked = batch_indices(len(self.rows), step, w.prompts, w.seed, cfg.shuffle)
                 prompts = [self.prompts[i] for i in picked]
-                with clock.phase("rollout"):
+                with timer.phase("rollout"):
                     params = replace(self.params, seed=w.seed * 100_003 + step)
                     if self.serial:
                         groups = [self.sampler.sample(prompt, w.group, params) for prompt in prompts]
                     else:
                         groups = self.sampler.sample_many(prompts, w.group, params)
-                with clock.phase("reward"):
+                with timer.phase("reward"):
                     items = [self.rows[i] for i in picked for _ in range(w.group)]
                     texts = [
                         self.sampler.tokenizer.decode(s.tokens, skip_special_tokens=True) for g in groups for s in g
                     ]
                     grades = reward_fn.score_batch(items, [{"output_text": text} for text in texts])
                     rewards_N = torch.tensor([grade.reward for grade in grades])
-                with clock.phase("advantages"):
+                with timer.phase("advantages"):
                     adv_N, _ = group_norm(rewards_N, w.group)
                     batches = datums(prompts, groups, adv_N, w.updates)
-                with clock.phase("train"):
+                with timer.phase("train"):
                     for batch in batches:
                         if batch:  # a mini-batch of tied groups only: AdamW still steps, as the job's does
                             self.training.forward_backward(batch, "gspo_token", bounds)
                         self.training.optim_step(self.adam)
-                with clock.phase("weight_sync"):
+                with timer.phase("weight_sync"):
                     self.sampler.take_weights(self.training)
+                clock.record(timer)
                 clock.step_s.append(time.perf_counter() - start)
                 clock.step_cpu_s.append(cpu_s() - cpu0 - sum(clock.step_cpu_s))
                 rewards.append(float(rewards_N.mean()))
