@@ -196,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a Hugging Face model directory to train instead of --shape (`smollm2`: bench.smollm2's real model)",
     )
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's, 3e-3, for toys)")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="ours: most tokens one forward + backward holds (default: GSPOConfig's)",
+    )
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument(
         "--trl-engine",
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         prompt_tokens=a.prompt_tokens,
         model_dir=str(Path(model_dir).resolve()) if model_dir else "",
+        micro_batch_tokens=a.micro_batch_tokens,
         **({"lr": a.lr} if a.lr is not None else {}),
     )
     names = a.trainers.split(",")

@@ -60,6 +60,7 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
         learning_rate=w.lr,
         seed=w.seed,
         samples_per_step=0,
+        **({"micro_batch_tokens": w.micro_batch_tokens} if w.micro_batch_tokens is not None else {}),
         **{k: v for k, v in overrides.items() if k not in runtime_keys},
     )
     spec = JobSpec(

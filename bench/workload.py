@@ -48,6 +48,8 @@ class Workload:
     fixed_length: bool = True
     prompt_tokens: int = 0  # > 0: every prompt opens with the same instructions, this many characters (= tokens)
     model_dir: str = ""  # a Hugging Face directory to train instead of building ``shape`` (e.g. bench.smollm2's)
+    #: Ours: most tokens one forward + backward holds (GSPOConfig.micro_batch_tokens); None: GSPOConfig's default.
+    micro_batch_tokens: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
