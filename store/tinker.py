@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -106,12 +107,18 @@ def queued_ahead(s: Session, request: TinkerRequest) -> int:
 
 
 def claim_next(
-    s: Session, worker: str, lease_seconds: float, policy: QueuePolicy | None = None
+    s: Session,
+    worker: str,
+    lease_seconds: float,
+    policy: QueuePolicy | None = None,
+    taken: Callable[[str], None] | None = None,
 ) -> TinkerRequest | None:
-    """The next pending request of an active session this worker holds or may take (no live lease), marked
-    running, with the session's lease extended to ``worker``; None when there is none. The job queue's fair
-    order: the tenant that used the least device time this budget period first, then the oldest request, so
-    one tenant's queued requests cannot starve another's."""
+    """The next pending request of an active session this worker holds or may take (no lease: a dead worker's
+    is freed by ``tinker_resume.reap_lost`` first), marked running, with the session's lease extended to
+    ``worker``; None when there is none. ``taken`` is called with the session's id when the worker did not hold
+    its lease, so that it drops any models it kept of it. The job queue's fair order: the tenant that used the
+    least device time this budget period first, then the oldest request, so one tenant's queued requests cannot
+    starve another's."""
     now = utcnow()
     policy = policy or QueuePolicy()
     used = (
@@ -120,11 +127,7 @@ def claim_next(
         .group_by(UsageRecord.tenant_id)
         .subquery()
     )
-    free = or_(
-        TinkerSession.lease_owner.is_(None),
-        TinkerSession.lease_owner == worker,
-        TinkerSession.lease_expires_at < now,
-    )
+    free = or_(TinkerSession.lease_owner.is_(None), TinkerSession.lease_owner == worker)
     busy = select(TinkerRequest.session_id).where(TinkerRequest.status == "running")
     candidate = s.scalar(
         select(TinkerRequest)
@@ -138,14 +141,16 @@ def claim_next(
     if candidate is None:
         return None
     # Guarded: of two workers racing for one session, only one extends the lease.
-    taken = s.execute(
-        update(TinkerSession)
-        .where(TinkerSession.id == candidate.session_id, free)
-        .values(lease_owner=worker, lease_expires_at=now + timedelta(seconds=lease_seconds))
-    )
-    if taken.rowcount != 1:  # type: ignore[attr-defined]
-        s.rollback()
-        return None
+    lease = {"lease_owner": worker, "lease_expires_at": now + timedelta(seconds=lease_seconds)}
+    session = update(TinkerSession).where(TinkerSession.id == candidate.session_id)
+    kept = s.execute(session.where(TinkerSession.lease_owner == worker).values(lease))
+    if kept.rowcount != 1:  # type: ignore[attr-defined]
+        fresh = s.execute(session.where(TinkerSession.lease_owner.is_(None)).values(lease))
+        if fresh.rowcount != 1:  # type: ignore[attr-defined]
+            s.rollback()
+            return None
+        if taken is not None:
+            taken(candidate.session_id)
     candidate.status = "running"
     s.commit()
     return candidate
@@ -181,8 +186,10 @@ def renew_lease(s: Session, worker: str, lease_seconds: float) -> None:
 
 
 def finish(s: Session, request_id: str, result: dict | None, error: str | None = None, category: str = "user") -> None:
+    """A running request's result or error; one failed meanwhile (its session closed, or reaped from a worker that
+    lost its lease) keeps that error."""
     row = s.get(TinkerRequest, request_id)
-    if row is None:
+    if row is None or row.status != "running":
         return
     row.status = "failed" if error is not None else "done"
     row.result, row.error = result, error
@@ -207,29 +214,6 @@ def close_idle(s: Session, idle_seconds: float, tenant_id: str | None = None) ->
     return closed
 
 
-def reap_lost(s: Session) -> int:
-    """Requests running on a worker whose lease ran out (it died): expired, which the SDK sees as a 410 and
-    sends again; the session is free for another worker. Returns how many requests expired."""
-    now = utcnow()
-    lost = select(TinkerSession.id).where(
-        TinkerSession.status == "active", TinkerSession.lease_owner.is_not(None), TinkerSession.lease_expires_at < now
-    )
-    expired = s.execute(
-        update(TinkerRequest)
-        .where(TinkerRequest.session_id.in_(lost), TinkerRequest.status == "running")
-        .values(status="expired", error="the session's worker stopped while running it", finished_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    s.execute(
-        update(TinkerSession)
-        .where(TinkerSession.id.in_(lost))
-        .values(lease_owner=None, lease_expires_at=None)
-        .execution_options(synchronize_session=False)
-    )
-    s.commit()
-    return int(expired.rowcount or 0)  # type: ignore[attr-defined]
-
-
 def close(s: Session, session: TinkerSession, reason: str) -> None:
     """Close a session: its pending requests fail, its models are unloaded."""
     session.status, session.closed_reason, session.lease_owner = "closed", reason, None
@@ -239,14 +223,6 @@ def close(s: Session, session: TinkerSession, reason: str) -> None:
         .values(status="failed", error=f"session closed: {reason}", error_category="user", finished_at=utcnow())
     )
     s.execute(update(TinkerModel).where(TinkerModel.session_id == session.id).values(status="unloaded"))
-
-
-def closed_sessions(s: Session, session_ids: list[str]) -> list[str]:
-    if not session_ids:
-        return []
-    return list(
-        s.scalars(select(TinkerSession.id).where(TinkerSession.id.in_(session_ids), TinkerSession.status != "active"))
-    )
 
 
 def record_checkpoint(

@@ -55,11 +55,26 @@ class SessionHost:
     def trainer(self, model_id: str) -> prim.TrainingSession:
         trainer = self.trainers.get(model_id)
         if trainer is None:
-            raise SessionRequestError(
-                f"model {model_id} is not loaded (its worker stopped or it was unloaded); create a model and "
-                "load_weights from its last saved state"
-            )
+            raise SessionRequestError(f"model {model_id} is not loaded (it was unloaded)")
         return trainer
+
+    def holds(self, model_id: str) -> bool:
+        return model_id in self.trainers
+
+    def restore(self, session_id: str, model_id: str, model: dict, state: dict | None) -> None:
+        """Rebuild a training model another worker held: ``create_model``'s payload, then ``load_weights``'s of its
+        saved ``state`` (None: the model as it was made); nothing is kept if either fails."""
+        self.create_model(session_id, model_id, model)
+        if state is None:
+            return
+        try:
+            self.load(model_id, state)
+        except FileNotFoundError as exc:  # the checkpoint was deleted since
+            self._drop(model_id)
+            raise SessionRequestError(f"model {model_id}: its last saved state {state['path']} is gone") from exc
+        except BaseException:
+            self._drop(model_id)
+            raise
 
     def create_model(self, session_id: str, model_id: str, payload: dict) -> Outcome:
         lora = payload.get("lora")

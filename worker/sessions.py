@@ -10,10 +10,10 @@ import socket
 import threading
 import time
 
-from store import tinker
+from store import tinker, tinker_resume
 from store.db import Database
 from store.model_refs import resolve_model
-from store.models import TinkerModel, TinkerRequest, TinkerSession
+from store.models import TinkerModel, TinkerRequest
 from store.objects import get_object_store
 from store.settings import Settings, get_settings
 from store.usage import QueuePolicy, budget
@@ -24,11 +24,15 @@ IDLE_POLL_SECONDS = 0.05
 HOUSEKEEPING_SECONDS = 2.0
 #: The most queued ``asample`` requests of one sampler served in one engine call (a cookbook step's group).
 SAMPLE_BATCH_CAP = 64
+#: Requests on a training model that need it in memory: a model this worker does not hold is restored first.
+ON_MODEL = frozenset({"forward", "forward_backward", "optim_step", "save_weights", "load_weights"})
 
 
 def run_request(host: SessionHost, db: Database, request: TinkerRequest) -> Outcome:
     """One request through the host's primitives; checkpoints are recorded as they are written."""
     payload, model_id = request.payload, request.model_id or ""
+    if request.kind in ON_MODEL and not host.holds(model_id):
+        restore(host, db, request)
     if request.kind == "create_model":
         return host.create_model(request.session_id, model_id, payload)
     if request.kind in ("forward", "forward_backward"):
@@ -49,6 +53,35 @@ def run_request(host: SessionHost, db: Database, request: TinkerRequest) -> Outc
     if request.kind == "sample":
         return run_samples(host, db, [request])[0]
     raise SessionRequestError(f"unknown request kind {request.kind!r}")
+
+
+def restore(host: SessionHost, db: Database, request: TinkerRequest) -> None:
+    """Rebuild a training model this worker does not hold (the worker that did died or stopped) from its base model
+    and its last saved state. SessionRequestError where nothing was saved and it has trained since it was made (its
+    weights are lost: every call says so), or where that state lacks calls it had run (this request does not run;
+    the next ones do, on the restored state)."""
+    with db.read_session() as s:
+        model = s.get(TinkerModel, request.model_id)
+        assert model is not None
+        point = tinker_resume.resume_point(s, model.id)
+        made = {"base_model": model.base_model, "lora": model.lora}
+    if point.directory is None and point.behind:
+        raise SessionRequestError(
+            f"model {model.id} is lost: the worker holding it stopped or died, and nothing was saved since it was "
+            f"made (no save_state or load_state), so its {point.behind} forward_backward/optim_step calls are gone; "
+            "make a new training client (create_training_client_from_state loads a checkpoint into one)"
+        )
+    state = None
+    if point.directory is not None:
+        state = {"directory": point.directory, "optimizer": point.optimizer, "path": point.path}
+    host.restore(request.session_id, model.id, made, state)
+    log.warning("model %s restored from %s, %d calls behind", model.id, point.path or "its base model", point.behind)
+    if point.behind:
+        raise SessionRequestError(
+            f"model {model.id}: the worker holding it stopped or died, and it went on from its last saved state "
+            f"{point.path}, which lacks the last {point.behind} forward_backward/optim_step calls it had run; this "
+            "request did not run: send it again (it and the next calls run on that state)"
+        )
 
 
 def run_samples(host: SessionHost, db: Database, requests: list[TinkerRequest]) -> list[Outcome]:
@@ -120,30 +153,51 @@ def _fail(db: Database, requests: list[TinkerRequest], error: str, category: str
             tinker.finish(s, request.id, None, error, category)
 
 
-def _claim(db: Database, settings: Settings, policy: QueuePolicy, name: str) -> list[TinkerRequest]:
-    """The next request in the fair order, with the same sampler's ``asample`` requests queued right after it."""
+def _claim(host: SessionHost, db: Database, settings: Settings, policy: QueuePolicy, name: str) -> list[TinkerRequest]:
+    """The next request in the fair order, with the same sampler's ``asample`` requests queued right after it; a
+    session taken afresh has any models this worker kept of it dropped (another worker may have held it since)."""
+    taken: list[str] = []
     with db.session() as s:
-        request = tinker.claim_next(s, name, settings.lease_seconds, policy)
-        if request is None:
-            return []
-        batch = [request]
-        if request.kind == "sample":
+        request = tinker.claim_next(s, name, settings.lease_seconds, policy, taken=taken.append)
+        batch = [] if request is None else [request]
+        if request is not None and request.kind == "sample":
             batch += tinker.claim_following(s, request, SAMPLE_BATCH_CAP - 1)
         for row in batch:
             s.expunge(row)
-        return batch
+    for session_id in taken:  # out of the claim's transaction: closing an engine takes a while
+        host.release(session_id)
+    return batch
 
 
 def _housekeeping(host: SessionHost, db: Database, settings: Settings, name: str) -> None:
-    """Renew this worker's leases, close its idle sessions, free the models of sessions no longer active."""
+    """Free the sessions of dead workers, close idle sessions, drop the models of sessions this worker no longer
+    holds (closed, or reaped while it stalled)."""
     with db.session() as s:
-        tinker.renew_lease(s, name, settings.lease_seconds)
-        tinker.reap_lost(s)
+        lost = tinker_resume.reap_lost(s)
         tinker.close_idle(s, settings.session_idle_seconds)
-        gone = tinker.closed_sessions(s, sorted(host.sessions()))
+        gone = tinker_resume.not_held(s, name, sorted(host.sessions()))
+    if lost:
+        log.warning("sessions %s lost their worker: their unfinished requests failed", lost)
     for session_id in gone:
         log.info("releasing the models of session %s", session_id)
         host.release(session_id)
+
+
+def _renew_leases(db: Database, settings: Settings, name: str, stop: threading.Event) -> threading.Thread:
+    """Renew this worker's leases every third of their length, also while a long request runs: only a worker
+    that died (or stalled that long) loses its sessions."""
+
+    def loop() -> None:
+        while not stop.wait(settings.lease_seconds / 3):
+            try:
+                with db.session() as s:
+                    tinker.renew_lease(s, name, settings.lease_seconds)
+            except Exception:  # the database away for a moment: the next beat tries again
+                log.warning("renewing the session leases of %s failed", name, exc_info=True)
+
+    thread = threading.Thread(target=loop, name="session-leases", daemon=True)
+    thread.start()
+    return thread
 
 
 def serve(settings: Settings, stop: threading.Event, name: str | None = None) -> None:
@@ -153,22 +207,25 @@ def serve(settings: Settings, stop: threading.Event, name: str | None = None) ->
     host = SessionHost(settings, get_object_store(settings))
     policy = QueuePolicy.of(settings)
     last_housekeeping = 0.0
+    leases = threading.Event()
+    renewer = _renew_leases(db, settings, name, leases)
     try:
         while not stop.is_set():
             if time.monotonic() - last_housekeeping > HOUSEKEEPING_SECONDS:
                 _housekeeping(host, db, settings, name)
                 last_housekeeping = time.monotonic()
-            batch = _claim(db, settings, policy, name)
+            batch = _claim(host, db, settings, policy, name)
             if not batch:
                 stop.wait(IDLE_POLL_SECONDS)
                 continue
             _execute(host, db, policy, batch, name)
     finally:
+        leases.set()
+        renewer.join()
         for session_id in sorted(host.sessions()):
             host.release(session_id)
         with db.session() as s:  # hand the sessions back at once (a killed worker's leases run out instead)
-            s.query(TinkerSession).filter(TinkerSession.lease_owner == name).update({"lease_owner": None})
-            s.commit()
+            tinker_resume.hand_back(s, name)
         db.dispose()
 
 

@@ -151,7 +151,8 @@ async def wait_future(db: Database, tenant_id: str, request_id: str, wait_s: flo
 
 
 async def retrieve(db: Database, tenant_id: str, request_id: str, wait_s: float) -> FutureState:
-    """``wait_future``, with a request lost with its worker answered 410 (the SDK sends it again)."""
+    """``wait_future``; a request that an earlier version marked expired when its worker died answers 410 (the SDK
+    raises it; requests lost with their worker now fail, saying so: store.tinker_resume)."""
     state = await wait_future(db, tenant_id, request_id, wait_s)
     if state.status == "expired":
         raise ApiError(410, "gone", f"request {request_id} was lost with its worker; send it again")

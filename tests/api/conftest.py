@@ -184,32 +184,30 @@ def api_and_worker(
     with db.session() as s:
         keys = [create_tenant_and_key(s, f"{name}-{uuid.uuid4().hex[:6]}")[1] for name in tenants]
     db.dispose()
-    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cli = [sys.executable, "-m", "gspo_cli.main"]
     commands = {"api": ["api", "--host", "127.0.0.1", "--port", str(port)], "worker": ["worker", *worker_args]}
     with ExitStack() as stack:
-        procs = [
-            stack.enter_context(
-                subprocess.Popen(
-                    [*cli, *args],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=stack.enter_context(open(tmp / f"{name}.log", "w")),
-                    stderr=subprocess.STDOUT,
-                )
-            )
-            for name, args in commands.items()
-        ]
+        for name, args in commands.items():
+            stack.enter_context(gspo_process(tmp, env_vals, name, args))
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_for(lambda: _up(url), 60, "API up")
-            yield url, keys
-        finally:  # leaving the stack waits for both processes
-            for p in procs:
-                p.terminate()
+        wait_for(lambda: _up(url), 180, "API up")  # a minute or more on a loaded 2-core machine
+        yield url, keys
+
+
+@contextmanager
+def gspo_process(tmp: Path, env_vals: dict[str, str], name: str, args: list[str]) -> Iterator[subprocess.Popen]:
+    """A `gspo <args>` process run with ``env_vals``, its output in ``tmp/<name>.log``; terminated and waited for
+    on leaving (a process a test killed is only waited for)."""
+    env = {**os.environ, **env_vals, "PYTHONPATH": str(ROOT)}
+    with open(tmp / f"{name}.log", "w") as log:
+        cli = [sys.executable, "-m", "gspo_cli.main", *args]
+        with subprocess.Popen(cli, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT) as proc:
+            try:
+                yield proc
+            finally:  # leaving the Popen waits for it
+                proc.terminate()
 
 
 def _up(url: str) -> bool:

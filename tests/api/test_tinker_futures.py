@@ -1,5 +1,6 @@
 """Tinker API sessions and futures in the app itself (no worker): the session cap and idle close, queue order,
-try_again (408) with the queue state, a lost worker's request (410), results, another tenant's 404s."""
+try_again (408) with the queue state, a dead worker's session (its requests fail, it is freed), a model's resume
+point, results, another tenant's 404s."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import time
 
 import pytest
 
-from store import tinker
-from store.models import TinkerRequest
+from store import tinker, tinker_resume
+from store.models import TinkerRequest, TinkerSession, utcnow
 from store.settings import Settings
 from tests.api.tinker_support import open_session as _session
 from tests.api.tinker_support import tml as _tml
@@ -110,17 +111,85 @@ def test_finish_closes_the_session_and_frees_its_place(client, app, auth, other_
     _session(client, headers)  # its place under the cap is free again
 
 
-def test_a_request_lost_with_its_worker_is_a_410(client, app, auth):
+def test_a_dead_workers_session_fails_its_unfinished_requests_and_is_freed(client, app, auth):
+    """Its lease ran out: the running and the queued requests fail saying so (the SDK raises them), the session
+    goes to the next worker, which drops what it kept of it; a stopping worker hands its sessions back alike."""
     headers = _tml(auth)
     session_id = _session(client, headers)
-    _, create_id = _model(client, headers, session_id)
+    model_id, create_id = _model(client, headers, session_id)
+    steps = [
+        client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {}}, headers=headers).json()
+        for _ in range(2)
+    ]
+    taken: list[str] = []
     with app.state.db.session() as s:
-        assert tinker.claim_next(s, "w1", 0.01) is not None
-    time.sleep(0.05)
+        assert tinker.claim_next(s, "w1", 0.01).id == create_id
+        tinker.finish(s, create_id, {"type": "create_model", "model_id": model_id})
+        time.sleep(0.05)
+        assert tinker.claim_next(s, "w2", 30, taken=taken.append) is None  # not before the reaper freed it
+        assert tinker.claim_next(s, "w1", 0.01).id == steps[0]["request_id"]  # w1 had not lost it yet
+        time.sleep(0.05)
+        assert tinker_resume.not_held(s, "w1", [session_id]) == []
+        assert tinker_resume.reap_lost(s) == [session_id]
+        assert tinker_resume.reap_lost(s) == []
+        assert tinker_resume.not_held(s, "w1", [session_id]) == [session_id]  # w1 drops its models if it wakes
+        tinker.finish(s, steps[0]["request_id"], {"type": "optim_step"})  # a late result keeps the failure
+    assert _retrieve(client, headers, create_id).json() == {"type": "create_model", "model_id": model_id}
+    for step in steps:  # the running one and the queued one
+        r = _retrieve(client, headers, step["request_id"])
+        assert r.status_code == 200 and r.json()["category"] == "server"
+        assert r.json()["error"].startswith("the worker holding this session died before this request finished")
+    unload = client.post("/api/v1/unload_model", json={"model_id": model_id}, headers=headers).json()
     with app.state.db.session() as s:
-        assert tinker.reap_lost(s) == 1
-        assert s.get(TinkerRequest, create_id).status == "expired"
-    assert _retrieve(client, headers, create_id).status_code == 410
+        claimed = tinker.claim_next(s, "w2", 30, taken=taken.append)
+        assert claimed is not None and claimed.id == unload["request_id"] and taken == [session_id]
+        tinker.finish(s, claimed.id, {})
+        assert tinker_resume.hand_back(s, "w2") == [session_id]
+        assert s.get(TinkerSession, session_id).lease_owner is None
+
+
+def _done(s, session_id: str, model_id: str, kind: str, payload: dict | None = None) -> None:
+    """A request the worker ran on the model, finished now."""
+    row = TinkerRequest(
+        tenant_id=s.get(TinkerSession, session_id).tenant_id,
+        session_id=session_id,
+        model_id=model_id,
+        kind=kind,
+        payload=payload or {},
+        status="done",
+        finished_at=utcnow(),
+    )
+    s.add(row)
+    s.commit()
+    time.sleep(0.002)  # finished_at orders the log
+
+
+def test_a_models_resume_point_is_its_last_saved_state_and_what_it_lacks(client, app, auth):
+    headers = _tml(auth)
+    session_id = _session(client, headers)
+    model_id, _ = _model(client, headers, session_id)
+    saved = {"kind": "training", "path": "tinker://m/weights/a", "directory": "/a"}
+    with app.state.db.session() as s:
+        point = lambda: tinker_resume.resume_point(s, model_id)  # noqa: E731
+        assert point() == tinker_resume.ResumePoint(None, None, False, 0)  # as made: rebuilt exactly
+        _done(s, session_id, model_id, "forward_backward")
+        _done(s, session_id, model_id, "forward")  # changes nothing
+        assert point().behind == 1 and point().directory is None  # trained, nothing saved: lost
+        _done(s, session_id, model_id, "optim_step")
+        _done(s, session_id, model_id, "save_weights", saved)
+        assert point() == tinker_resume.ResumePoint("tinker://m/weights/a", "/a", True, 0)
+        _done(s, session_id, model_id, "save_weights", {**saved, "kind": "sampler", "path": "tinker://m/s/b"})
+        _done(s, session_id, model_id, "forward_backward")
+        _done(s, session_id, model_id, "optim_step")
+        assert point().path == "tinker://m/weights/a" and point().behind == 2
+        _done(s, session_id, model_id, "forward_backward")  # a gradient the next save does not hold
+        _done(s, session_id, model_id, "save_weights", {**saved, "path": "tinker://m/weights/c", "directory": "/c"})
+        assert (point().path, point().behind) == ("tinker://m/weights/c", 1)
+        loaded = {"path": "tinker://x/weights/d", "directory": "/d", "optimizer": False}
+        _done(s, session_id, model_id, "load_weights", loaded)
+        assert point() == tinker_resume.ResumePoint("tinker://x/weights/d", "/d", False, 1)
+        _done(s, session_id, model_id, "optim_step")
+        assert point().behind == 2
 
 
 def test_bad_requests_name_their_field(client, auth, other_auth):

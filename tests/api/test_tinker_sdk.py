@@ -15,6 +15,8 @@ from store.models import TinkerSession, UsageRecord, utcnow
 from store.settings import Settings
 from store.usage import QueuePolicy
 from tests.api.conftest import api_and_worker
+from tests.api.tinker_support import datum as _datum
+from tests.api.tinker_support import mean_loss as _mean_loss
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -56,20 +58,6 @@ def sdk(tinker_service):
     yield client
     for service in made:
         service.close("success").result(timeout=60)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    """Next-token cross-entropy on every position but the first."""
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] + [1.0] * (len(tokens) - 2)},
-    )
-
-
-def _mean_loss(out: types.ForwardBackwardOutput, data: list[types.Datum]) -> float:
-    logps = [lp for o in out.loss_fn_outputs for lp in o["logprobs"].tolist()]
-    weights = [w for d in data for w in d.loss_fn_inputs["weights"].tolist()]
-    return -sum(lp * w for lp, w in zip(logps, weights, strict=True)) / sum(weights)
 
 
 def test_train_sample_save_and_load_with_the_sdk(tinker_service, sdk):

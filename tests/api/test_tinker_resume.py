@@ -1,0 +1,114 @@
+"""A Tinker session outlives its worker: the unmodified `tinker` SDK (0.38) against a live `gspo api` and a session
+worker that is SIGKILLed mid-session; a second worker takes the session over and its models go on from their last
+save_state exactly (the losses a run that was not killed gives), or fail saying what was lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from store.db import Database
+from store.models import TinkerRequest, TinkerSession
+from store.settings import Settings
+from tests.api.conftest import api_and_worker, gspo_process
+from tests.api.tinker_support import datum, mean_loss
+from tests.worker.conftest import wait_for
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROBE = [5, 6, 7, 8, 9, 10, 11, 12]
+DATA = [datum([5, 6, 7, 8, 9, 10, 11, 12]), datum([7, 8, 9, 10, 11, 12, 13])]
+ADAM = types.AdamParams(learning_rate=2e-2)
+
+
+@pytest.fixture(scope="module")
+def resume_service(tmp_path_factory, tiny_model_dir):
+    """``(url, key, data dir, env)``: `gspo api` + a session worker whose leases last 6 s (renewed every 2 s), so a
+    killed worker's sessions are freed soon."""
+    tmp = tmp_path_factory.mktemp("tinker-resume")
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+        "GSPO_WORKER_MODE": "sessions",
+        "GSPO_LEASE_SECONDS": "6",
+        "TINKER_TELEMETRY": "0",
+        "GSPO_LOG_LEVEL": "INFO",
+    }
+    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme",)) as (url, keys):
+        yield url, keys[0], tmp, env_vals
+
+
+def _step(training) -> float:
+    """One forward_backward + optim_step, pipelined as the cookbook does: the loss before the step."""
+    fb = training.forward_backward(DATA, "cross_entropy")
+    training.optim_step(ADAM).result()
+    return mean_loss(fb.result(), DATA)
+
+
+def _kill_the_worker_of(db: Database, session_id: str) -> None:
+    """SIGKILL the session worker holding the session (its lease names it: ``sessions@<host>:<pid>``)."""
+    with db.read_session() as s:
+        owner = s.get(TinkerSession, session_id).lease_owner
+    pid = int(owner.rsplit(":", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    stat = Path(f"/proc/{pid}/stat")
+    wait_for(lambda: not stat.exists() or stat.read_text().split(") ")[1][0] == "Z", 10, "the worker dead")
+
+
+def _queued(db: Database, session_id: str) -> int:
+    with db.read_session() as s:
+        query = select(func.count()).where(TinkerRequest.session_id == session_id, TinkerRequest.status == "pending")
+        return int(s.scalar(query) or 0)
+
+
+def test_a_killed_workers_session_goes_on_from_its_saved_state_on_another_worker(resume_service):
+    url, key, tmp, env_vals = resume_service
+    service = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
+    db = Database(Settings(data_dir=tmp).resolved_database_url())
+    try:
+        make = lambda: service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()  # noqa: E731
+        reference = make()  # never killed: the losses the others must go on with
+        expected = [_step(reference) for _ in range(3)]
+        saved, behind, unsaved = make(), make(), make()
+        assert _step(saved) == pytest.approx(expected[0], abs=1e-6)  # the same seed, the same run
+        saved.save_state("one").result()
+        sampler = saved.save_weights_and_get_sampling_client().result()
+        sampled = sampler.compute_logprobs(types.ModelInput.from_ints(PROBE)).result()
+        _step(behind)
+        behind.save_state("b1").result()
+        _step(behind)  # a forward_backward and an optim_step the save lacks
+        _step(unsaved)
+        session_id = saved.model_id.split(":")[0]
+
+        _kill_the_worker_of(db, session_id)
+        in_flight = saved.forward_backward(DATA, "cross_entropy")  # queued while no worker holds the session
+        wait_for(lambda: _queued(db, session_id) == 1, 30, "the request queued")
+        with gspo_process(tmp, env_vals, "worker2", ["worker"]):
+            with pytest.raises(tinker.RequestFailedError, match="worker holding this session died before this"):
+                in_flight.result(timeout=120)
+            # the saved model goes on from its save_state: the losses of the run that was not killed, exactly
+            assert [_step(saved), _step(saved)] == pytest.approx(expected[1:], abs=1e-6)
+            assert abs(expected[1] - expected[0]) > 1e-3  # (which a model restarted from its base would not give)
+            # its sampler's engine starts again from the sampler weights on disk
+            after = sampler.compute_logprobs(types.ModelInput.from_ints(PROBE)).result()
+            assert after[1:] == pytest.approx(sampled[1:], abs=1e-4)
+            # calls after the last save were lost: the first call says so and does not run, the next ones do
+            with pytest.raises(tinker.RequestFailedError, match=r"tinker://.*/weights/b1, which lacks the last 2"):
+                behind.forward_backward(DATA, "cross_entropy").result()
+            assert _step(behind) == pytest.approx(expected[1], abs=1e-6)
+            # nothing saved: every call says the weights are lost
+            for _ in range(2):
+                with pytest.raises(tinker.RequestFailedError, match="is lost: the worker holding it stopped or died"):
+                    unsaved.forward_backward(DATA, "cross_entropy").result()
+            log = (tmp / "worker2.log").read_text()
+            assert f"sessions ['{session_id}'] lost their worker" in log and "restored from tinker://" in log
+    finally:
+        db.dispose()
+        service.close("success").result(timeout=60)
