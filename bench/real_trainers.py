@@ -149,12 +149,17 @@ def run_ours(w: RealWorkload, root: Path, trainer: str, engine: str = "auto") ->
     runtime = RuntimeOptions(rollout_engine=engine)
     prepare_process(runtime)
     steps: list[dict] = []
+    marks: list[tuple[str, int, float]] = []  # (what, step, seconds since the start) of each report
     t0 = time.perf_counter()
     started: list[float] = []  # the cap's clock starts at the first step, as TRL's does (after start-up)
 
     class Rec(Callbacks):
         def on_step(self, step, metrics):
             steps.append(metrics)
+            marks.append(("step", step, time.perf_counter() - t0))
+
+        def on_checkpoint(self, step, path, final):
+            marks.append(("checkpoint", step, time.perf_counter() - t0))
 
         def should_stop(self):
             started[:] = started or [time.perf_counter()]
@@ -195,6 +200,8 @@ def run_ours(w: RealWorkload, root: Path, trainer: str, engine: str = "auto") ->
         "steps_done": result.final_step,
         "train_wall_s": wall,
         "peak_rss_mb": peak_rss_mb(),
+        "metrics": steps,  # every step's metrics, as reported (bench.service_path compares them)
+        "marks": marks,
     }
     assert result.final_checkpoint, "train() saves a checkpoint at its last step or stop"
     return out | {"final_model": str(Path(result.final_checkpoint) / "model")}

@@ -90,8 +90,9 @@ def toy_spec(model_dir, tmp_path, **hp) -> JobSpec:
     )
 
 
-#: The update tests' config: 4 prompts x 4 completions of 6 tokens, 4 mini-batches.
-UPDATE_CFG = GSPOConfig(group_size=4, max_new_tokens=6, mini_batches=4, learning_rate=1e-2)
+#: The update tests' config: 4 prompts x 4 completions of 6 tokens, 4 mini-batches, each one forward (the
+#: reference that micro-batched updates are compared with).
+UPDATE_CFG = GSPOConfig(group_size=4, max_new_tokens=6, mini_batches=4, learning_rate=1e-2, micro_batch_tokens=0)
 
 
 def update_step(sampled, cfg: GSPOConfig, logprob_bias: float = 0.0):
