@@ -169,6 +169,32 @@ def service(tmp_path_factory, tiny_model_dir):
         yield url, keys, tmp
 
 
+#: Device hours per period of each tenant of `tinker_service` (test_tinker_sdk.py's 4th tenant spends them).
+TINKER_BUDGET_H = 100
+
+
+# Package-scoped: the Tinker SDK tests and the tinker-cookbook loops share one `gspo api` + session worker (each
+# module used to start its own); each keeps to its own tenants.
+@pytest.fixture(scope="package")
+def tinker_service(tmp_path_factory, tiny_model_dir):
+    """``(url, keys of 5 tenants, data dir)``: `gspo api` + a session worker sharing a SQLite database and data
+    dir; test_tinker_sdk.py uses the first 4 (the 4th spends its budget), test_tinker_cookbook.py the 5th."""
+    tmp = tmp_path_factory.mktemp("tinker")
+    env_vals = {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+        "GSPO_WORKER_MODE": "sessions",
+        "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
+        "GSPO_TENANT_DEVICE_HOURS_PER_PERIOD": str(TINKER_BUDGET_H),
+        "TINKER_TELEMETRY": "0",
+        "GSPO_LOG_LEVEL": "INFO",  # the worker logs its sampling engines' starts and its sample batches
+    }
+    tenants = ("acme", "globex", "initech", "umbrella", "cookbook")
+    with api_and_worker(tmp, env_vals, tiny_model_dir, tenants) as (url, keys):
+        yield url, keys, tmp
+
+
 @contextmanager
 def api_and_worker(
     tmp: Path, env_vals: dict[str, str], tiny_model_dir: Path, tenants: tuple[str, ...], worker_args: tuple = ()

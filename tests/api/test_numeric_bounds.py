@@ -20,7 +20,7 @@ from api.schemas import EXAMPLE_REWARD
 from gspo_core.environments import ReasoningGymEnvironment
 from gspo_core.rewards import GRADERS
 from gspo_core.rewards.base import Grader
-from tests.api.test_schemathesis import APP, _state
+from tests.api.test_schemathesis import APP, seed_tenant
 
 #: Raw JSON for a number, spelled as a client could send it. Each is out of every field's bounds.
 HUGE = {
@@ -44,6 +44,12 @@ def client():
     """The seeded app within its lifespan (its grading threads started), 500s answered, not raised."""
     with TestClient(APP, raise_server_exceptions=False) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def fuzzer() -> dict:
+    """This module's own tenant, file and job in the shared app (test_schemathesis.py's fuzzer deletes its own)."""
+    return seed_tenant(APP, "bounds")
 
 
 def _resolve(schema: dict, components: dict) -> dict:
@@ -135,14 +141,14 @@ def test_the_schema_bounds_every_numeric_field():
     assert not unbounded
 
 
-def _body(method: str, route: str, path: tuple, examples: tuple) -> dict:
+def _body(method: str, route: str, path: tuple, examples: tuple, file_id: str) -> dict:
     components = APP.openapi()["components"]["schemas"]
     schema = APP.openapi()["paths"][route][method.lower()]["requestBody"]["content"]["application/json"]["schema"]
     base = _resolve(schema, components).get("examples")
     assert base, f"{method} {route}: its body schema needs an example to fuzz from"
     body = copy.deepcopy(base[0])
     if "training_file" in body:
-        body["training_file"] = _state["ids"]["file_id"]
+        body["training_file"] = file_id
     if path[0] == "environment":  # an environment job names no files
         body.pop("training_file", None)
         body.pop("validation_file", None)
@@ -168,15 +174,15 @@ def _error_field(response) -> str | None:
     CASES,
     ids=[f"{m} {r} {_label(p)}" for m, r, p, _, _ in CASES],
 )
-def test_an_out_of_range_number_is_a_4xx_naming_its_field(client, method, route, path, examples, schema):
-    body = json.dumps(_body(method, route, path, examples))
+def test_an_out_of_range_number_is_a_4xx_naming_its_field(client, fuzzer, method, route, path, examples, schema):
+    body = json.dumps(_body(method, route, path, examples, fuzzer["ids"]["file_id"]))
     limit = schema.get("maximum", schema.get("exclusiveMaximum"))
     values = {**HUGE, "over the maximum": repr(limit * 2 + 1)}
     low = schema.get("minimum", schema.get("exclusiveMinimum"))
     values["under the minimum"] = repr(low - 1)
     if schema.get("x-string-too"):
         del values['"nan"'], values['"inf"']
-    headers = {"Authorization": f"Bearer {_state['key']}", "Content-Type": "application/json"}
+    headers = {"Authorization": f"Bearer {fuzzer['key']}", "Content-Type": "application/json"}
     wrong = {}
     for name, raw in values.items():
         r = client.request(method, route, content=body.replace(json.dumps(_MARK), raw), headers=headers)
@@ -252,7 +258,7 @@ STRUCTURED = [
     [(kind, (key,), key) for kind, key in GRADER_NUMBERS] + STRUCTURED,
     ids=[f"{kind}.{key}" for kind, key in GRADER_NUMBERS] + [f"{k}.{f}" for k, _, f in STRUCTURED],
 )
-def test_a_grader_number_out_of_range_is_a_4xx_naming_its_field(client, kind, path, field):
+def test_a_grader_number_out_of_range_is_a_4xx_naming_its_field(client, fuzzer, kind, path, field):
     spec = copy.deepcopy(GRADER_SPECS[kind])
     if path[0] == "range":
         spec["range"] = [0, _MARK]
@@ -260,7 +266,7 @@ def test_a_grader_number_out_of_range_is_a_4xx_naming_its_field(client, kind, pa
         spec["calculate_output"] = f"a * {_MARK}"
     else:
         _put(spec, path, _MARK)
-    headers = {"Authorization": f"Bearer {_state['key']}", "Content-Type": "application/json"}
+    headers = {"Authorization": f"Bearer {fuzzer['key']}", "Content-Type": "application/json"}
     wrong = {}
     for name, raw in {**HUGE, "-1e16": "-1e16"}.items():
         if path[0] == "calculate_output":  # a formula is text: its numbers are spelled in it
@@ -283,12 +289,12 @@ TOOL_ENTRIES = {
 
 
 @pytest.mark.parametrize("host", ["0177.0.0.1", "127.000.000.001", "0x7f.1", "[::ffff:127.0.0.1]", "127.1"])
-def test_a_tool_url_the_egress_check_refuses_is_a_4xx_naming_it(client, host):
+def test_a_tool_url_the_egress_check_refuses_is_a_4xx_naming_it(client, fuzzer, host):
     """Hosts httpx cannot parse (octal, zero-padded) or that spell loopback: refused as a grader's or a webhook's
     URL is, on every kind of tool and on OpenAI's tools, never a 500."""
-    headers = {"Authorization": f"Bearer {_state['key']}"}
+    headers = {"Authorization": f"Bearer {fuzzer['key']}"}
     url = f"http://{host}/x"
-    file_id = _state["ids"]["file_id"]
+    file_id = fuzzer["ids"]["file_id"]
     answers = {}
     for kind, entry in TOOL_ENTRIES.items():
         job = {

@@ -31,18 +31,19 @@ from store.tenants import create_tenant_and_key
 
 _dir = Path(tempfile.mkdtemp(prefix="gspo-schemathesis-"))
 _settings = Settings(data_dir=_dir, database_url=f"sqlite:///{_dir / 'gspo.db'}", models_dir=_dir / "models")
-_state: dict = {}
 _alternate = itertools.count()
 
 
-def _seed(app) -> dict:
-    """A file, a succeeded job with metrics/samples/a checkpoint, written as the worker writes them."""
+def seed_tenant(app, name: str) -> dict:
+    """A tenant of its own (``key``) with a file, a succeeded job with metrics/samples and a checkpoint (``ids``),
+    written as the worker writes them. Each fuzzing module seeds its own: the fuzzer deletes what it is given
+    (a file, a job), which must not reach another module's cases (it made their jobs 404 on the file)."""
     data = write_toy_dataset(_dir / "toy.jsonl", n=8).read_bytes()
-    ckpt = _dir / "ckpt"
-    (ckpt / "model").mkdir(parents=True)
+    ckpt = Path(tempfile.mkdtemp(dir=_dir, prefix="ckpt-"))
+    (ckpt / "model").mkdir()
     (ckpt / "model" / "config.json").write_text("{}")
     with app.state.db.session() as s:
-        tenant, _state["key"] = create_tenant_and_key(s, "fuzz")
+        tenant, key = create_tenant_and_key(s, name)
         f = File(
             tenant_id=tenant.id,
             filename="toy.jsonl",
@@ -71,19 +72,19 @@ def _seed(app) -> dict:
         size = put_dir(app.state.objects, f"jobs/{job.id}/checkpoints/step-000002", ckpt)
         c = jobs.record_checkpoint(s, job, 2, f"jobs/{job.id}/checkpoints/step-000002", size, True)
         jobs.transition(s, s.get(Job, job.id), "succeeded")  # terminal, so its event stream ends
-        return {"file_id": f.id, "job_id": job.id, "checkpoint_id": c.id}
+        return {"key": key, "ids": {"file_id": f.id, "job_id": job.id, "checkpoint_id": c.id}}
 
 
 def _app():
     run_migrations(_settings.resolved_database_url())
     build_tiny_model(_settings.models_dir / "toy")
-    app = create_app(_settings)
-    _state["ids"] = _seed(app)
-    return app
+    return create_app(_settings)
 
 
-#: The seeded app (tests/api/test_numeric_bounds.py fuzzes its numeric fields too).
+#: The app the fuzzing modules share (tests/api/test_numeric_bounds.py fuzzes its numeric fields too), each with
+#: a tenant of its own (seed_tenant).
 APP = _app()
+_state = seed_tenant(APP, "fuzz")
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 

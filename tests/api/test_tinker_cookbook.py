@@ -19,8 +19,6 @@ import httpx
 import pytest
 import torch
 
-from tests.api.conftest import api_and_worker
-
 pytestmark = pytest.mark.slow
 pytest.importorskip("tinker_cookbook")  # installed with --no-deps beside `tinker` (docs/tinker.md)
 
@@ -49,21 +47,15 @@ PROMPT = "say something in lowercase"
 
 
 @pytest.fixture(scope="module")
-def cookbook_service(tmp_path_factory, tiny_model_dir):
-    """``(url, key)``: `gspo api` + a session worker; the toy model's tokenizer registered as the cookbook's
-    ``toy`` (its own extension point: get_tokenizer would otherwise ask the Hugging Face hub for "toy")."""
+def cookbook_service(tinker_service, tiny_model_dir):
+    """``(url, key)``: the shared `gspo api` + session worker (tests/api/conftest.py) and a tenant of the
+    cookbook's own; the toy model's tokenizer registered as the cookbook's ``toy`` (its own extension point:
+    get_tokenizer would otherwise ask the Hugging Face hub for "toy")."""
     from transformers import AutoTokenizer
 
     register_tokenizer("toy", lambda: AutoTokenizer.from_pretrained(tiny_model_dir))
-    tmp = tmp_path_factory.mktemp("cookbook")
-    env_vals = {
-        "GSPO_DATA_DIR": str(tmp),
-        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
-        "GSPO_ROLLOUT_ENGINE": "transformers",
-        "GSPO_WORKER_MODE": "sessions",
-    }
-    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme",)) as (url, keys):
-        yield url, keys[0]
+    url, keys, _ = tinker_service
+    return url, keys[4]
 
 
 @pytest.fixture()

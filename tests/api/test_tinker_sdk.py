@@ -14,7 +14,7 @@ from store.db import Database
 from store.models import TinkerSession, UsageRecord, utcnow
 from store.settings import Settings
 from store.usage import QueuePolicy
-from tests.api.conftest import api_and_worker
+from tests.api.conftest import TINKER_BUDGET_H as BUDGET_H
 from tests.api.tinker_support import datum as _datum
 from tests.api.tinker_support import mean_loss as _mean_loss
 
@@ -22,26 +22,6 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10]  # toy-tokenizer ids of plain characters
-BUDGET_H = 100
-
-
-@pytest.fixture(scope="module")
-def tinker_service(tmp_path_factory, tiny_model_dir):
-    """``(url, keys of 4 tenants, data dir)``: `gspo api` + a session worker sharing a SQLite database and data
-    dir; a tenant has 100 device hours per period (the 4th spends them in its test)."""
-    tmp = tmp_path_factory.mktemp("tinker")
-    env_vals = {
-        "GSPO_DATA_DIR": str(tmp),
-        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
-        "GSPO_ROLLOUT_ENGINE": "transformers",
-        "GSPO_WORKER_MODE": "sessions",
-        "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
-        "GSPO_TENANT_DEVICE_HOURS_PER_PERIOD": str(BUDGET_H),
-        "TINKER_TELEMETRY": "0",
-        "GSPO_LOG_LEVEL": "INFO",  # the worker logs its sampling engines' starts and its sample batches
-    }
-    with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme", "globex", "initech", "umbrella")) as (url, keys):
-        yield url, keys, tmp
 
 
 @pytest.fixture()
