@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast, overload
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 #: The trainable policy: a transformers causal LM, or a PEFT (LoRA) wrapper around one.
 Policy: TypeAlias = "PreTrainedModel | PeftModel"
+log = logging.getLogger(__name__)
 
 
 class LMHead(Protocol):
@@ -83,7 +85,7 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device) -> tuple
                 # fractional alpha is what the job asked for.
                 lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]
                 lora_dropout=0.0,
-                target_modules=list(cfg.lora_target_modules),
+                target_modules=lora_targets(model, cfg.lora_target_modules),
                 task_type="CAUSAL_LM",
             ),
         )
@@ -91,6 +93,22 @@ def load_policy(model_path: str, cfg: GSPOConfig, device: torch.device) -> tuple
     check_logit_head(model)
     model.train()
     return model, tokenizer
+
+
+def lora_targets(model: PreTrainedModel, names: Iterable[str]) -> list[str]:
+    """``names`` less the LM head's where the model ties it to its input embeddings: the weight push and the
+    export carry one tensor for the tied pair, so an adapter on the head would reach the trainer alone."""
+    names = list(names)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return names
+    head_path = next(path for path, module in model.named_modules() if module is head)
+    kept = [name for name in names if name not in (head_path, head_path.rsplit(".", 1)[-1])]
+    if len(kept) < len(names):
+        log.warning("LoRA: %s is tied to the input embeddings; it gets no adapter", head_path)
+    if not kept:
+        raise ValueError(f"lora_target_modules: {names} name only the tied LM head; nothing to adapt")
+    return kept
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

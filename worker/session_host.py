@@ -78,7 +78,12 @@ class SessionHost:
 
     def create_model(self, session_id: str, model_id: str, payload: dict) -> Outcome:
         lora = payload.get("lora")
-        spec = prim.LoraSpec(rank=int(lora["rank"])) if lora else None
+        spec = None
+        if lora:  # Tinker's parts, on unless the SDK's LoraConfig turned one off
+            parts = {part: bool(lora.get(f"train_{part}", True)) for part in ("attn", "mlp", "unembed")}
+            spec = prim.LoraSpec.of_parts(
+                int(lora["rank"]), attention=parts["attn"], mlp=parts["mlp"], unembed=parts["unembed"]
+            )
         seed = int(lora.get("seed") or 0) if lora else 0
         path = resolve_model(self.settings.models_dir, payload["base_model"])
         self.trainers[model_id] = prim.TrainingSession.create(path, lora=spec, seed=seed)

@@ -64,11 +64,27 @@ class AdamParams:
 @dataclass(frozen=True)
 class LoraSpec:
     """A LoRA adapter: ``rank``, ``alpha`` (None: ``rank``, a scaling of 1) and the module names it adapts
-    (None: every attention and MLP projection)."""
+    (None: the job loop's default, the attention projections: `GSPOConfig.lora_target_modules`)."""
 
     rank: int
     alpha: float | None = None
     target_modules: tuple[str, ...] | None = None
+
+    @classmethod
+    def of_parts(cls, rank: int, *, attention: bool = True, mlp: bool = True, unembed: bool = True) -> LoraSpec:
+        """An adapter on the parts Tinker's ``LoraConfig`` names (``train_attn``, ``train_mlp``,
+        ``train_unembed``, all on by default there): the projections of Llama-family models (Llama, Qwen,
+        SmolLM2, the toy models). A head tied to the input embeddings gets none (`gspo_core.policy.lora_targets`)."""
+        parts = ((attention, ATTENTION_MODULES), (mlp, MLP_MODULES), (unembed, UNEMBED_MODULES))
+        modules = tuple(name for wanted, names in parts if wanted for name in names)
+        if not modules:
+            raise ValueError("lora: train_attn, train_mlp and train_unembed are all off; nothing to adapt")
+        return cls(rank=rank, target_modules=modules)
+
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
 
 
 @dataclass(frozen=True)

@@ -336,9 +336,11 @@ def _datums(completions, rows, old_NT, adv_N, n_rows):
 
 def test_gspo_through_the_primitives_is_the_job_loops_update(sampled):
     """The job loop's GSPO step (4 mini-batches, recomputed old log-probs) and the same step written as a
-    cookbook-style loop of forward / forward_backward / optim_step: the same gradients, the same weights."""
+    cookbook-style loop of forward / forward_backward / optim_step: the same gradients, the same weights. AdamW
+    steps the same weights for gradients off by any one factor (it divides by their scale), so the gradients'
+    norms before clipping are compared too."""
     cfg = UPDATE_CFG.model_copy(update={"old_logprobs": "recompute", "loss": "gspo"})
-    _, _, job_model = update_step(sampled, cfg)
+    _, job_metrics, job_model = update_step(sampled, cfg)
     model0, pad_id, completions, rewards_N = sampled
     model = copy.deepcopy(model0)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -364,9 +366,11 @@ def test_gspo_through_the_primitives_is_the_job_loops_update(sampled):
         grad_clip_norm=cfg.max_grad_norm,
     )
     bounds = {"clip_low_threshold": 1 - cfg.clip_eps_low, "clip_high_threshold": 1 + cfg.clip_eps_high}
+    grad_norms = []
     for rows in plan.batches:
         session.forward_backward(_datums(completions, rows, old_NT, adv_N, len(rows)), "gspo_token", bounds)
-        session.optim_step(adam)
+        grad_norms.append(session.optim_step(adam)["grad_norm"])
+    assert sum(grad_norms) / len(grad_norms) == pytest.approx(job_metrics["grad_norm"], rel=1e-4)
     for (name, a), b in zip(job_model.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=0.02 * cfg.learning_rate, rtol=0, msg=name)
     moved = max(float((a - b).abs().max()) for a, b in zip(model0.parameters(), model.parameters(), strict=True))
