@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +47,12 @@ class Ranks:
     def main(self) -> bool:
         """Rank 0: it samples, scores, reports and writes checkpoints."""
         return self.rank == 0
+
+    def lead(self, make: Callable[[], T]) -> T | None:
+        """``make()`` on rank 0, None on the others: a part of the job that rank 0 alone holds for every rank
+        (its engine, graders, tools, callbacks), built where the job is built. The steps then never test the
+        rank: they hand rank 0's results to every rank (`broadcast`, `gspo_core.gspo_loop.shared`)."""
+        return make() if self.main else None
 
 
 def launched_by_torchrun() -> bool:
