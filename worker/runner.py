@@ -24,7 +24,7 @@ from gspo_core.environments.isolated import Isolation
 from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
 from gspo_core.urls import redact_userinfo
-from store import jobs, results
+from store import jobs, progress, results
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
 from store.objects import ObjectStore, get_dir
@@ -73,7 +73,7 @@ def _fetch_inputs(
 
 def _resume_dir(s, objects: ObjectStore, job_id: str, out_dir: Path) -> str | None:
     """Download the job's latest checkpoint (model + trainer state) for an exact resume."""
-    ckpt = jobs.latest_checkpoint(s, job_id)
+    ckpt = progress.latest_checkpoint(s, job_id)
     if ckpt is None:
         return None
     return str(get_dir(objects, ckpt.object_prefix, out_dir / "checkpoints" / f"step-{ckpt.step:06d}"))
