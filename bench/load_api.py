@@ -58,13 +58,13 @@ def _serve(env: dict, workers: int):
 
 
 def _writer(db, job_id: str, stop: threading.Event, every: float) -> None:
-    from store import jobs
+    from store import progress
 
     step = 0
     while not stop.wait(every):
         step += 1
         with db.session() as s:
-            jobs.record_step(s, job_id, step, {"reward/mean": step / 1000, "loss": 0.1})
+            progress.record_step(s, job_id, step, {"reward/mean": step / 1000, "loss": 0.1})
 
 
 class _Conn:

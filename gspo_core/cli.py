@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -233,27 +232,12 @@ def job_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
-def launch_ranks(args: argparse.Namespace, spec: JobSpec) -> int:
-    """Run the job as ``resources.devices`` ranks of one SPMD program: torchrun on this machine, each rank
-    this same command (with the toy model and data this process made, so ranks do not race to make them)."""
-    argv = [args.job, "--output-dir", spec.output_dir, "--devices", str(spec.resources.devices)]
-    made = [f"model={spec.model}"] + ([f"training_file={spec.training_file}"] if spec.training_file else [])
-    for pair in [*args.set, *made]:
-        argv += ["--set", pair]
-    argv += ["--resume"] if args.resume else []
-    for name, flag in RUNTIME_FLAGS.items():
-        value = getattr(args, name, None)
-        if value is not None and name != "keep_freed_memory":
-            argv += [flag, str(value)]
-    argv += ["--return-freed-memory"] if getattr(args, "keep_freed_memory", None) is False else []
-    nproc = f"--nproc-per-node={spec.resources.devices}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
-    return subprocess.call([*torchrun, "-m", "gspo_core", "train", *argv])
-
-
 def run_train(args: argparse.Namespace) -> int:
+    """Run the job: here alone, or as rank 0 of ``resources.devices`` ranks (`gspo_core.launch.other_ranks`
+    starts the others, each this command on the job's ``ranks.yaml``); rank 0 reports."""
     from gspo_core.checkpoint import latest_checkpoint
-    from gspo_core.platform import prepare_job, prepare_process
+    from gspo_core.launch import RankLost, other_ranks
+    from gspo_core.platform import prepare_process
     from gspo_core.trainer import train
 
     try:
@@ -261,35 +245,37 @@ def run_train(args: argparse.Namespace) -> int:
     except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2
-    if spec.resources.devices > 1 and "RANK" not in os.environ:
-        return launch_ranks(args, spec)
     prepare_process(runtime)  # this command owns its process
-    prepare_job(spec.resources.devices)
     out = Path(spec.output_dir)
     resume = latest_checkpoint(out) if args.resume else None
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # rank 0 reports; the others only train
-    if not main_rank:
-        train(spec, Callbacks(), resume_from=resume, runtime=runtime)
-        return 0
-    bar, metrics_file = ProgressBar(spec.hyperparameters.steps), MetricsFile(out / "metrics.jsonl")
+    # Rank 0 shows progress and writes metrics.jsonl; ranks it started have callbacks that do nothing.
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    shown: list[MetricsFile | ProgressBar] = []
+    if main_rank:
+        shown = [MetricsFile(out / "metrics.jsonl"), ProgressBar(spec.hyperparameters.steps)]
     try:
-        result = train(spec, CallbackList(metrics_file, bar), resume_from=resume, runtime=runtime)
+        with other_ranks(spec, args.resume, out, runtime):
+            result = train(spec, CallbackList(*shown), resume_from=resume, runtime=runtime)
+    except RankLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (OSError, ValueError, KeyError) as exc:  # bad data, reward spec, model or loss name
         print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2
     finally:
-        bar.close()
-        metrics_file.close()
-    print(
-        json.dumps(
-            {
-                "final_step": result.final_step,
-                "checkpoint": result.final_checkpoint,
-                "stopped": result.stopped,
-                "reward/mean": result.metrics.get("reward/mean"),
-            }
+        for callback in shown:
+            callback.close()
+    if main_rank:
+        print(
+            json.dumps(
+                {
+                    "final_step": result.final_step,
+                    "checkpoint": result.final_checkpoint,
+                    "stopped": result.stopped,
+                    "reward/mean": result.metrics.get("reward/mean"),
+                }
+            )
         )
-    )
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from gspo_core.launch import launched
 from gspo_core.policy import Policy, base_model, completion_logprobs
 
 if TYPE_CHECKING:
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from gspo_core.packing import PackedBatch, SharedPrefixBatch
 
 T = TypeVar("T")
-
-#: What torchrun sets in each rank's environment (``env://`` rendezvous).
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -48,29 +46,33 @@ class Ranks:
         """Rank 0: it samples, scores, reports and writes checkpoints."""
         return self.rank == 0
 
-
-def launched_by_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_ENV)
+    def lead(self, make: Callable[[], T]) -> T | None:
+        """``make()`` on rank 0, None on the others: a part of the job that rank 0 alone holds for every rank
+        (its engine, graders, tools, callbacks), built where the job is built. The steps then never test the
+        rank: they hand rank 0's results to every rank (`broadcast`, `gspo_core.gspo_loop.shared`)."""
+        return make() if self.main else None
 
 
 def local_device() -> torch.device:
-    """This rank's device: its GPU (torchrun's LOCAL_RANK) or the CPU."""
+    """This rank's device: its GPU (the launcher's LOCAL_RANK) or the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
 def join_group(device: torch.device, timeout_s: int = 1800) -> Ranks:
-    """Join torchrun's process group (NCCL on GPU, gloo on CPU); a process run alone makes a 1-rank group
-    (an in-process store, no port), so one program serves every N. A group already made in this process
-    (an earlier job, or an in-process vLLM engine's) is reused: a process has one default group.
+    """Join the job's process group (NCCL on GPU, gloo on CPU) when this process is one of its ranks
+    (`gspo_core.launch.launched`: started by `gspo_core.launch.other_ranks` or by torchrun); a process run
+    alone makes a 1-rank group (an in-process store, no port), so one program serves every N. A group already
+    made in this process (an earlier job, or an in-process vLLM engine's) is reused: a process has one default
+    group.
     ``timeout_s``: how long a collective waits for a rank (`RuntimeOptions.rank_timeout_s`); past it the
     collective raises (gloo) or the watchdog ends the process (NCCL), and the attempt is lost, not hung."""
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if launched_by_torchrun():
+        if launched():
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 def env_runner(spec: JobSpec, ranks: Ranks, runtime: RuntimeOptions) -> VerifiersRunner | None:
     """Rank 0's runner of the job's verifiers environment (None for any other job)."""
     env = verifiers_spec(spec.environment)
-    if env is None or not ranks.main:
+    if env is None:
         return None
     from gspo_core.environments.verifiers_episodes import VerifiersRunner
 
-    return VerifiersRunner(env, runtime)
+    return ranks.lead(lambda: VerifiersRunner(env, runtime))
 
 
 def job_rows(spec: JobSpec, runner: VerifiersRunner | None, ranks: Ranks) -> tuple[list[dict], list[dict]]:
@@ -61,7 +61,7 @@ def episode_settings(
     episodes' bound. The endpoint is closed if what follows its start fails."""
     cfg = spec.hyperparameters
     parser = pick_format(cfg.tool_format, tokenizer)
-    agent = agent_spec(spec.tools, grader_policy) if ranks.main else None
+    agent = ranks.lead(lambda: agent_spec(spec.tools, grader_policy))
     endpoint_args = (
         grader_policy,
         parser,
@@ -90,6 +90,6 @@ def episode_settings(
         cfg.max_turn_tokens,
         parser,
         toolbox,
-        (episodes if ranks.main else None) or endpoint,
+        ranks.lead(lambda: episodes) or endpoint,
     )
     return settings, endpoint

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from gspo_core.callbacks import Evaluation
+from gspo_core.callbacks import Callbacks, Evaluation
 from gspo_core.checkpoint import load_trainer_state, restore, save_checkpoint
 from gspo_core.stopping import StepStopped
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from gspo_core.callbacks import Callbacks
     from gspo_core.config import GSPOConfig, JobSpec
     from gspo_core.distributed import Ranks
     from gspo_core.policy import Policy
@@ -23,8 +22,9 @@ if TYPE_CHECKING:
 
 class Job(Protocol):
     """What the loop drives (`gspo_core.trainer.Trainer`, `gspo_core.sft.SFTTrainer`): the job's rows, policy
-    and callbacks, the last completed ``step`` and the newest checkpoint ``saved`` (step, dir); a step, an
-    evaluation, and whether the next step may begin (rank 0's callbacks decide for every rank)."""
+    and callbacks (rank 0's; callbacks that do nothing on the other ranks: `job_callbacks`), the last completed
+    ``step`` and the newest checkpoint ``saved`` (step, dir); a step, an evaluation, and whether the next step
+    may begin (rank 0's callbacks decide for every rank)."""
 
     spec: JobSpec
     cfg: GSPOConfig
@@ -69,8 +69,7 @@ def run(trainer: Job) -> TrainResult:
             before = evaluate_around(trainer, "before")
         except StepStopped:  # asked to stop before the first step: nothing trained, nothing to compare
             return TrainResult(trainer.step, checkpoint(trainer, final=False), stopped=True, metrics=metrics)
-        if trainer.ranks.main:
-            trainer.callbacks.on_step(0, before)
+        trainer.callbacks.on_step(0, before)
     while trainer.step < cfg.steps:
         if not trainer.begin_step():
             return TrainResult(trainer.step, checkpoint(trainer, final=False), stopped=True, metrics=metrics)
@@ -88,9 +87,8 @@ def run(trainer: Job) -> TrainResult:
                 metrics.update(trainer.evaluate())
         except StepStopped:  # the step trained: it is recorded and saved, its evaluation is not
             stopped = True
-        if trainer.ranks.main:
-            trainer.callbacks.on_samples(step, rows)
-            trainer.callbacks.on_step(step, metrics)
+        trainer.callbacks.on_samples(step, rows)
+        trainer.callbacks.on_step(step, metrics)
         if stopped:
             return TrainResult(trainer.step, checkpoint(trainer, final=False), stopped=True, metrics=metrics)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
@@ -102,15 +100,14 @@ def evaluate_around(trainer: Job, when: Literal["before", "after"]) -> dict[str,
     """The held-out evaluation before the first step or after the last: its metrics, and its summary
     reported (:meth:`gspo_core.callbacks.Callbacks.on_evaluation`)."""
     metrics = trainer.evaluate()
-    if trainer.ranks.main:
-        prompts = min(len(trainer.val_rows), trainer.cfg.eval_prompts)
-        trainer.callbacks.on_evaluation(Evaluation.of(when, trainer.step, prompts, metrics))
+    prompts = min(len(trainer.val_rows), trainer.cfg.eval_prompts)
+    trainer.callbacks.on_evaluation(Evaluation.of(when, trainer.step, prompts, metrics))
     return metrics
 
 
 def checkpoint(trainer: Job, final: bool) -> str:
     """Save the current step (once: a step already saved is not written again): every rank writes its
-    shards of the trainer state, rank 0 the export; rank 0 reports the checkpoint."""
+    shards of the trainer state, rank 0 the export; the callbacks (rank 0's) report the checkpoint."""
     if trainer.saved is None or trainer.saved[0] != trainer.step:
         path = save_checkpoint(
             trainer.spec.output_dir,
@@ -122,10 +119,9 @@ def checkpoint(trainer: Job, final: bool) -> str:
             trainer.ranks,
             extra={"data": data_state(trainer)},
         )
-        if trainer.ranks.main:
-            trainer.callbacks.on_checkpoint(trainer.step, str(path), final)
+        trainer.callbacks.on_checkpoint(trainer.step, str(path), final)
         trainer.saved = (trainer.step, str(path))
-    elif final and trainer.ranks.main:
+    elif final:
         trainer.callbacks.on_checkpoint(trainer.step, trainer.saved[1], final)
     return trainer.saved[1]
 
@@ -158,6 +154,11 @@ def resumed(job: Job, ckpt_dir: str) -> None:
 
 
 def log(job: Job, message: str) -> None:
-    """A message to rank 0's callbacks."""
-    if job.ranks.main:
-        job.callbacks.on_log(message)
+    """A message to the job's callbacks."""
+    job.callbacks.on_log(message)
+
+
+def job_callbacks(ranks: Ranks, callbacks: Callbacks | None) -> Callbacks:
+    """The callbacks a job reports to: the given ones on rank 0, which reports for every rank; callbacks that
+    do nothing on the other ranks, so the loop calls them alike on every rank."""
+    return ranks.lead(lambda: callbacks) or Callbacks()

@@ -17,7 +17,7 @@ from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError, check_sft_row, spec_rows
-from gspo_core.distributed import join_group, local_device
+from gspo_core.distributed import broadcast, join_group, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import Policy, autocast_dtype, completion_logprobs, load_policy
@@ -174,10 +174,10 @@ class SFTTrainer:
     def __init__(self, spec: JobSpec, callbacks: Callbacks | None, runtime: RuntimeOptions | None = None) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
         self.runtime = runtime or RuntimeOptions()
-        self.callbacks = callbacks or Callbacks()
         seed_everything(self.cfg.seed)
         self.device = local_device()
         self.ranks = join_group(self.device)
+        self.callbacks = loop.job_callbacks(self.ranks, callbacks)
         if self.ranks.world > 1:
             raise ValueError("supervised jobs run on one device (resources.devices 1)")
         self.rows, self.val_rows = spec_rows(spec)
@@ -205,8 +205,9 @@ class SFTTrainer:
         loop.resumed(self, ckpt_dir)
 
     def begin_step(self) -> bool:
-        """Whether the run goes on (the callbacks' ``should_stop``; a step is not cut short once begun)."""
-        return not self.callbacks.should_stop()
+        """Whether the run goes on (rank 0's callbacks' ``should_stop``, for every rank; a step is not cut short
+        once begun)."""
+        return not broadcast(self.callbacks.should_stop(), self.ranks)
 
     def close(self, engine: bool = True) -> None:
         """Nothing outlives the run."""

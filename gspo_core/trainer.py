@@ -61,22 +61,21 @@ class Trainer:
     ) -> None:
         self.spec, self.cfg = spec, spec.hyperparameters
         self.runtime = runtime or RuntimeOptions()
-        self.callbacks = callbacks or Callbacks()
         # A config made without validation (model_copy) may still name an unknown one: fail before any loading.
         LOSSES.get(self.cfg.loss), ADVANTAGES.get(self.cfg.advantage)
         seed_everything(self.cfg.seed)
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
+        self.callbacks = loop.job_callbacks(self.ranks, callbacks)
         self.env_runner = env_runner(spec, self.ranks, self.runtime)
         self.rows, self.val_rows = job_rows(spec, self.env_runner, self.ranks)
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
-        self.reward_fn = build_reward(spec.reward, grader_policy) if self.ranks.main else None
+        self.reward_fn = self.ranks.lead(lambda: build_reward(spec.reward, grader_policy))
         self.toolbox = None
         self.agent_endpoint: AgentEndpoint | None = None
         try:
-            self.toolbox = build_toolbox(spec.tools, grader_policy) if self.ranks.main else None
-            if self.ranks.main:  # rows naming a tool the job lacks (an MCP server's are known only now)
-                self._check_row_tools()
+            self.toolbox = self.ranks.lead(lambda: build_toolbox(spec.tools, grader_policy))
+            self.ranks.lead(self._check_row_tools)  # rows naming a tool the job lacks (an MCP server's: known now)
             model, tokenizer = load_policy(spec.model, self.cfg, self.device)
             self.tokenizer: PreTrainedTokenizerBase = tokenizer
             amp = autocast_dtype(self.cfg, self.device)
@@ -86,7 +85,7 @@ class Trainer:
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
             )
-            self.engine: RolloutEngine | None = (engine or self._make_engine()) if self.ranks.main else None
+            self.engine: RolloutEngine | None = self.ranks.lead(lambda: engine or self._make_engine())
             # Rank 0's engine, as every rank needs to know it (one collective): whether it samples with the
             # trainer's own (gathered) weights, so nothing is pushed, and else how it is pushed to.
             engine_facts = (self.engine.shares_weights, self.engine.push_backend) if self.engine is not None else None
@@ -107,10 +106,10 @@ class Trainer:
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
     def _peer_push(self) -> Push | None:
-        """On ranks 1..N-1, where the transport takes every rank's copy of the weights (CUDA IPC): their side
-        of rank 0's pushes, through the same trainer-side engine. Elsewhere rank 0 sends what was gathered
-        to it, and the other ranks have no part beyond the gather."""
-        if self.ranks.main or not self.push_backend:
+        """On the ranks with no engine (1..N-1), where the transport takes every rank's copy of the weights (CUDA
+        IPC): their side of rank 0's pushes, through the same trainer-side engine. Elsewhere rank 0 sends what
+        was gathered to it, and the other ranks have no part beyond the gather."""
+        if self.engine is not None or not self.push_backend:
             return None
         from gspo_core.rollout.weight_push import NoEngine, Push, every_rank_sends
 
@@ -201,11 +200,11 @@ class Trainer:
 
     def begin_step(self) -> bool:
         """Whether the run goes on (rank 0's callbacks decide for every rank); if so, the step about to run
-        gets its stop check: the callbacks' deadline and their ``should_stop``, asked while it waits."""
+        gets its stop check: the callbacks' deadline and their ``should_stop``, asked while rank 0's part of
+        it waits (`gspo_core.gspo_loop.shared` hands its stop to every rank)."""
         if self.should_stop():
             return False
-        if self.ranks.main:
-            self.stop = StopCheck(self.callbacks.should_stop, self.callbacks.deadline())
+        self.stop = StopCheck(self.callbacks.should_stop, self.callbacks.deadline())
         return True
 
     def run_step(self, step: int) -> tuple[dict, list[dict]]:
@@ -236,8 +235,8 @@ class Trainer:
         return self.toolbox.schemas if self.toolbox else None
 
     def should_stop(self) -> bool:
-        """Rank 0's callbacks decide for every rank."""
-        return broadcast(self.callbacks.should_stop() if self.ranks.main else None, self.ranks)
+        """Rank 0's callbacks decide for every rank (the others' do nothing: their answer is not sent)."""
+        return broadcast(self.callbacks.should_stop(), self.ranks)
 
     def close_graders(self) -> None:
         """Stop the graders' and the tools' threads and processes."""

@@ -6,13 +6,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import cast
 
-from sqlalchemy import CursorResult, Result, Table, and_, func, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import CursorResult, Result, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from store import webhooks
-from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric, Tenant, utcnow
+from store.models import Job, JobEvent, Tenant, utcnow
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 # Statuses in which a worker holds the job's lease (``pausing``: asked to pause, it stops within seconds).
@@ -253,57 +251,6 @@ def end_lease(s: Session, job_id: str, worker_id: str) -> None:
         .values(lease_until=_now() - timedelta(seconds=1))
         .execution_options(synchronize_session=False)
     )
-
-
-def _upsert(s: Session, table: Table, values: dict, keys: list[str], update_cols: list[str]) -> None:
-    dialect = s.get_bind().dialect.name
-    ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)
-    s.execute(ins.on_conflict_do_update(index_elements=keys, set_={c: ins.excluded[c] for c in update_cols}))
-
-
-def record_step(s: Session, job_id: str, step: int, metrics: dict) -> None:
-    """Store a step's metrics (idempotent on (job, step): a resumed job rewrites, never duplicates)."""
-    _upsert(
-        s,
-        StepMetric.__table__,
-        {"job_id": job_id, "step": step, "metrics": metrics, "created_at": utcnow()},
-        ["job_id", "step"],
-        ["metrics"],
-    )
-    s.execute(
-        update(Job)
-        .where(Job.id == job_id)
-        .values(step=step, latest_metrics=metrics)
-        .execution_options(synchronize_session=False)
-    )
-
-
-def record_evaluation(s: Session, job_id: str, evaluation: dict) -> None:
-    """Keep a held-out evaluation (``evaluation["when"]``: before or after) on the job, beside the other."""
-    job = s.get(Job, job_id, populate_existing=True)
-    assert job is not None, "the worker holds the job's lease: its row exists"
-    job.evaluation = {**(job.evaluation or {}), evaluation["when"]: evaluation}
-
-
-def record_samples(s: Session, job_id: str, step: int, rows: list[dict]) -> None:
-    _upsert(s, Sample.__table__, {"job_id": job_id, "step": step, "rows": rows}, ["job_id", "step"], ["rows"])
-
-
-def record_checkpoint(s: Session, job: Job, step: int, prefix: str, size: int, final: bool) -> Checkpoint:
-    """A checkpoint row with the metrics of its step (idempotent on (job, step))."""
-    metrics = s.scalar(select(StepMetric.metrics).where(StepMetric.job_id == job.id, StepMetric.step == step)) or {}
-    ckpt = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
-    if ckpt is None:
-        ckpt = Checkpoint(job_id=job.id, tenant_id=job.tenant_id, step=step)
-        s.add(ckpt)
-    ckpt.object_prefix, ckpt.size_bytes, ckpt.metrics, ckpt.final = prefix, size, metrics, final
-    s.flush()
-    add_event(s, job.id, "checkpoint", f"checkpoint at step {step}", {"checkpoint_id": ckpt.id, "step": step})
-    return ckpt
-
-
-def latest_checkpoint(s: Session, job_id: str) -> Checkpoint | None:
-    return s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1))
 
 
 def lock_job(s: Session, job: Job) -> Job:

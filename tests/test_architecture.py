@@ -91,3 +91,21 @@ def test_every_module_has_a_docstring():
             if path.stat().st_size and ast.get_docstring(ast.parse(path.read_text())) is None:
                 missing.append(str(path.relative_to(ROOT)))
     assert not missing, "modules without a one-line docstring: " + ", ".join(missing)
+
+
+#: The job loop and its steps: every rank runs them as they read; what rank 0 alone holds (engine, graders,
+#: callbacks) is decided where the job is built (`Ranks.lead`), and its results reach the others by broadcast.
+RANK_FREE = ("gspo_core/loop.py", "gspo_core/gspo_loop.py", "gspo_core/trainer.py", "gspo_core/sft.py")
+
+
+def test_the_job_loop_and_its_steps_never_test_the_rank():
+    bad = []
+    for name in RANK_FREE:
+        for node in ast.walk(ast.parse((ROOT / name).read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "main":
+                bad.append(f"{name}:{node.lineno} reads .main")
+            if isinstance(node, ast.Compare) and any(
+                isinstance(part, ast.Attribute) and part.attr == "rank" for part in ast.walk(node)
+            ):
+                bad.append(f"{name}:{node.lineno} compares a rank")
+    assert not bad, "\n".join(bad)

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from gspo_core.callbacks import Callbacks, Evaluation
-from store import jobs, retention
+from store import jobs, progress, retention
 from store.models import Checkpoint, Job
 from store.objects import ARCHIVE_NAME, ObjectStore, put_dir
 from store.tenants import StorageQuotaExceeded, stored_bytes
@@ -169,14 +169,14 @@ class PersistCallbacks(Callbacks):
             self.usage.add_step(metrics)  # once per step: the transaction below writes absolute values
 
         def rec(s):
-            jobs.record_step(s, self.job_id, step, metrics)
+            progress.record_step(s, self.job_id, step, metrics)
             if self.usage is not None:
                 self.usage.write(s)
 
         self._tx(rec, f"recording step {step}")
 
     def on_samples(self, step, rows):
-        self._tx(lambda s: jobs.record_samples(s, self.job_id, step, rows), f"recording samples of step {step}")
+        self._tx(lambda s: progress.record_samples(s, self.job_id, step, rows), f"recording samples of step {step}")
 
     def on_checkpoint(self, step, path, final):
         # The attempt in the prefix keeps a worker that lost the job mid-upload from overwriting the
@@ -192,7 +192,7 @@ class PersistCallbacks(Callbacks):
 
         def rec(s):
             job = s.get(Job, self.job_id)
-            jobs.record_checkpoint(s, job, step, prefix, size, final)
+            progress.record_checkpoint(s, job, step, prefix, size, final)
             dropped = retention.prune(s, job)
             # Counted after retention, under the job's lease: the row goes only with what it keeps.
             if self.storage_quota is not None and (used := stored_bytes(s, job.tenant_id)) > self.storage_quota:
@@ -217,7 +217,7 @@ class PersistCallbacks(Callbacks):
 
     def on_evaluation(self, evaluation: Evaluation) -> None:
         def rec(s):
-            jobs.record_evaluation(s, self.job_id, evaluation.as_dict())
+            progress.record_evaluation(s, self.job_id, evaluation.as_dict())
             jobs.add_event(s, self.job_id, "log", evaluation_message(evaluation, s.get(Job, self.job_id).evaluation))
 
         self._tx(rec, f"recording the evaluation {evaluation.when} training")

@@ -21,10 +21,11 @@ from gspo_core.environments import (
     write_environment_rows,
 )
 from gspo_core.environments.isolated import Isolation
+from gspo_core.launch import RankLost, other_ranks
 from gspo_core.platform import RuntimeOptions, prepare_process
 from gspo_core.rewards import GraderPolicy, map_reward_models
 from gspo_core.urls import redact_userinfo
-from store import jobs, results
+from store import jobs, progress, results
 from store.model_refs import resolve_model
 from store.models import Checkpoint, File, Job
 from store.objects import ObjectStore, get_dir
@@ -36,7 +37,7 @@ from store.tenants import StorageQuotaExceeded
 from store.usage import QueuePolicy, RunMeter
 from worker.context import SHUTDOWN, get_db, get_store
 from worker.persist import Heartbeat, PersistCallbacks, RunUsage, drop_orphan_uploads, with_db_retry
-from worker.ranks import RankLost, other_ranks
+from worker.ranks import allow_children
 from worker.reaper import reap_once
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _fetch_inputs(
 
 def _resume_dir(s, objects: ObjectStore, job_id: str, out_dir: Path) -> str | None:
     """Download the job's latest checkpoint (model + trainer state) for an exact resume."""
-    ckpt = jobs.latest_checkpoint(s, job_id)
+    ckpt = progress.latest_checkpoint(s, job_id)
     if ckpt is None:
         return None
     return str(get_dir(objects, ckpt.object_prefix, out_dir / "checkpoints" / f"step-{ckpt.step:06d}"))
@@ -265,6 +266,8 @@ def _train(
         if status in ("cancelling", "pausing"):  # a takeover of a job asked to stop: nothing more to train
             cb.stop_reason = "cancel" if status == "cancelling" else "pause"
         else:
+            if devices > 1:  # rank 0's vLLM engine runs in processes of its own (`gspo_core.launch`)
+                allow_children()
             with other_ranks(spec, resume is not None, work, runtime):
                 train(
                     spec,

@@ -1,14 +1,12 @@
-"""Jobs at the API: submission checks (hyperparameters, grader spec, model, files), creation, listing,
-cancelling, pausing and resuming."""
+"""Jobs at the API: creation (its checks: `api.services.job_checks`), listing, cancelling, pausing and resuming."""
 
 from __future__ import annotations
 
 import base64
 import logging
 from datetime import datetime
-from typing import Any, cast
+from typing import cast
 
-from pydantic import ValidationError
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -18,16 +16,22 @@ from api.job_schemas import JobCreate, JobEvaluation, JobOut, JobStatus, JobUsag
 from api.schemas import Page
 from api.services.environments import check_environment_job
 from api.services.files import check_room_for_a_job
-from api.services.rewards import build_checked
-from gspo_core.agents.tools import ToolSpecError, build_toolbox
+from api.services.job_checks import (
+    check_hyperparameters,
+    check_model,
+    check_resources,
+    check_reward,
+    check_supervised,
+    check_tools,
+    check_wall_limit,
+    owned_file,
+)
 from gspo_core.config import RETIRED_FIELDS, GSPOConfig, Resources
-from gspo_core.data import DataError, check_row_tools, check_sft_file, rows_with_tools
 from gspo_core.environments import default_reward, environment_item_fields
-from gspo_core.rewards import GraderPolicy, redact_secrets
+from gspo_core.rewards import redact_secrets
 from store import jobs as job_state
 from store import results
-from store.model_refs import ModelRefError, check_local_or_hub
-from store.models import Checkpoint, File, Job, JobEvent, Tenant
+from store.models import Job, JobEvent, Tenant
 from store.objects import ObjectStore
 from store.queue import enqueue_run_job
 from store.scheduling import TenantQueue
@@ -35,126 +39,6 @@ from store.settings import Settings
 from store.usage import QueuePolicy
 
 log = logging.getLogger(__name__)
-
-
-def check_hyperparameters(raw: dict[str, Any]) -> GSPOConfig:
-    try:
-        return GSPOConfig(**raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        field = f"hyperparameters.{loc}" if loc else "hyperparameters"
-        raise ApiError(422, "invalid_hyperparameters", f"{field}: {err['msg']}", field) from None
-
-
-def check_reward(spec: dict[str, Any], fields: set[str] | None, settings: Settings) -> None:
-    """The spec builds, its grader models are allowed, and every ``{{item.x}}`` it uses exists in the
-    training file."""
-    fn = build_checked(spec, settings)
-    try:
-        missing = sorted(fn.item_fields() - fields) if fields is not None else []
-    finally:
-        fn.close()
-    if missing:
-        raise ApiError(
-            422,
-            "invalid_reward",
-            f"reward uses item field(s) {', '.join(missing)} that the training file's rows do not all have",
-            "reward",
-        )
-
-
-def check_tools(
-    tools: list[dict[str, Any]], settings: Settings, objects: ObjectStore, files: dict[str, File | None]
-) -> None:
-    """The tools build under the operator's grader policy (sandbox, egress; MCP servers are not contacted
-    here: their tools are listed when the job starts); every tool the files' rows name is one of them
-    (unless an MCP server's may be). 422 naming the field (and the file's line)."""
-    try:
-        box = build_toolbox(tools, GraderPolicy.from_mapping(settings.grader_policy()), connect=False)
-    except ToolSpecError as exc:
-        raise ApiError(422, "invalid_tools", str(exc), exc.field) from None
-    names = set(box.tools) if box is not None else set()
-    if box is not None:
-        box.close()
-    if any(tool.get("type") == "mcp" for tool in tools):
-        return  # the rows' names are checked against the servers' lists when the job starts
-    for field, f in files.items():
-        if f is None:
-            continue
-        try:
-            check_row_tools(rows_with_tools(objects.open_stream(f.object_key)), names)
-        except DataError as exc:
-            raise ApiError(
-                422, "invalid_file", f"{field}: line {exc.line}: {exc.message}", f"{field}.{exc.field}", line=exc.line
-            ) from None
-
-
-def check_model(s: Session, settings: Settings, tenant: Tenant, model: str) -> None:
-    """A checkpoint of this tenant, a directory under models_dir, or a hub id when allowed."""
-    if model.startswith("ckpt:"):
-        ckpt = s.get(Checkpoint, model[5:])
-        if ckpt is None or ckpt.tenant_id != tenant.id:
-            raise ApiError(404, "not_found", f"checkpoint {model[5:]} not found", "model")
-        return
-    try:
-        check_local_or_hub(settings, model)
-    except ModelRefError as exc:
-        hint = ", or ckpt:<checkpoint id>" if str(exc).startswith("unknown model") else ""
-        raise ApiError(422, "invalid_model", f"{exc}{hint}", "model") from None
-
-
-def check_wall_limit(asked: int | None, settings: Settings) -> None:
-    """A job may ask for less device time than the operator allows, not more."""
-    limit = settings.max_job_wall_seconds
-    if asked is not None and limit and asked > limit:
-        raise ApiError(
-            422,
-            "invalid_max_wall_seconds",
-            f"max_wall_seconds: at most {limit:.0f} (the operator's limit per job)",
-            "max_wall_seconds",
-        )
-
-
-def check_supervised(reward: dict[str, Any] | None, objects: ObjectStore, files: dict[str, File | None]) -> None:
-    """A supervised job takes no grader, and every row of its files is a chat row it can train on (a 422
-    naming the file, the line and the field of the first that is not)."""
-    if reward:
-        raise ApiError(422, "invalid_reward", "reward: a supervised job takes no grader", "reward")
-    for field, f in files.items():
-        if f is None:
-            continue
-        try:
-            check_sft_file(objects.open_stream(f.object_key))  # a line at a time, never the file
-        except DataError as exc:
-            where = f"{field}: line {exc.line}: " if exc.line else f"{field}: "
-            raise ApiError(
-                422,
-                "invalid_file",
-                f"{where}{exc.message} (a supervised row)",
-                f"{field}.{exc.field or 'messages'}",
-                line=exc.line,
-            ) from None
-
-
-def check_resources(asked: Resources, settings: Settings) -> None:
-    """A job may ask for at most the devices of the operator's largest worker."""
-    if asked.devices > settings.max_job_devices:
-        raise ApiError(
-            422,
-            "invalid_resources",
-            f"resources.devices: at most {settings.max_job_devices} (the operator's GSPO_MAX_JOB_DEVICES)",
-            "resources.devices",
-        )
-
-
-def _owned_file(s: Session, tenant: Tenant, file_id: str, field: str) -> File:
-    f = s.get(File, file_id)
-    if f is None or f.tenant_id != tenant.id:
-        raise ApiError(404, "not_found", f"file {file_id} not found", field)
-    if f.purpose != "fine-tune":
-        raise ApiError(422, "invalid_file", f"file {file_id} is a job's results ({f.purpose}), not a dataset", field)
-    return f
 
 
 def create_job(
@@ -174,8 +58,8 @@ def create_row(
     if idem_key and (prior := _prior(s, tenant, idem_key)) is not None:
         return _replayed(prior, req, cfg), False
     env, reward = check_environment_job(req, cfg, settings)
-    train = _owned_file(s, tenant, req.training_file, "training_file") if req.training_file else None
-    val = _owned_file(s, tenant, req.validation_file, "validation_file") if req.validation_file else None
+    train = owned_file(s, tenant, req.training_file, "training_file") if req.training_file else None
+    val = owned_file(s, tenant, req.validation_file, "validation_file") if req.validation_file else None
     if cfg.method == "supervised":
         check_supervised(reward, objects, {"training_file": train, "validation_file": val})
     elif reward is None:

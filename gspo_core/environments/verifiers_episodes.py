@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from gspo_core.agents.remote import AgentEndpoint, AgentEnvironment, _Session
+from gspo_core.agents.remote import AgentEndpoint, _Session
+from gspo_core.agents.remote_episodes import AgentEnvironment
 from gspo_core.environments.verifiers_env import VerifiersEnvironment, check_allowed
 from gspo_core.rollout.base import EnvironmentScore, EpisodeOutcome
 from gspo_core.stopping import NEVER, StopCheck

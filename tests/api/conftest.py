@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gspo_core.toy import build_tiny_model, write_toy_dataset
-from store import jobs
+from store import jobs, progress
 from store.db import run_migrations
 from store.models import Job
 from store.objects import put_dir
@@ -112,8 +112,8 @@ def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_pat
     with app.state.db.session() as s:
         job = jobs.claim(s, job_id, "w1", 30)
         for step in (1, 2, 3):
-            jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "loss": -step})
-            jobs.record_samples(
+            progress.record_step(s, job_id, step, {"reward/mean": step / 10, "loss": -step})
+            progress.record_samples(
                 s,
                 job_id,
                 step,
@@ -136,7 +136,7 @@ def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_pat
             )
         prefix = f"jobs/{job_id}/checkpoints/step-000003"
         size = put_dir(app.state.objects, prefix, ckpt_dir)
-        jobs.record_checkpoint(s, job, 3, prefix, size, True)
+        progress.record_checkpoint(s, job, 3, prefix, size, True)
         jobs.transition(s, s.get(Job, job_id), "succeeded")
     return job_id
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from store import jobs
+from store import jobs, progress
 from store.db import run_migrations
 from store.models import Checkpoint, Job, JobEvent, PendingDeletion, Sample, StepMetric
 from store.objects import S3ObjectStore, put_dir
@@ -105,7 +105,7 @@ def test_checkpoints_of_a_running_job_stay(client, app, auth, uploaded, model_na
     with app.state.db.session() as s:
         row = jobs.claim(s, job, "w", 30)
         put_dir(app.state.objects, f"jobs/{job}/checkpoints/step-000001", tmp_path / "c")
-        ckpt = jobs.record_checkpoint(s, row, 1, f"jobs/{job}/checkpoints/step-000001", 2, False).id
+        ckpt = progress.record_checkpoint(s, row, 1, f"jobs/{job}/checkpoints/step-000001", 2, False).id
     err = _error(client.delete(f"/v1/checkpoints/{ckpt}", headers=auth), 409, "checkpoint_in_use")
     assert "running" in err["message"]
     assert "running" in _error(client.delete(f"/v1/jobs/{job}", headers=auth), 409, "job_active")["message"]
@@ -146,7 +146,7 @@ def test_deletion_reclaims_s3_objects(s3_settings, tmp_path, toy_dataset):
             row = jobs.claim(s, job, "w", 30)
             for step in (1, 2):
                 put_dir(objects, f"jobs/{job}/checkpoints/step-00000{step}", tmp_path / "c")
-                jobs.record_checkpoint(s, row, step, f"jobs/{job}/checkpoints/step-00000{step}", 2, step == 2)
+                progress.record_checkpoint(s, row, step, f"jobs/{job}/checkpoints/step-00000{step}", 2, step == 2)
             jobs.transition(s, row, "succeeded")
         first = c.get(f"/v1/jobs/{job}/checkpoints", headers=h).json()["data"][0]["id"]
         assert len(objects.list(f"jobs/{job}")) == 2 and len(objects.list(f"tenants/{tenant.id}")) == 1

@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from store import jobs
+from store import jobs, progress
 from store.models import File
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
@@ -265,7 +265,7 @@ def test_streams_end_after_their_maximum_and_the_client_resumes(settings):
         for step in range(1, 7):
             time.sleep(0.3)
             with app.state.db.session() as s:
-                jobs.record_step(s, job_id, step, {"loss": float(step)})
+                progress.record_step(s, job_id, step, {"loss": float(step)})
         with app.state.db.session() as s:
             jobs.transition(s, s.get(Job, job_id), "succeeded")
 

@@ -6,7 +6,7 @@ import io
 import json
 import tarfile
 
-from store import jobs
+from store import jobs, progress
 from store.models import Job
 from tests.api.conftest import job_body
 
@@ -122,7 +122,7 @@ def test_events_follow_a_running_job_live(client, app, auth, uploaded, model_nam
         for step in (1, 2, 3):
             time.sleep(0.3)
             with app.state.db.session() as s:
-                jobs.record_step(s, job_id, step, {"reward/mean": step / 10})
+                progress.record_step(s, job_id, step, {"reward/mean": step / 10})
                 jobs.add_event(s, job_id, "log", f"step {step} done")
         with app.state.db.session() as s:
             jobs.transition(s, s.get(Job, job_id), "failed", error="out of memory")

@@ -8,7 +8,7 @@ import tarfile
 import httpx
 from fastapi.testclient import TestClient
 
-from store import jobs
+from store import jobs, progress
 from store.db import run_migrations
 from store.objects import S3ObjectStore, put_dir
 from store.tenants import create_tenant_and_key
@@ -39,7 +39,7 @@ def test_presigned_redirect(s3_settings, tmp_path, toy_dataset):
         app.state.objects.put_file(f"{prefix}/archive.tar.gz", build_archive(ckpt, "root"))
         with app.state.db.session() as s:
             job = jobs.claim(s, job_id, "w", 30)
-            ckpt_id = jobs.record_checkpoint(s, job, 1, prefix, 2, True).id
+            ckpt_id = progress.record_checkpoint(s, job, 1, prefix, 2, True).id
         r = c.get(f"/v1/checkpoints/{ckpt_id}/download", headers=h, follow_redirects=False)
         assert r.status_code == 307 and "Signature=" in r.headers["location"]
         body = httpx.get(r.headers["location"]).content

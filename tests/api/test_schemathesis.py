@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
 
 from api.app import create_app
 from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
-from store import jobs
+from store import jobs, progress
 from store.db import run_migrations
 from store.models import File, Job
 from store.objects import put_dir
@@ -67,10 +67,10 @@ def seed_tenant(app, name: str) -> dict:
         s.commit()
         jobs.claim(s, job.id, "fuzz-worker", 30)
         for step in (1, 2):
-            jobs.record_step(s, job.id, step, {"reward/mean": step / 10})
-            jobs.record_samples(s, job.id, step, [{"prompt": "say a:", "item": {}, "completions": []}])
+            progress.record_step(s, job.id, step, {"reward/mean": step / 10})
+            progress.record_samples(s, job.id, step, [{"prompt": "say a:", "item": {}, "completions": []}])
         size = put_dir(app.state.objects, f"jobs/{job.id}/checkpoints/step-000002", ckpt)
-        c = jobs.record_checkpoint(s, job, 2, f"jobs/{job.id}/checkpoints/step-000002", size, True)
+        c = progress.record_checkpoint(s, job, 2, f"jobs/{job.id}/checkpoints/step-000002", size, True)
         jobs.transition(s, s.get(Job, job.id), "succeeded")  # terminal, so its event stream ends
         return {"key": key, "ids": {"file_id": f.id, "job_id": job.id, "checkpoint_id": c.id}}
 

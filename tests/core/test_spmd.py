@@ -1,13 +1,15 @@
-"""The trainer as an SPMD program: two real torchrun ranks over gloo train as one process does, with either engine,
-and their sharded checkpoint resumes at one rank and loads in transformers and in vLLM."""
+"""The trainer as an SPMD program: two real ranks (`gspo train --devices 2`) over gloo train as one process does,
+with either engine, and their sharded checkpoint resumes at one rank and loads in transformers and in vLLM."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from tests.core.trainer_support import (
     VLLM_RUNTIME,
     Recorder,
     one_torch_thread,
+    processes_running,
     toy_spec,
     train,
 )
@@ -130,6 +133,34 @@ def test_a_mixtral_of_one_rank_resumes_at_two(tmp_path):
     want = weights(one.final_checkpoint)
     moved = max_error(want, load_file(str(model_dir / "model.safetensors")))
     assert moved > 1e-3 and max_error(weights(result["checkpoint"]), want) < 1e-4
+
+
+def test_a_killed_rank_ends_the_run_with_its_cause(tiny_model_dir, tmp_path):
+    """`gspo train --devices 2` is rank 0 of its job and starts rank 1 (`gspo_core.launch`, as the worker does):
+    rank 1 killed mid-run (what the OOM killer does) ends the run at once, exit status 1 naming the cause, and
+    no rank outlives it; rank 1's job file holds no reward spec (rank 0 alone scores)."""
+    spec = toy_spec(tiny_model_dir, tmp_path / "two", steps=500)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    env = {**os.environ, **THREAD_ENV, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "gspo_core", "train", str(job), "--devices", "2", "--rollout-engine", "transformers"]
+    out, ranks = Path(spec.output_dir), str(Path(spec.output_dir) / "ranks.yaml")
+    log = tmp_path / "stderr"
+    with open(log, "w") as stderr:
+        run = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):  # a step trained
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert yaml.safe_load(Path(ranks).read_text())["reward"] == {}
+        (rank_1,) = processes_running(ranks)
+        os.kill(rank_1, signal.SIGKILL)
+        assert run.wait(timeout=60) == 1, log.read_text()[-3000:]
+    finally:
+        run.kill()
+    assert "error: rank 1 was killed (SIGKILL)" in log.read_text()
+    assert not processes_running(ranks), "no rank outlives the run"
 
 
 def max_error(a: dict, b: dict) -> float:

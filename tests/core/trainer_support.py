@@ -1,11 +1,12 @@
 """Shared helpers of the trainer tests: a recording callbacks object, toy job specs run on the transformers
-engine, one torch thread, one step's update."""
+engine, one torch thread, one step's update, the processes of a job's ranks."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -120,3 +121,15 @@ def update_step(sampled, cfg: GSPOConfig, logprob_bias: float = 0.0):
         recomputed=result.sampler_rejected,
     )
     return view, {**result.metrics, **adv_metrics}, model
+
+
+def processes_running(arg: str) -> list[int]:
+    """Pids of the live processes one of whose arguments is ``arg``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and arg.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:  # it ended meanwhile
+            continue
+    return pids

@@ -7,7 +7,7 @@ import threading
 import pytest
 from sqlalchemy import func, select
 
-from store import jobs
+from store import jobs, progress
 from store.models import Checkpoint, Job, JobEvent, Sample, StepMetric
 from store.scheduling import TenantQueue, Waiting
 from store.usage import QueuePolicy
@@ -146,7 +146,7 @@ def test_a_takeover_waits_for_the_holders_write_in_flight(db):
         t = threading.Thread(target=successor)
         t.start()
         assert not took_over.wait(1.0), "the takeover must wait until the fenced write commits"
-        jobs.record_step(s, job_id, 1, {"step": 1})
+        progress.record_step(s, job_id, 1, {"step": 1})
     t.join(30)
     assert took_over.is_set()
     with db.session() as s:
@@ -177,8 +177,8 @@ def test_step_metrics_samples_and_checkpoints_are_idempotent_per_step(db):
     with db.session() as s:
         jobs.claim(s, job_id, "w1", 60)
         for step in (1, 2, 2, 1, 3):  # a resumed attempt rewrites steps it already reported
-            jobs.record_step(s, job_id, step, {"reward/mean": step / 10, "step": step})
-            jobs.record_samples(s, job_id, step, [{"prompt": "p", "completions": []}])
+            progress.record_step(s, job_id, step, {"reward/mean": step / 10, "step": step})
+            progress.record_samples(s, job_id, step, [{"prompt": "p", "completions": []}])
     with db.session() as s:
         rows = s.execute(
             select(StepMetric.step, StepMetric.metrics).where(StepMetric.job_id == job_id).order_by(StepMetric.step)
@@ -187,14 +187,14 @@ def test_step_metrics_samples_and_checkpoints_are_idempotent_per_step(db):
         assert s.scalar(select(func.count()).select_from(Sample).where(Sample.job_id == job_id)) == 3
         job = s.get(Job, job_id)
         assert job.step == 3
-        first = jobs.record_checkpoint(s, job, 2, "jobs/x/step-000002", 100, final=False)
-        again = jobs.record_checkpoint(s, job, 2, "jobs/x/step-000002", 120, final=False)
-        jobs.record_checkpoint(s, job, 3, "jobs/x/step-000003", 130, final=True)
+        first = progress.record_checkpoint(s, job, 2, "jobs/x/step-000002", 100, final=False)
+        again = progress.record_checkpoint(s, job, 2, "jobs/x/step-000002", 120, final=False)
+        progress.record_checkpoint(s, job, 3, "jobs/x/step-000003", 130, final=True)
         assert first.id == again.id and again.size_bytes == 120 and again.metrics["reward/mean"] == 0.2
         assert first.id.startswith("ckpt_") and first.tenant_id == job.tenant_id
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.job_id == job_id)) == 2
-        latest = jobs.latest_checkpoint(s, job_id)
+        latest = progress.latest_checkpoint(s, job_id)
         assert latest.step == 3 and latest.final
 
 

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from store import jobs, results
+from store import jobs, progress, results
 from store.models import File, Job, JobEvent
 from store.objects import LocalObjectStore
 from tests.store.conftest import make_job
@@ -121,8 +121,8 @@ def test_a_finished_jobs_results_file_is_made_once(db, tmp_path):
     with db.session() as s:
         job = jobs.claim(s, job_id, "w1", lease_seconds=60)
         assert results.attach(s, objects, job) is None, "not before the job ended"
-        jobs.record_step(s, job_id, 1, {"reward/mean": 0.25, "loss": 1.5, "step": 1.0})
-        jobs.record_step(s, job_id, 2, {"reward/mean": 0.5, "loss": 1.0, "eval/reward/mean": 0.75})
+        progress.record_step(s, job_id, 1, {"reward/mean": 0.25, "loss": 1.5, "step": 1.0})
+        progress.record_step(s, job_id, 2, {"reward/mean": 0.5, "loss": 1.0, "eval/reward/mean": 0.75})
         jobs.transition(s, job, "succeeded")
         assert results.jobs_without_results(s) == [job_id], "the reaper's sweep would write it"
         made = results.attach(s, objects, job)

@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from store.models import Checkpoint, JobEvent
 from store.objects import get_dir, get_object_store
+from tests.core.trainer_support import processes_running
 from tests.worker.conftest import build_rig, wait_for
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin") if Path("/usr/lib/postgresql/15/bin").exists() else None
@@ -144,18 +145,6 @@ def test_postgres_restart_mid_job_and_api_503(tmp_path):
         shutil.rmtree(pg_root, ignore_errors=True)
 
 
-def processes_running(arg: str) -> list[int]:
-    """Pids of the live processes one of whose arguments is ``arg``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and arg.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
-                pids.append(int(proc.name))
-        except OSError:  # it ended meanwhile
-            continue
-    return pids
-
-
 def test_a_lost_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
     """Rank 1 of a 2-device job is lost twice: first stopped (SIGSTOP: it hangs without dying), so rank 0's
     collective waits out the group's timeout; then, on the retry, SIGKILLed (what the OOM killer does), which
@@ -169,7 +158,7 @@ def test_a_lost_rank_retries_the_job_from_its_checkpoint(make_rig, tmp_path):
         with rig.app.state.db.session() as s:
             return list(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
 
-    ranks = str(tmp_path / "work" / job_id / "ranks.yaml")  # the job file of ranks 1..N-1 (worker/ranks.py)
+    ranks = str(tmp_path / "work" / job_id / "ranks.yaml")  # the job file of ranks 1..N-1 (gspo_core/launch.py)
     wait_for(lambda: 1 in checkpoints(), 120, "step 1's checkpoint")
     (hung,) = processes_running(ranks)
     os.kill(hung, signal.SIGSTOP)
