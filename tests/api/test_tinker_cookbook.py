@@ -184,7 +184,7 @@ class LowercaseDataset(RLDataset):
 
 @chz.chz
 class LowercaseDatasetBuilder(RLDatasetBuilder):
-    batches: int = 6
+    batches: int = 10
     groups: int = 4
     group_size: int = 8
 
@@ -193,11 +193,11 @@ class LowercaseDatasetBuilder(RLDatasetBuilder):
 
 
 def test_cookbook_rl_loop(cookbook_env, tiny_model_dir, tmp_path):
-    """The RL loop's metrics, its sampler following its trainer, trained weights, and a reward that rises: 6 steps
+    """The RL loop's metrics, its sampler following its trainer, trained weights, and a reward that rises: 10 steps
     of 4 groups of 8 rollouts, the SDK's default LoRA (attention, MLP and unembedding adapters) at learning rate
-    3e-2. The lowercase share starts near 0.3; the last 2 steps' mean rose 0.09-0.30 above the first 2's in the
-    runs docs/tinker.md lists, and with no learning that difference varies by about 0.03 (a step's mean over 32
-    rollouts), so the margin is twice that."""
+    3e-2. The lowercase share starts near 0.3. Over 6 steps the last 2 steps' mean rose 0.05-0.30 above the first
+    2's (docs/tinker.md; 0.05 once, in a suite run): too close to the noise (a step's mean over 32 rollouts varies
+    by about 0.03 with no learning), so the run is 10 steps and compares the last 3 steps' mean with the first 3's."""
     from transformers import AutoModelForCausalLM
 
     url, key = cookbook_env
@@ -213,12 +213,12 @@ def test_cookbook_rl_loop(cookbook_env, tiny_model_dir, tmp_path):
         lora_rank=8,
         base_url=url,
         eval_every=0,
-        save_every=3,
+        save_every=5,
     )
     asyncio.run(rl_train.main(config))
 
     rows = [m for m in _metrics(log_path) if "env/all/reward/total" in m]
-    assert len(rows) == 6, rows
+    assert len(rows) == 10, rows
     for m in rows:
         assert 0 <= m["env/all/reward/total"] <= 1 and m["env/all/reward/total"] == m["env/all/lowercase_share"]
         assert m["env/all/ac_tokens_per_turn"] > 0
@@ -226,9 +226,9 @@ def test_cookbook_rl_loop(cookbook_env, tiny_model_dir, tmp_path):
         # of each step holds the weights saved at that step
         assert abs(m["optim/kl_sample_train_v2"]) < 1e-3, m
     rewards = [m["env/all/reward/total"] for m in rows]
-    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.06, rewards
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.06, rewards
     names = [c["name"] for c in _checkpoints(log_path)]
-    assert names == ["000003", "000006", "final"], names  # every 3rd step, and after the last
+    assert names == ["000005", "000010", "final"], names  # every 5th step, and after the last
     trained = _check_saved_checkpoint(url, key, _checkpoints(log_path)[-1]["sampler_path"], tmp_path)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, base[k])]
