@@ -83,6 +83,8 @@ def test_a_gspo_job_on_smollm2_completes_over_http(smollm2_dir, tmp_path):
                     "mini_batches": 1,
                     "max_new_tokens": 16,
                     "eval_prompts": 2,
+                    # one mini-batch needs no sampler log-probs: ask for them on both steps, for the gap check
+                    "logprob_gap_every": 1,
                 },
             )
             for _ in c.events(job["id"]):
