@@ -167,7 +167,7 @@ class GSPOConfig(BaseModel):
     # 512, not 0: on a real model's vocabulary (49k, SmolLM2) mini-batch 0's one forward over every row of the
     # step set the job's peak memory, which micro-batches cut with the same update (docs/algorithm.md, Real models).
     micro_batch_tokens: int = Field(
-        default=512,
+        default=1024,
         ge=0,
         le=10_000_000,
         description="Most tokens (prompt + completion) one forward + backward holds: a "
