@@ -141,6 +141,27 @@ def job_with_progress(client, app, settings, auth, uploaded, model_name, tmp_pat
     return job_id
 
 
+def embedded_env(tmp: Path, tiny_model_dir: Path) -> dict[str, str]:
+    """The embedded default's settings of a test's `gspo api` + `gspo worker`: ``tmp`` as the data dir, the toy
+    model's models dir, transformers rollouts."""
+    return {
+        "GSPO_DATA_DIR": str(tmp),
+        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
+        "GSPO_ROLLOUT_ENGINE": "transformers",
+    }
+
+
+def sessions_env(tmp: Path, tiny_model_dir: Path) -> dict[str, str]:
+    """:func:`embedded_env` with a worker serving Tinker sessions, which logs its sampling engines' starts and
+    its sample batches (INFO); the SDK's telemetry off."""
+    return {
+        **embedded_env(tmp, tiny_model_dir),
+        "GSPO_WORKER_MODE": "sessions",
+        "TINKER_TELEMETRY": "0",
+        "GSPO_LOG_LEVEL": "INFO",
+    }
+
+
 # Package-scoped: test_openai_pause.py and test_openai_sdk.py share one pair of processes (each module
 # used to start its own); every test there makes its own files and jobs.
 @pytest.fixture(scope="package")
@@ -150,9 +171,7 @@ def service(tmp_path_factory, tiny_model_dir):
     the `openai` SDK tests' job lists hold only their own jobs."""
     tmp = tmp_path_factory.mktemp("openai")
     env_vals = {
-        "GSPO_DATA_DIR": str(tmp),
-        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
-        "GSPO_ROLLOUT_ENGINE": "transformers",
+        **embedded_env(tmp, tiny_model_dir),
         "GSPO_MAX_ACTIVE_JOBS_PER_TENANT": "3",
         **envs_settings(),  # the test verifiers environment, allowed (tests/api/test_environments.py)
         # Short limits on environments' generators (tests/api/test_environments.py), long enough for theirs; the
@@ -181,14 +200,9 @@ def tinker_service(tmp_path_factory, tiny_model_dir):
     dir; test_tinker_sdk.py uses the first 4 (the 4th spends its budget), test_tinker_cookbook.py the 5th."""
     tmp = tmp_path_factory.mktemp("tinker")
     env_vals = {
-        "GSPO_DATA_DIR": str(tmp),
-        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
-        "GSPO_ROLLOUT_ENGINE": "transformers",
-        "GSPO_WORKER_MODE": "sessions",
+        **sessions_env(tmp, tiny_model_dir),
         "GSPO_MAX_ACTIVE_SESSIONS_PER_TENANT": "3",
         "GSPO_TENANT_DEVICE_HOURS_PER_PERIOD": str(TINKER_BUDGET_H),
-        "TINKER_TELEMETRY": "0",
-        "GSPO_LOG_LEVEL": "INFO",  # the worker logs its sampling engines' starts and its sample batches
     }
     tenants = ("acme", "globex", "initech", "umbrella", "cookbook")
     with api_and_worker(tmp, env_vals, tiny_model_dir, tenants) as (url, keys):

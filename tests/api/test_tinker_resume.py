@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from store.db import Database
 from store.models import TinkerRequest, TinkerSession
 from store.settings import Settings
-from tests.api.conftest import api_and_worker, gspo_process
+from tests.api.conftest import api_and_worker, gspo_process, sessions_env
 from tests.api.tinker_support import datum, mean_loss
 from tests.worker.conftest import wait_for
 
@@ -32,15 +32,7 @@ def resume_service(tmp_path_factory, tiny_model_dir):
     """``(url, key, data dir, env)``: `gspo api` + a session worker whose leases last 6 s (renewed every 2 s), so a
     killed worker's sessions are freed soon."""
     tmp = tmp_path_factory.mktemp("tinker-resume")
-    env_vals = {
-        "GSPO_DATA_DIR": str(tmp),
-        "GSPO_MODELS_DIR": str(tiny_model_dir.parent),
-        "GSPO_ROLLOUT_ENGINE": "transformers",
-        "GSPO_WORKER_MODE": "sessions",
-        "GSPO_LEASE_SECONDS": "6",
-        "TINKER_TELEMETRY": "0",
-        "GSPO_LOG_LEVEL": "INFO",
-    }
+    env_vals = {**sessions_env(tmp, tiny_model_dir), "GSPO_LEASE_SECONDS": "6"}
     with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme",)) as (url, keys):
         yield url, keys[0], tmp, env_vals
 
