@@ -142,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
         "--micro-batch-tokens", type=int, default=512, help="ours: tokens per forward + backward (0: a mini-batch)"
     )
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out items (the same for every run)")
+    p.add_argument(
+        "--precision", default="auto", choices=["auto", "fp32", "bf16"], help="ours: the trainer's precision"
+    )
     p.add_argument("--engine", default="auto", help="our rollout engine: auto | vllm | transformers")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=a.lr,
         eval_prompts=a.eval_prompts,
         micro_batch_tokens=a.micro_batch_tokens,
+        precision=a.precision,
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
