@@ -48,7 +48,7 @@ def unstamp(directory: str | Path) -> None:
 def _stamp_of(directory: Path) -> str | None:
     try:
         return (directory / STAMP).read_text()
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # absent, or not readable by this worker (another host's path it cannot enter): not there
         return None
 
 
