@@ -107,6 +107,7 @@ def local_checkpoint(host: SessionHost, db: Database, tenant_id: str, path: str,
 
 
 def saved_state(host: SessionHost, db: Database, tenant_id: str, path: str, optimizer: bool) -> SavedState:
+    """The training checkpoint at ``path`` to load (``load_weights``, or a restore), from a local directory."""
     return SavedState(path, local_checkpoint(host, db, tenant_id, path, "training"), optimizer)
 
 
