@@ -227,7 +227,8 @@ def close(s: Session, session: TinkerSession, reason: str) -> None:
 
 def record_checkpoint(
     s: Session, model: TinkerModel, kind: str, name: str, directory: str, object_prefix: str, size: int
-) -> None:
+) -> TinkerCheckpoint:
+    """The model's ``kind`` checkpoint ``name`` as just saved (a name saved again is that save now)."""
     row = s.scalar(
         select(TinkerCheckpoint).where(
             TinkerCheckpoint.model_id == model.id, TinkerCheckpoint.kind == kind, TinkerCheckpoint.name == name
@@ -238,6 +239,7 @@ def record_checkpoint(
         s.add(row)
     row.directory, row.object_prefix, row.size_bytes, row.created_at = directory, object_prefix, size, utcnow()
     s.commit()
+    return row
 
 
 def find_checkpoint(s: Session, tenant_id: str, model_id: str, kind: str, name: str) -> TinkerCheckpoint | None:
@@ -249,6 +251,13 @@ def find_checkpoint(s: Session, tenant_id: str, model_id: str, kind: str, name: 
             TinkerCheckpoint.name == name,
         )
     )
+
+
+def checkpoint_at(s: Session, tenant_id: str, path: str, kind: str) -> TinkerCheckpoint | None:
+    """The tenant's ``kind`` checkpoint at a ``tinker://<run>/<weights|sampler_weights>/<name>`` path the API
+    checked, else None (deleted since)."""
+    run_id, _, name = path.removeprefix("tinker://").split("/")
+    return find_checkpoint(s, tenant_id, run_id, kind, name)
 
 
 def add_usage(

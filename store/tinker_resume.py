@@ -72,7 +72,6 @@ class ResumePoint:
     it was made), and how many of its ``forward_backward`` / ``optim_step`` calls that state lacks."""
 
     path: str | None
-    directory: str | None
     optimizer: bool
     behind: int
 
@@ -89,8 +88,8 @@ def resume_point(s: Session, model_id: str) -> ResumePoint:
         if row.kind == "load_weights" or row.payload.get("kind") == "training":
             optimizer = row.kind == "save_weights" or bool(row.payload.get("optimizer"))
             behind = _behind(s, model_id, row.finished_at)
-            return ResumePoint(row.payload["path"], row.payload["directory"], optimizer, behind)
-    return ResumePoint(None, None, False, _behind(s, model_id, None))
+            return ResumePoint(row.payload["path"], optimizer, behind)
+    return ResumePoint(None, False, _behind(s, model_id, None))
 
 
 def _behind(s: Session, model_id: str, saved_at: datetime | None) -> int:

@@ -11,6 +11,7 @@ from gspo_core import primitives as prim
 from store.model_refs import resolve_model
 from store.objects import ObjectStore, put_dir
 from store.settings import Settings
+from worker.checkpoint_files import CheckpointFiles, object_key, unstamp
 from worker.session_samplers import SampleCall, SamplerEngines, sample_calls
 
 
@@ -38,6 +39,16 @@ class Saved:
     size: int
 
 
+@dataclass(frozen=True)
+class SavedState:
+    """A training checkpoint to load: its ``tinker://`` path, a local directory holding it
+    (``CheckpointFiles.local_dir``), and whether its optimizer state is loaded too."""
+
+    path: str
+    directory: str
+    optimizer: bool
+
+
 @dataclass
 class SessionHost:
     """The models of the sessions this worker holds, by model (or sampler) id."""
@@ -48,9 +59,11 @@ class SessionHost:
     owners: dict[str, str] = field(default_factory=dict)  # model id -> session id
     bases: dict[str, str] = field(default_factory=dict)  # model id -> its base model's directory
     engines: SamplerEngines = field(init=False)
+    files: CheckpointFiles = field(init=False)
 
     def __post_init__(self) -> None:
         self.engines = SamplerEngines(self.settings.rollout_engine)
+        self.files = CheckpointFiles(self.objects, Path(self.settings.data_dir).resolve())
 
     def trainer(self, model_id: str) -> prim.TrainingSession:
         trainer = self.trainers.get(model_id)
@@ -61,7 +74,7 @@ class SessionHost:
     def holds(self, model_id: str) -> bool:
         return model_id in self.trainers
 
-    def restore(self, session_id: str, model_id: str, model: dict, state: dict | None) -> None:
+    def restore(self, session_id: str, model_id: str, model: dict, state: SavedState | None) -> None:
         """Rebuild a training model another worker held: ``create_model``'s payload, then ``load_weights``'s of its
         saved ``state`` (None: the model as it was made); nothing is kept if either fails."""
         self.create_model(session_id, model_id, model)
@@ -71,7 +84,7 @@ class SessionHost:
             self.load(model_id, state)
         except FileNotFoundError as exc:  # the checkpoint was deleted since
             self._drop(model_id)
-            raise SessionRequestError(f"model {model_id}: its last saved state {state['path']} is gone") from exc
+            raise SessionRequestError(f"model {model_id}: its last saved state {state.path} is gone") from exc
         except BaseException:
             self._drop(model_id)
             raise
@@ -114,12 +127,13 @@ class SessionHost:
         trainer, directory = self.trainer(model_id), Path(payload["directory"])
         directory.mkdir(parents=True, exist_ok=True)
         prefix = "tinker/" + "/".join(directory.parts[-4:])  # <tenant>/<model>/<kind>/<name>
+        unstamp(directory)  # stamped once recorded (worker.sessions), so no reader takes a save half written
         if payload["kind"] == "training":
             trainer.save_state(str(directory), optimizer=True)
-            size = put_dir(self.objects, f"{prefix}/state", directory)
         else:
             trainer.export_hf(str(directory))
-            size = put_dir(self.objects, f"{prefix}/model", directory)
+        size = put_dir(self.objects, object_key(prefix, payload["kind"]), directory)
+        if payload["kind"] == "sampler":
             self.engines.pushed(self.owners[model_id], self.bases[model_id], str(directory), trainer)
         kind = "save_weights" if payload["kind"] == "training" else "save_weights_for_sampler"
         result = {"type": kind, "path": payload["path"]}
@@ -127,9 +141,9 @@ class SessionHost:
             result["sampling_session_id"] = payload["sampling_session_id"]
         return Outcome(result), Saved(payload["kind"], payload["name"], str(directory), prefix, size)
 
-    def load(self, model_id: str, payload: dict) -> Outcome:
-        self.trainer(model_id).load_state(payload["directory"], optimizer=bool(payload["optimizer"]))
-        return Outcome({"type": "load_weights", "path": payload["path"]})
+    def load(self, model_id: str, state: SavedState) -> Outcome:
+        self.trainer(model_id).load_state(state.directory, optimizer=state.optimizer)
+        return Outcome({"type": "load_weights", "path": state.path})
 
     def sample(self, session_id: str, base: str, weights_dir: str, payloads: list[dict]) -> list[Outcome]:
         """Queued ``asample`` requests of one sampler, in one engine call where their parameters agree; the

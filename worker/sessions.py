@@ -17,7 +17,8 @@ from store.models import TinkerModel, TinkerRequest
 from store.objects import get_object_store
 from store.settings import Settings, get_settings
 from store.usage import QueuePolicy, budget
-from worker.session_host import Outcome, SessionHost, SessionRequestError
+from worker.checkpoint_files import Checkpoint, saved_at, stamp
+from worker.session_host import Outcome, SavedState, SessionHost, SessionRequestError
 
 log = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.05
@@ -44,10 +45,14 @@ def run_request(host: SessionHost, db: Database, request: TinkerRequest) -> Outc
         with db.session() as s:
             model = s.get(TinkerModel, model_id)
             assert model is not None
-            tinker.record_checkpoint(s, model, saved.kind, saved.name, saved.directory, saved.object_prefix, saved.size)
+            row = tinker.record_checkpoint(
+                s, model, saved.kind, saved.name, saved.directory, saved.object_prefix, saved.size
+            )
+            stamp(saved.directory, saved_at(row.created_at))  # whole and recorded: readers may take it as is
         return outcome
     if request.kind == "load_weights":
-        return host.load(model_id, payload)
+        state = saved_state(host, db, request.tenant_id, payload["path"], bool(payload["optimizer"]))
+        return host.load(model_id, state)
     if request.kind == "unload":
         return host.unload(model_id)
     if request.kind == "sample":
@@ -65,15 +70,18 @@ def restore(host: SessionHost, db: Database, request: TinkerRequest) -> None:
         assert model is not None
         point = tinker_resume.resume_point(s, model.id)
         made = {"base_model": model.base_model, "lora": model.lora}
-    if point.directory is None and point.behind:
+    if point.path is None and point.behind:
         raise SessionRequestError(
             f"model {model.id} is lost: the worker holding it stopped or died, and nothing was saved since it was "
             f"made (no save_state or load_state), so its {point.behind} forward_backward/optim_step calls are gone; "
             "make a new training client (create_training_client_from_state loads a checkpoint into one)"
         )
     state = None
-    if point.directory is not None:
-        state = {"directory": point.directory, "optimizer": point.optimizer, "path": point.path}
+    if point.path is not None:
+        try:
+            state = saved_state(host, db, request.tenant_id, point.path, point.optimizer)
+        except SessionRequestError as exc:
+            raise SessionRequestError(f"model {model.id}: its last saved state {point.path} is gone") from exc
     host.restore(request.session_id, model.id, made, state)
     log.warning("model %s restored from %s, %d calls behind", model.id, point.path or "its base model", point.behind)
     if point.behind:
@@ -82,6 +90,25 @@ def restore(host: SessionHost, db: Database, request: TinkerRequest) -> None:
             f"{point.path}, which lacks the last {point.behind} forward_backward/optim_step calls it had run; this "
             "request did not run: send it again (it and the next calls run on that state)"
         )
+
+
+def local_checkpoint(host: SessionHost, db: Database, tenant_id: str, path: str, kind: str) -> str:
+    """A local directory holding the tenant's checkpoint at ``path``: where it was saved, or this worker's copy
+    fetched from object storage (worker.checkpoint_files); SessionRequestError where it was deleted."""
+    with db.read_session() as s:
+        row = tinker.checkpoint_at(s, tenant_id, path, kind)
+        ckpt = None if row is None else Checkpoint.of(row)
+    try:
+        if ckpt is None:
+            raise FileNotFoundError(path)
+        return host.files.local_dir(ckpt)
+    except FileNotFoundError as exc:
+        raise SessionRequestError(f"checkpoint {path} is gone (deleted)") from exc
+
+
+def saved_state(host: SessionHost, db: Database, tenant_id: str, path: str, optimizer: bool) -> SavedState:
+    """The training checkpoint at ``path`` to load (``load_weights``, or a restore), from a local directory."""
+    return SavedState(path, local_checkpoint(host, db, tenant_id, path, "training"), optimizer)
 
 
 def run_samples(host: SessionHost, db: Database, requests: list[TinkerRequest]) -> list[Outcome]:
@@ -93,19 +120,13 @@ def run_samples(host: SessionHost, db: Database, requests: list[TinkerRequest]) 
 
 
 def _sampler_weights(host: SessionHost, db: Database, request: TinkerRequest) -> tuple[str, str]:
-    """A sampler's base model directory, and the directory of its weights: its sampler checkpoint's export, or
-    the base model."""
+    """A sampler's base model directory, and the directory of its weights: its sampler checkpoint's export (a local
+    copy, fetched where this worker lacks one), or the base model."""
     with db.read_session() as s:
         sampler = s.get(TinkerModel, request.model_id)
         assert sampler is not None
-        base = resolve_model(host.settings.models_dir, sampler.base_model)
-        if sampler.model_path is None:
-            return base, base
-        run_id, _, name = sampler.model_path.removeprefix("tinker://").split("/")
-        ckpt = tinker.find_checkpoint(s, request.tenant_id, run_id, "sampler", name)
-        if ckpt is None:
-            raise SessionRequestError(f"no sampler weights at {sampler.model_path}")
-        return base, ckpt.directory
+        base, path = resolve_model(host.settings.models_dir, sampler.base_model), sampler.model_path
+    return base, base if path is None else local_checkpoint(host, db, request.tenant_id, path, "sampler")
 
 
 def _over_budget(db: Database, policy: QueuePolicy, request: TinkerRequest) -> bool:

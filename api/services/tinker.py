@@ -234,7 +234,7 @@ def load_weights(s: Session, tenant_id: str, body: LoadWeights) -> dict[str, Any
         enqueue(s, session, "create_model", {"base_model": base, "lora": source.lora}, model.id)
     else:
         raise ApiError(400, "invalid_request", "give model_id, or session_id and model_seq_id", "model_id")
-    payload = {"directory": ckpt.directory, "optimizer": body.optimizer, "path": body.path}
+    payload = {"optimizer": body.optimizer, "path": body.path}  # the worker finds the checkpoint's files by its path
     return enqueue_on_model(s, model, "load_weights", payload)
 
 

@@ -171,13 +171,13 @@ def test_a_models_resume_point_is_its_last_saved_state_and_what_it_lacks(client,
     saved = {"kind": "training", "path": "tinker://m/weights/a", "directory": "/a"}
     with app.state.db.session() as s:
         point = lambda: tinker_resume.resume_point(s, model_id)  # noqa: E731
-        assert point() == tinker_resume.ResumePoint(None, None, False, 0)  # as made: rebuilt exactly
+        assert point() == tinker_resume.ResumePoint(None, False, 0)  # as made: rebuilt exactly
         _done(s, session_id, model_id, "forward_backward")
         _done(s, session_id, model_id, "forward")  # changes nothing
-        assert point().behind == 1 and point().directory is None  # trained, nothing saved: lost
+        assert point().behind == 1 and point().path is None  # trained, nothing saved: lost
         _done(s, session_id, model_id, "optim_step")
         _done(s, session_id, model_id, "save_weights", saved)
-        assert point() == tinker_resume.ResumePoint("tinker://m/weights/a", "/a", True, 0)
+        assert point() == tinker_resume.ResumePoint("tinker://m/weights/a", True, 0)
         _done(s, session_id, model_id, "save_weights", {**saved, "kind": "sampler", "path": "tinker://m/s/b"})
         _done(s, session_id, model_id, "forward_backward")
         _done(s, session_id, model_id, "optim_step")
@@ -185,9 +185,9 @@ def test_a_models_resume_point_is_its_last_saved_state_and_what_it_lacks(client,
         _done(s, session_id, model_id, "forward_backward")  # a gradient the next save does not hold
         _done(s, session_id, model_id, "save_weights", {**saved, "path": "tinker://m/weights/c", "directory": "/c"})
         assert (point().path, point().behind) == ("tinker://m/weights/c", 1)
-        loaded = {"path": "tinker://x/weights/d", "directory": "/d", "optimizer": False}
+        loaded = {"path": "tinker://x/weights/d", "optimizer": False}
         _done(s, session_id, model_id, "load_weights", loaded)
-        assert point() == tinker_resume.ResumePoint("tinker://x/weights/d", "/d", False, 1)
+        assert point() == tinker_resume.ResumePoint("tinker://x/weights/d", False, 1)
         _done(s, session_id, model_id, "optim_step")
         assert point().behind == 2
 

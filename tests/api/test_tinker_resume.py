@@ -1,10 +1,12 @@
 """A Tinker session outlives its worker: the unmodified `tinker` SDK (0.38) against a live `gspo api` and a session
-worker that is SIGKILLed mid-session; a second worker takes the session over and its models go on from their last
-save_state exactly (the losses a run that was not killed gives), or fail saying what was lost."""
+worker that is SIGKILLed mid-session; a second worker, with a data directory of its own, takes the session over and
+its models go on from their last save_state exactly (the losses a run that was not killed gives), reading a
+checkpoint the first worker's disk no longer holds from object storage (S3), or fail saying what was lost."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from sqlalchemy import func, select
 
 from store.db import Database
 from store.models import TinkerRequest, TinkerSession
+from store.objects import S3ObjectStore
 from store.settings import Settings
 from tests.api.conftest import api_and_worker, gspo_process, sessions_env
 from tests.api.tinker_support import datum, mean_loss
@@ -28,11 +31,18 @@ ADAM = types.AdamParams(learning_rate=2e-2)
 
 
 @pytest.fixture(scope="module")
-def resume_service(tmp_path_factory, tiny_model_dir):
+def resume_service(tmp_path_factory, tiny_model_dir, s3_settings):
     """``(url, key, data dir, env)``: `gspo api` + a session worker whose leases last 6 s (renewed every 2 s), so a
-    killed worker's sessions are freed soon."""
+    killed worker's sessions are freed soon; objects in S3 (moto's server), which workers on other hosts share."""
     tmp = tmp_path_factory.mktemp("tinker-resume")
-    env_vals = {**sessions_env(tmp, tiny_model_dir), "GSPO_LEASE_SECONDS": "6"}
+    S3ObjectStore(s3_settings).ensure_bucket()
+    s3 = {
+        "GSPO_S3_BUCKET": s3_settings.s3_bucket,
+        "GSPO_S3_ENDPOINT_URL": s3_settings.s3_endpoint_url,
+        "GSPO_S3_ACCESS_KEY_ID": s3_settings.s3_access_key_id,
+        "GSPO_S3_SECRET_ACCESS_KEY": s3_settings.s3_secret_access_key,
+    }
+    env_vals = {**sessions_env(tmp, tiny_model_dir), **s3, "GSPO_LEASE_SECONDS": "6"}
     with api_and_worker(tmp, env_vals, tiny_model_dir, ("acme",)) as (url, keys):
         yield url, keys[0], tmp, env_vals
 
@@ -52,6 +62,12 @@ def _kill_the_worker_of(db: Database, session_id: str) -> None:
     os.kill(pid, signal.SIGKILL)
     stat = Path(f"/proc/{pid}/stat")
     wait_for(lambda: not stat.exists() or stat.read_text().split(") ")[1][0] == "Z", 10, "the worker dead")
+
+
+def _checkpoints(data_dir: Path, model_id: str, kind: str) -> dict[str, Path]:
+    """The model's ``kind`` checkpoint directories under a data directory (``tinker/<tenant>/<model>/<kind>/<name>``),
+    by name."""
+    return {d.name: d for d in data_dir.glob(f"tinker/*/{model_id}/{kind}/*") if not d.name.startswith(".")}
 
 
 def _queued(db: Database, session_id: str) -> int:
@@ -80,15 +96,26 @@ def test_a_killed_workers_session_goes_on_from_its_saved_state_on_another_worker
         session_id = saved.model_id.split(":")[0]
 
         _kill_the_worker_of(db, session_id)
+        # the second worker does not see the first one's copy of `saved`'s checkpoints (another host's disk) ...
+        gone = {**_checkpoints(tmp, saved.model_id, "training"), **_checkpoints(tmp, saved.model_id, "sampler")}
+        assert "one" in gone and len(gone) == 2
+        for directory in gone.values():
+            shutil.rmtree(directory)
         in_flight = saved.forward_backward(DATA, "cross_entropy")  # queued while no worker holds the session
         wait_for(lambda: _queued(db, session_id) == 1, 30, "the request queued")
-        with gspo_process(tmp, env_vals, "worker2", ["worker"]):
+        own = tmp / "worker2-data"  # ... and has a data directory of its own, beside the same database and objects
+        env2 = {
+            **env_vals,
+            "GSPO_DATA_DIR": str(own),
+            "GSPO_DATABASE_URL": Settings(data_dir=tmp).resolved_database_url(),
+        }
+        with gspo_process(tmp, env2, "worker2", ["worker"]):
             with pytest.raises(tinker.RequestFailedError, match="worker holding this session died before this"):
                 in_flight.result(timeout=120)
             # the saved model goes on from its save_state: the losses of the run that was not killed, exactly
             assert [_step(saved), _step(saved)] == pytest.approx(expected[1:], abs=1e-6)
             assert abs(expected[1] - expected[0]) > 1e-3  # (which a model restarted from its base would not give)
-            # its sampler's engine starts again from the sampler weights on disk
+            # its sampler's engine starts again from the sampler's export
             after = sampler.compute_logprobs(types.ModelInput.from_ints(PROBE)).result()
             assert after[1:] == pytest.approx(sampled[1:], abs=1e-4)
             # calls after the last save were lost: the first call says so and does not run, the next ones do
@@ -101,6 +128,13 @@ def test_a_killed_workers_session_goes_on_from_its_saved_state_on_another_worker
                     unsaved.forward_backward(DATA, "cross_entropy").result()
             log = (tmp / "worker2.log").read_text()
             assert f"sessions ['{session_id}'] lost their worker" in log and "restored from tinker://" in log
+            # `saved`'s state and sampler export came from object storage into its own data directory, once each;
+            # `behind`'s b1, whole where it was saved, was read there
+            fetched = {**_checkpoints(own, saved.model_id, "training"), **_checkpoints(own, saved.model_id, "sampler")}
+            assert sorted(fetched) == sorted(gone) and log.count("fetched from object storage") == 2
+            assert not any(directory.exists() for directory in gone.values())
+            assert "b1" in _checkpoints(tmp, behind.model_id, "training")
+            assert not _checkpoints(own, behind.model_id, "training")
     finally:
         db.dispose()
         service.close("success").result(timeout=60)

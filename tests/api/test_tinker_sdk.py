@@ -4,6 +4,7 @@ GSPO_WORKER_MODE=sessions) on the toy model: train, sample with log-probs, save 
 from __future__ import annotations
 
 import math
+import shutil
 import tarfile
 from io import BytesIO
 
@@ -108,6 +109,30 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service, sdk):
         sdk(keys[1]).create_sampling_client(model_path=sampler_path).result()
     rest.delete_checkpoint(run_id, "sampler_weights/s4").result()
     assert sampler_path not in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+
+
+def test_load_state_of_a_checkpoint_whose_local_copy_is_gone_reads_it_from_object_storage(tinker_service, sdk):
+    _, keys, tmp = tinker_service
+    service = sdk(keys[0])
+    training = service.create_lora_training_client(base_model="toy", rank=4, seed=0).result()
+    tokens = [*PROMPT, 11, 12]
+    training.forward_backward([_datum(tokens)], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    state = training.save_state("kept").result()
+    saved = _forward_logprobs(training, tokens)
+    training.forward_backward([_datum(tokens)], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert _forward_logprobs(training, tokens) != pytest.approx(saved, abs=1e-4)
+    # the worker's copy is gone (as on a worker of another host): the state comes from object storage
+    (local,) = tmp.glob(f"tinker/*/{training.model_id}/training/kept")
+    shutil.rmtree(local)
+    training.load_state(state.path).result()
+    assert _forward_logprobs(training, tokens) == pytest.approx(saved, abs=1e-5)
+    # create_training_client_from_state (a new model, loading it) reads the copy fetched then
+    restored = service.create_training_client_from_state(state.path).result()
+    assert _forward_logprobs(restored, tokens) == pytest.approx(saved, abs=1e-5)
+    assert (local / "trainer" / ".metadata").is_file()
+    assert len(_worker_log(tmp, training.model_id, "fetched from object storage")) == 1
 
 
 def _forward_logprobs(training, tokens: list[int]) -> list[float]:
