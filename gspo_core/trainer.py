@@ -14,6 +14,7 @@ from gspo_core.distributed import (
     Ranks,
     broadcast,
     join_group,
+    lead_writer,
     local_device,
     shard,
 )
@@ -67,6 +68,7 @@ class Trainer:
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
         self.callbacks = loop.job_callbacks(self.ranks, callbacks)
+        self.writer = lead_writer(self.ranks)  # rank 0 writes the checkpoints' own files
         self.env_runner = env_runner(spec, self.ranks, self.runtime)
         self.rows, self.val_rows = job_rows(spec, self.env_runner, self.ranks)
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
