@@ -52,8 +52,9 @@ class Ranks:
 
     def lead(self, make: Callable[[], T]) -> T | None:
         """``make()`` on rank 0, None on the others: a part of the job that rank 0 alone holds for every rank
-        (its engine, graders, tools, callbacks), built where the job is built. The steps then never test the
-        rank: they hand rank 0's results to every rank (`broadcast`, `gspo_core.gspo_loop.shared`)."""
+        (its sampler, graders, tools, callbacks, the writer of its files), built where the job is built. The
+        steps then never test the rank: they hand rank 0's results to every rank (`broadcast`,
+        `gspo_core.gspo_loop.shared`)."""
         return make() if self.main else None
 
 
