@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,16 +19,16 @@ import numpy as np
 import torch
 
 from gspo_core.distributed import (
+    LeadWriter,
     Ranks,
     barrier,
-    broadcast,
     gather,
     gather_state_dict,
     load_full_state,
     load_sharded,
     save_sharded,
 )
-from gspo_core.policy import Policy, save_hf
+from gspo_core.policy import Policy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -64,25 +63,25 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     ranks: Ranks,
+    writer: LeadWriter,
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically (a collective: every rank calls it, on one machine's
-    ``output_dir``); returns the step directory."""
+    ``output_dir``; ``writer``, rank 0's, writes the export and the trainer state); returns the step directory
+    once it is complete."""
     final = step_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if ranks.main:
-        shutil.rmtree(tmp, ignore_errors=True)
+    writer.remove(tmp)
     barrier(ranks)  # no rank writes its shards into the directory rank 0 is clearing
     save_sharded(model, optimizer, tmp / "trainer")
     rngs = gather(rng_state(), ranks)  # each rank's own: a rank's draws need not match rank 0's
     model_state = gather_state_dict(model)  # the export's full tensors, on rank 0
-    if ranks.main:
-        save_hf(model, tokenizer, tmp / "model", model_state)
-        state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rngs, **(extra or {})}
-        torch.save(state, tmp / "trainer_state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    return broadcast(final if ranks.main else None, ranks)
+    writer.export(model, tokenizer, tmp / "model", model_state)
+    state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rngs, **(extra or {})}
+    writer.save(state, tmp / "trainer_state.pt")
+    writer.replace(tmp, final)
+    barrier(ranks)  # no rank goes on (or reports the path) before the directory is complete
+    return final
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -132,8 +131,8 @@ def restore(
     else:
         _restore_full(model, optimizer, state, ckpt_dir)
     scheduler.load_state_dict(state["scheduler"])
-    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-    set_rng_state(rngs[ranks.rank] if ranks.rank < len(rngs) else rngs[0])
+    rngs: list[dict[str, Any]] = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+    set_rng_state(dict(enumerate(rngs)).get(ranks.rank, rngs[0]))
     return int(state["step"])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,9 +26,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from gspo_core.launch import launched
-from gspo_core.policy import Policy, base_model, completion_logprobs
+from gspo_core.policy import Policy, base_model, completion_logprobs, save_hf
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from gspo_core.losses import LossMetrics
     from gspo_core.packing import PackedBatch, SharedPrefixBatch
 
@@ -43,14 +46,72 @@ class Ranks:
 
     @property
     def main(self) -> bool:
-        """Rank 0: it samples, scores, reports and writes checkpoints."""
+        """Rank 0: it samples, scores, reports and writes checkpoints. The one test of the rank: the job and the
+        primitives take rank 0's parts from :meth:`lead` (and `lead_writer`), built once, never test it."""
         return self.rank == 0
 
     def lead(self, make: Callable[[], T]) -> T | None:
         """``make()`` on rank 0, None on the others: a part of the job that rank 0 alone holds for every rank
-        (its engine, graders, tools, callbacks), built where the job is built. The steps then never test the
-        rank: they hand rank 0's results to every rank (`broadcast`, `gspo_core.gspo_loop.shared`)."""
+        (its sampler, graders, tools, callbacks, the writer of its files), built where the job is built. The
+        steps then never test the rank: they hand rank 0's results to every rank (`broadcast`,
+        `gspo_core.gspo_loop.shared`)."""
         return make() if self.main else None
+
+
+class LeadWriter:
+    """Writes the files one rank writes for every rank (an export, a checkpoint's own files): rank 0's writer
+    writes them, the other ranks' (`NoWrites`) do nothing, so the code that writes runs alike on every rank.
+    Chosen once where a job or session is built (:func:`lead_writer`)."""
+
+    def save(self, obj: Any, path: Path) -> None:
+        torch.save(obj, path)
+
+    def export(
+        self,
+        model: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        path: Path,
+        state: dict[str, torch.Tensor],
+        adapter_dir: Path | None = None,
+    ) -> None:
+        """`gspo_core.policy.save_hf` of ``state`` (gathered: whole on rank 0 alone)."""
+        save_hf(model, tokenizer, path, state, adapter_dir=adapter_dir)
+
+    def remove(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def replace(self, tmp: Path, final: Path) -> None:
+        """``tmp`` renamed ``final``, whatever was there removed first."""
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+
+
+class NoWrites(LeadWriter):
+    """Ranks 1..N-1's writer: rank 0 writes for them."""
+
+    def save(self, obj: Any, path: Path) -> None:
+        pass
+
+    def export(
+        self,
+        model: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        path: Path,
+        state: dict[str, torch.Tensor],
+        adapter_dir: Path | None = None,
+    ) -> None:
+        pass
+
+    def remove(self, path: Path) -> None:
+        pass
+
+    def replace(self, tmp: Path, final: Path) -> None:
+        pass
+
+
+def lead_writer(ranks: Ranks) -> LeadWriter:
+    """This rank's writer: rank 0's writes, the others' do nothing."""
+    return ranks.lead(LeadWriter) or NoWrites()
 
 
 def local_device() -> torch.device:

@@ -6,7 +6,7 @@ rows, each phase a `gspo_core.step` function taking values and returning values.
 rollout and grade over the held-out rows. The loop around them (checkpoints, resume, evaluations' timing,
 callbacks) is `gspo_core.loop`'s, shared with supervised jobs.
 
-Ranks: every rank runs these functions as they read. Rank 0 alone holds the engine and the graders (None on
+Ranks: every rank runs these functions as they read. Rank 0 alone holds the sampler and the graders (None on
 the other ranks, set once when the job starts); :func:`shared` is the one place that runs rank 0's part and
 hands its result to every rank, as the training primitives' ``follow`` does for their calls.
 """
@@ -33,17 +33,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.agents.episodes import EpisodeSettings
+    from gspo_core.primitives.sampling import SamplingSession
     from gspo_core.rewards import RewardFunction
-    from gspo_core.rollout import RolloutEngine
-    from gspo_core.rollout.weight_push import Push
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class GSPORun:
-    """What a GSPO step runs against on this rank: the policy's training state, rank 0's engine and graders
-    (None on the other ranks), the job's turns and tools, how weights reach the engine, and the stop check of
+    """What a GSPO step runs against on this rank: the policy's training state, rank 0's sampler and graders
+    (None on the other ranks), the job's turns and tools, how weights reach the sampler, and the stop check of
     the step in flight (rank 0's)."""
 
     cfg: GSPOConfig
@@ -51,7 +50,8 @@ class GSPORun:
     #: The policy's FSDP root (`gspo_core.distributed.shard`), gathered whole while an engine samples with it.
     sharded: ShardedPolicy
     tokenizer: PreTrainedTokenizerBase
-    engine: RolloutEngine | None
+    #: Rank 0's sampling session over its rollout engine.
+    sampler: SamplingSession | None
     reward_fn: RewardFunction | None
     agent: EpisodeSettings | None
     tool_schemas: list[dict] | None
@@ -59,8 +59,9 @@ class GSPORun:
     engine_shares_weights: bool
     #: How rank 0's engine is pushed to ("": it is not, `gspo_core.rollout.weight_push`).
     push_backend: str
-    #: Ranks 1..N-1's side of rank 0's pushes, where the transport takes every rank's copy (CUDA IPC).
-    peer_push: Push | None
+    #: Where this rank's pushes go: rank 0's sampler; on ranks 1..N-1, their side of rank 0's pushes where the
+    #: transport takes every rank's copy (CUDA IPC, `gspo_core.rollout.weight_push.PeerEngine`); else None.
+    push_to: SamplingSession | None
     stop: StopCheck = NEVER
 
     @property
@@ -102,14 +103,15 @@ def step_rows(rows: list[dict], step: int, cfg: GSPOConfig) -> list[dict]:
 def rollout(
     run: GSPORun, rows: list[dict], seed: int, n: int | None = None, logprobs: bool = True, greedy: bool = False
 ) -> phases.Rollout:
-    """``rows``' prompts sampled by rank 0's engine (the whole policy gathered on every rank while it does,
-    when the engine samples with the trainer's weights); every rank gets the rollout. ``greedy``: the most
+    """``rows``' prompts sampled by rank 0's sampler (the whole policy gathered on every rank while it does,
+    when its engine samples with the trainer's weights); every rank gets the rollout. ``greedy``: the most
     likely completion of each (evaluation)."""
     prompts = [render_prompt(row, run.tokenizer, run.tool_schemas) for row in rows]
-    engine = run.engine
+    sampler = run.sampler
 
     def sample() -> phases.Rollout:
-        assert engine is not None
+        assert sampler is not None
+        engine = sampler.engine
         engine.wake()
         try:
             return phases.sample(
@@ -120,7 +122,7 @@ def rollout(
 
     gathered = full_weights(run.sharded) if run.engine_shares_weights else contextlib.nullcontext()
     with gathered:
-        return shared(run.ranks, sample if engine is not None else None)
+        return shared(run.ranks, sample if sampler is not None else None)
 
 
 def grade(run: GSPORun, rollout: phases.Rollout) -> phases.Scores:
@@ -131,18 +133,16 @@ def grade(run: GSPORun, rollout: phases.Rollout) -> phases.Scores:
 
 
 def push_weights(run: GSPORun) -> None:
-    """The new weights into rank 0's engine, gathered from every rank's shards (a collective: to rank 0, or
-    to every rank where each sends its copy); nothing to do for an engine that samples with the trainer's
-    own weights."""
+    """The new weights into rank 0's sampler (`SamplingSession.push`), gathered from every rank's shards (a
+    collective: to rank 0, or to every rank where each sends its copy); nothing to gather for an engine that
+    samples with the trainer's own weights."""
     state = None
     if not run.engine_shares_weights:
         from gspo_core.rollout.weight_push import every_rank_sends
 
         state = gather_state_dict(run.policy.model, everywhere=every_rank_sends(run.push_backend))
-    sink = run.engine or run.peer_push
-    if sink is not None:
-        sink.wake()
-        phases.push_weights(run.policy.model, sink, state)
+    if run.push_to is not None:
+        run.push_to.push(run.policy.model, state)
 
 
 def gspo_step(run: GSPORun, rows: list[dict], step: int, sampler_trusted: bool) -> StepOutcome:

@@ -15,14 +15,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.config import GSPOConfig, JobSpec
-    from gspo_core.distributed import Ranks
+    from gspo_core.distributed import LeadWriter, Ranks
     from gspo_core.policy import Policy
     from gspo_core.step import PolicyState
 
 
 class Job(Protocol):
-    """What the loop drives (`gspo_core.trainer.Trainer`, `gspo_core.sft.SFTTrainer`): the job's rows, policy
-    and callbacks (rank 0's; callbacks that do nothing on the other ranks: `job_callbacks`), the last completed
+    """What the loop drives (`gspo_core.trainer.Trainer`, `gspo_core.sft.SFTTrainer`): the job's rows, policy,
+    callbacks and writer (rank 0's; ones that do nothing on the other ranks: `job_callbacks`,
+    `gspo_core.distributed.lead_writer`), the last completed
     ``step`` and the newest checkpoint ``saved`` (step, dir); a step, an evaluation, and whether the next step
     may begin (rank 0's callbacks decide for every rank)."""
 
@@ -32,6 +33,7 @@ class Job(Protocol):
     val_rows: list[dict]
     ranks: Ranks
     callbacks: Callbacks
+    writer: LeadWriter
     tokenizer: PreTrainedTokenizerBase
     policy: PolicyState
     scheduler: Any
@@ -117,6 +119,7 @@ def checkpoint(trainer: Job, final: bool) -> str:
             trainer.policy.optimizer,
             trainer.scheduler,
             trainer.ranks,
+            trainer.writer,
             extra={"data": data_state(trainer)},
         )
         trainer.callbacks.on_checkpoint(trainer.step, str(path), final)

@@ -17,7 +17,7 @@ from gspo_core import step as phases
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError, check_sft_row, spec_rows
-from gspo_core.distributed import broadcast, join_group, local_device
+from gspo_core.distributed import broadcast, join_group, lead_writer, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
 from gspo_core.policy import Policy, autocast_dtype, completion_logprobs, load_policy
@@ -178,6 +178,7 @@ class SFTTrainer:
         self.device = local_device()
         self.ranks = join_group(self.device)
         self.callbacks = loop.job_callbacks(self.ranks, callbacks)
+        self.writer = lead_writer(self.ranks)  # rank 0 writes the checkpoints' own files
         if self.ranks.world > 1:
             raise ValueError("supervised jobs run on one device (resources.devices 1)")
         self.rows, self.val_rows = spec_rows(spec)

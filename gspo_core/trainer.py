@@ -14,6 +14,7 @@ from gspo_core.distributed import (
     Ranks,
     broadcast,
     join_group,
+    lead_writer,
     local_device,
     shard,
 )
@@ -22,6 +23,7 @@ from gspo_core.episode_setup import env_runner, episode_settings, job_rows
 from gspo_core.loop import TrainResult
 from gspo_core.platform import RuntimeOptions, after_startup
 from gspo_core.policy import Policy, autocast_dtype, load_policy, sampler_dtype
+from gspo_core.primitives.sampling import SamplingSession
 from gspo_core.registry import ADVANTAGES, LOSSES
 from gspo_core.rewards import DEFAULT_POLICY, GraderPolicy, build_reward
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_core.agents.remote import AgentEndpoint
-    from gspo_core.rollout.weight_push import Push
 
 
 class Trainer:
@@ -41,7 +42,8 @@ class Trainer:
     them (:meth:`parts`).
 
     An SPMD program: every rank of the job (torchrun's, or this process alone as a 1-rank group) runs it.
-    The policy is sharded over the ranks (FSDP2); rank 0 samples with its engine, scores, and hands the
+    The policy is sharded over the ranks (FSDP2); rank 0 samples with its engine (through its
+    `SamplingSession`, ``sampler``: a given ``engine``, or one built for the job), scores, and hands the
     rollout and rewards to every rank; each rank trains on its share of every mini-batch; rank 0 pushes the
     gathered weights to its engine, reports through the callbacks and writes checkpoints.
 
@@ -67,6 +69,7 @@ class Trainer:
         self.device = local_device()
         self.ranks: Ranks = join_group(self.device, self.runtime.rank_timeout_s)
         self.callbacks = loop.job_callbacks(self.ranks, callbacks)
+        self.writer = lead_writer(self.ranks)  # rank 0 writes the checkpoints' own files
         self.env_runner = env_runner(spec, self.ranks, self.runtime)
         self.rows, self.val_rows = job_rows(spec, self.env_runner, self.ranks)
         # Rank 0 alone scores and runs tools: a grader or a tool runs once per sample whatever the number of ranks.
@@ -85,13 +88,14 @@ class Trainer:
             self.policy = phases.PolicyState(
                 model, optimizer, scheduler, amp, self.tokenizer.pad_token_id, self.sharded, self.ranks
             )
-            self.engine: RolloutEngine | None = self.ranks.lead(lambda: engine or self._make_engine())
+            #: Rank 0's sampling session over its engine (the given one, or one built for the job); None elsewhere.
+            self.sampler = self.ranks.lead(lambda: SamplingSession(engine or self._make_engine(), tokenizer))
             # Rank 0's engine, as every rank needs to know it (one collective): whether it samples with the
             # trainer's own (gathered) weights, so nothing is pushed, and else how it is pushed to.
-            engine_facts = (self.engine.shares_weights, self.engine.push_backend) if self.engine is not None else None
-            self.engine_shares_weights, self.push_backend = broadcast(engine_facts, self.ranks)
+            facts = (self.sampler.engine.shares_weights, self.sampler.engine.push_backend) if self.sampler else None
+            self.engine_shares_weights, self.push_backend = broadcast(facts, self.ranks)
             #: Ranks 1..N-1's side of rank 0's pushes, where the transport takes every rank's copy.
-            self.peer_push = self._peer_push()
+            self.peer = self._peer()
             self.agent, self.agent_endpoint = episode_settings(
                 spec, tokenizer, self.ranks, self.toolbox, self.env_runner, grader_policy, self.runtime
             )
@@ -105,17 +109,17 @@ class Trainer:
         self.stop: StopCheck = NEVER
         self.saved: tuple[int, str] | None = None  # (step, dir) of the newest checkpoint
 
-    def _peer_push(self) -> Push | None:
+    def _peer(self) -> SamplingSession | None:
         """On the ranks with no engine (1..N-1), where the transport takes every rank's copy of the weights (CUDA
-        IPC): their side of rank 0's pushes, through the same trainer-side engine. Elsewhere rank 0 sends what
-        was gathered to it, and the other ranks have no part beyond the gather."""
-        if self.engine is not None or not self.push_backend:
+        IPC): a session over their side of rank 0's pushes (`PeerEngine`), which pushes as rank 0's does.
+        Elsewhere rank 0 sends what was gathered to it, and the other ranks have no part beyond the gather."""
+        if self.sampler is not None or not self.push_backend:
             return None
-        from gspo_core.rollout.weight_push import NoEngine, Push, every_rank_sends
+        from gspo_core.rollout.weight_push import PeerEngine, every_rank_sends
 
         if not every_rank_sends(self.push_backend):
             return None
-        return Push(self.push_backend, self.ranks.rank, self.ranks.world, NoEngine())
+        return SamplingSession(PeerEngine(self.push_backend, self.ranks.rank, self.ranks.world), self.tokenizer)
 
     def _check_row_tools(self) -> None:
         names = set(self.toolbox.tools) if self.toolbox else set()
@@ -178,24 +182,24 @@ class Trainer:
         loop.resumed(self, ckpt_dir)
 
     def parts(self) -> gspo_loop.GSPORun:
-        """What this rank's step runs against now (the engine as it is: a test may wrap it after start-up)."""
+        """What this rank's step runs against now (its sampler's engine as it is: a test may wrap it after start)."""
         return gspo_loop.GSPORun(
             cfg=self.cfg,
             policy=self.policy,
             sharded=self.sharded,
             tokenizer=self.tokenizer,
-            engine=self.engine,
+            sampler=self.sampler,
             reward_fn=self.reward_fn,
             agent=self.agent,
             tool_schemas=self.tool_schemas,
             engine_shares_weights=self.engine_shares_weights,
             push_backend=self.push_backend,
-            peer_push=self.peer_push,
+            push_to=self.sampler or self.peer,
             stop=self.stop,
         )
 
     def push_weights(self) -> None:
-        """The current weights into rank 0's engine (`gspo_core.gspo_loop.push_weights`)."""
+        """The current weights into rank 0's sampler (`gspo_core.gspo_loop.push_weights`)."""
         gspo_loop.push_weights(self.parts())
 
     def begin_step(self) -> bool:
@@ -252,10 +256,10 @@ class Trainer:
 
     def close(self, engine: bool = True) -> None:
         self.close_graders()
-        if engine and self.engine is not None:
-            self.engine.close()
-        if self.peer_push is not None:
-            self.peer_push.close()
+        if engine and self.sampler is not None:
+            self.sampler.close()
+        if self.peer is not None:
+            self.peer.close()
 
 
 def train(

@@ -93,19 +93,33 @@ def test_every_module_has_a_docstring():
     assert not missing, "modules without a one-line docstring: " + ", ".join(missing)
 
 
-#: The job loop and its steps: every rank runs them as they read; what rank 0 alone holds (engine, graders,
-#: callbacks) is decided where the job is built (`Ranks.lead`), and its results reach the others by broadcast.
-RANK_FREE = ("gspo_core/loop.py", "gspo_core/gspo_loop.py", "gspo_core/trainer.py", "gspo_core/sft.py")
+#: The job loop and its steps, the checkpoints and the training primitives: every rank runs them as they read;
+#: what rank 0 alone holds (engine, graders, callbacks, the writer of its files) is decided where the job or
+#: session is built (`Ranks.lead`, `gspo_core.distributed.lead_writer`), and its results reach the others by
+#: broadcast. The one test of the rank is `Ranks.main` (gspo_core/distributed.py), which `Ranks.lead` reads.
+RANK_FREE = (
+    "gspo_core/loop.py",
+    "gspo_core/gspo_loop.py",
+    "gspo_core/trainer.py",
+    "gspo_core/sft.py",
+    "gspo_core/checkpoint.py",
+    *sorted(str(path.relative_to(ROOT)) for path in (ROOT / "gspo_core" / "primitives").glob("*.py")),
+)
 
 
-def test_the_job_loop_and_its_steps_never_test_the_rank():
+def test_the_job_loop_checkpoints_and_primitives_never_test_the_rank():
     bad = []
     for name in RANK_FREE:
         for node in ast.walk(ast.parse((ROOT / name).read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "main":
                 bad.append(f"{name}:{node.lineno} reads .main")
-            if isinstance(node, ast.Compare) and any(
-                isinstance(part, ast.Attribute) and part.attr == "rank" for part in ast.walk(node)
-            ):
+            if isinstance(node, ast.Compare) and any(_is_process_rank(part) for part in ast.walk(node)):
                 bad.append(f"{name}:{node.lineno} compares a rank")
+            if isinstance(node, ast.Attribute) and node.attr == "get_rank":
+                bad.append(f"{name}:{node.lineno} reads the process group's rank")
     assert not bad, "\n".join(bad)
+
+
+def _is_process_rank(node: ast.AST) -> bool:
+    """``<x>.rank`` where it is the process's rank (a LoRA adapter's ``lora.rank`` is its size, not a rank)."""
+    return isinstance(node, ast.Attribute) and node.attr == "rank" and "lora" not in ast.unparse(node.value)

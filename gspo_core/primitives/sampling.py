@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from gspo_core.policy import disable_dropout, export_weights
+from gspo_core.policy import Policy, disable_dropout, export_weights
 from gspo_core.primitives.types import SampledSequence, SamplingParams
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
 from gspo_core.rollout.base import SamplingSpec
@@ -141,17 +141,22 @@ class SamplingSession:
         return [None, *(float(entry[token].logprob) for entry, token in scored)]
 
     def take_weights(self, training: TrainingSession) -> None:
-        """``training``'s current weights into this engine (vLLM: its weight-transfer push; transformers: a copy)."""
-        policy = training.policy
-        state = training.full_state()
+        """``training``'s current weights into this engine (:meth:`push` of its gathered state)."""
+        self.push(training.policy.model, training.full_state())
+
+    def push(self, model: Policy, state: dict[str, torch.Tensor] | None = None) -> None:
+        """``model``'s weights (``state``: its full state dict, gathered from the ranks' shards; None: its own)
+        into this sampler, whatever the transport: a copy into the session's own model (transformers), nothing
+        for an engine that samples with ``model``'s own parameters (the job loop's transformers engine), else
+        the engine's weight push (vLLM's, or a rank's side of one every rank sends: `rollout.weight_push`)."""
         if self.model is not None:
-            weights = dict(export_weights(policy.model, state))
+            weights = dict(export_weights(model, state))
             self.model.load_state_dict({name: tensor.to(self.model.device) for name, tensor in weights.items()})
             return
         from gspo_core.step import push_weights
 
         self.engine.wake()
-        push_weights(policy.model, self.engine, state)
+        push_weights(model, self.engine, state)
 
     def load_weights(self, model_dir: str) -> None:
         """The weights of a Hugging Face export (``model_dir``'s ``*.safetensors``, as ``TrainingSession.export_hf``

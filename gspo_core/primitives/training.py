@@ -16,6 +16,7 @@ from gspo_core.distributed import (
     gather,
     gather_state_dict,
     join_group,
+    lead_writer,
     load_sharded,
     local_device,
     most,
@@ -23,7 +24,7 @@ from gspo_core.distributed import (
     shard,
 )
 from gspo_core.packing import PackedBatch
-from gspo_core.policy import autocast_dtype, base_model, load_policy, save_hf
+from gspo_core.policy import autocast_dtype, base_model, load_policy
 from gspo_core.primitives.core import PolicyState, loss_backward, optimizer_update
 from gspo_core.primitives.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 from gspo_core.registry import DATUM_LOSSES
@@ -90,13 +91,15 @@ class TrainingSession:
     """A model in training: every call is one primitive (a forward-backward, an optimizer step, a save), each
     going through the code path the GSPO job loop's update takes (`gspo_core.primitives.core`).
 
-    Rank-aware in one place: on N ranks (FSDP2 over torchrun's group) rank 0 is the session its caller drives,
-    and every public call first hands its name and arguments to the other ranks, which run :meth:`follow`
-    until rank 0 closes; each call then runs on every rank, each on its share of the rows.
+    On N ranks (FSDP2 over torchrun's group) rank 0 is the session its caller drives, and every public call
+    first hands its name and arguments to the other ranks, which run :meth:`follow` until rank 0 closes; each
+    call then runs on every rank, each on its share of the rows. No call tests the rank: what rank 0 alone
+    writes goes through the session's ``writer``, which does nothing on the other ranks.
     """
 
     def __init__(self, policy: PolicyState, tokenizer: PreTrainedTokenizerBase, micro_batch_tokens: int) -> None:
         self.policy, self.tokenizer, self.micro_batch_tokens = policy, tokenizer, micro_batch_tokens
+        self.writer = lead_writer(policy.ranks)
         self.steps = 0
 
     @classmethod
@@ -250,8 +253,7 @@ class TrainingSession:
 
     def _save_state(self, path: str, optimizer: bool) -> None:
         save_sharded(self.policy.model, self.policy.optimizer, Path(path) / "trainer", with_optimizer=optimizer)
-        if self.policy.ranks.main:
-            torch.save({"steps": self.steps}, Path(path) / "session.pt")
+        self.writer.save({"steps": self.steps}, Path(path) / "session.pt")
 
     def _load_state(self, path: str, optimizer: bool) -> None:
         load_sharded(self.policy.model, self.policy.optimizer, Path(path) / "trainer", with_optimizer=optimizer)
@@ -260,8 +262,7 @@ class TrainingSession:
 
     def _export_hf(self, path: str) -> None:
         state = gather_state_dict(self.policy.model)
-        if self.policy.ranks.main:
-            save_hf(self.policy.model, self.tokenizer, Path(path), state, adapter_dir=Path(path) / "adapter")
+        self.writer.export(self.policy.model, self.tokenizer, Path(path), state, adapter_dir=Path(path) / "adapter")
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         return gather_state_dict(self.policy.model)

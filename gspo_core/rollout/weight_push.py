@@ -21,6 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from gspo_core.rollout import weight_transfer
+from gspo_core.rollout.base import Completion, SamplingSpec
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -106,6 +107,34 @@ class Push:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+class PeerEngine:
+    """The engine of ranks 1..N-1 where every rank sends its own copy of the weights (CUDA IPC): it samples
+    nothing (rank 0's engine does) and takes part in each of rank 0's pushes through its `Push`, so a sampling
+    session over it pushes as rank 0's does (`gspo_core.primitives.SamplingSession.push`)."""
+
+    name = "peer"
+    shares_weights = False
+
+    def __init__(self, backend: str, rank: int, vllm_ranks: int) -> None:
+        self.push_backend = backend
+        self.push = Push(backend, rank, vllm_ranks, NoEngine())
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        raise RuntimeError("only trainer rank 0's engine samples")
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.push.load_weights(named_tensors)
+
+    def wake(self) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.push.close()
 
 
 class Pushed(WeightSource):

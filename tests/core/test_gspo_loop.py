@@ -31,7 +31,7 @@ def test_the_step_returns_the_sampler_decision_and_leaves_the_job_as_it_was(tiny
     """A failed sampler check comes back in the step's outcome; the job's own state (its decision, its step
     count) is the caller's to change. The step trains the policy and reports its phases' metrics."""
     trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=2, logprob_gap_every=0), None)
-    trainer.engine = BiasedSampler(trainer.engine, 1e-3)
+    trainer.sampler.engine = BiasedSampler(trainer.sampler.engine, 1e-3)
     try:
         before = [p.detach().clone() for p in trainer.model.parameters()]
         outcome = gspo_loop.gspo_step(trainer.parts(), trainer.rows, 1, sampler_trusted=True)

@@ -103,7 +103,7 @@ class BiasedSampler:
 def test_auto_turns_to_recompute_for_the_rest_of_the_job(tiny_model_dir, tmp_path):
     rec = Recorder()
     trainer = Trainer(toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0), rec)
-    trainer.engine = engine = BiasedSampler(trainer.engine, 1e-3)
+    trainer.sampler.engine = engine = BiasedSampler(trainer.sampler.engine, 1e-3)
     try:
         gspo_core.loop.run(trainer)
     finally:
@@ -169,7 +169,11 @@ def test_a_bf16_trainer_samples_in_bf16(tiny_model_dir, tmp_path, engine):
         runtime=RuntimeOptions(rollout_engine=engine),
     )
     try:
-        built = trainer.engine.llm.llm_engine.model_config.dtype if engine == "vllm" else trainer.engine.amp_dtype
+        built = (
+            trainer.sampler.engine.llm.llm_engine.model_config.dtype
+            if engine == "vllm"
+            else trainer.sampler.engine.amp_dtype
+        )
         assert built == torch.bfloat16
         gspo_core.loop.run(trainer)
     finally:

@@ -65,7 +65,7 @@ def test_a_failed_sampler_check_is_returned_and_kept_as_trainer_state(tiny_model
     rec = Recorder()
     spec = toy_spec(tiny_model_dir, tmp_path, steps=3, logprob_gap_every=0)
     trainer = Trainer(spec, rec)
-    trainer.engine = BiasedSampler(trainer.engine, 1e-3)
+    trainer.sampler.engine = BiasedSampler(trainer.sampler.engine, 1e-3)
     try:
         assert trainer.sampler_trusted and phases.old_logprob_mode(trainer.cfg, trainer.sampler_trusted) == "auto"
         gspo_core.loop.run(trainer)

@@ -181,10 +181,10 @@ def test_a_job_sizes_the_cache_to_its_longest_prompt_and_its_largest_call(tiny_m
         )
         assert longest > 10
         assert trainer.sampling_bounds() == (longest + 30, 8)
-        assert trainer.engine.kv_block == cpu.cpu_kv_block(30, "float32")  # 30-token completions
-        blocks = 8 * -(-(longest + 30) // trainer.engine.kv_block) + 1
-        assert scheduler(trainer.engine).kv_cache_manager.block_pool.num_gpu_blocks == blocks
-        assert trainer.engine.max_model_len == longest + 30
+        assert trainer.sampler.engine.kv_block == cpu.cpu_kv_block(30, "float32")  # 30-token completions
+        blocks = 8 * -(-(longest + 30) // trainer.sampler.engine.kv_block) + 1
+        assert scheduler(trainer.sampler.engine).kv_cache_manager.block_pool.num_gpu_blocks == blocks
+        assert trainer.sampler.engine.max_model_len == longest + 30
     finally:
         trainer.close()
     # Truncated prompts count as sampled; an evaluation of more prompts than a step's B x G sets the count.
