@@ -11,6 +11,7 @@ from gspo_core.policy import Policy, disable_dropout, export_weights
 from gspo_core.primitives.types import SampledSequence, SamplingParams
 from gspo_core.rollout import RolloutEngine, engine_kind, make_engine
 from gspo_core.rollout.base import SamplingSpec
+from gspo_core.rollout.hf_engine import TransformersEngine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -119,11 +120,13 @@ class SamplingSession:
         """The log-prob of each token given those before it by the current weights (None for the first)."""
         if not tokens:
             raise ValueError("tokens: empty")
-        if self.model is None:
+        # A transformers engine built by the job loop samples with the trainer's own model, not a copy of ours.
+        model = self.engine.policy if isinstance(self.engine, TransformersEngine) else self.model
+        if model is None:
             return self._vllm_logprobs(tokens)
-        ids = torch.tensor([tokens], device=next(self.model.parameters()).device)
+        ids = torch.tensor([tokens], device=next(model.parameters()).device)
         with torch.no_grad():
-            logp_LV = self.model(input_ids=ids).logits[0].float().log_softmax(-1)
+            logp_LV = model(input_ids=ids).logits[0].float().log_softmax(-1)
         taken = logp_LV[:-1].gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
         return [None, *taken.tolist()]
 

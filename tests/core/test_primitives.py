@@ -14,6 +14,7 @@ from gspo_core.datum_losses import LossInputs, config_for
 from gspo_core.primitives import AdamParams, Datum, LoraSpec, SamplingParams, SamplingSession, TrainingSession
 from gspo_core.primitives.core import PolicyState
 from gspo_core.registry import DATUM_LOSSES
+from gspo_core.rollout.hf_engine import TransformersEngine
 from tests.core.trainer_support import UPDATE_CFG, one_torch_thread, update_step
 
 TINKER_LOSSES = {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
@@ -267,6 +268,21 @@ def test_sampling_session_samples_scores_and_takes_the_trainers_weights(session,
         torch.tensor(sampler.compute_logprobs(tokens)[1:]), torch.tensor(scored[1:]), atol=1e-5, rtol=0
     )
     sampler.close()
+
+
+def test_a_sampling_session_over_the_job_loops_transformers_engine_scores_with_its_model(session):
+    """The job loop wraps the trainer's own engine (no model copy of the session's): compute_logprobs uses the
+    engine's model, not vLLM's path."""
+    engine = TransformersEngine(session.policy.model, session.tokenizer)
+    sampler = SamplingSession(engine, session.tokenizer)
+    tokens = session.tokenizer("say a: a b", add_special_tokens=False)["input_ids"]
+    datum = Datum(tokens=tokens[:-1], target_tokens=tokens[1:], weights=[1.0] * (len(tokens) - 1))
+    torch.testing.assert_close(
+        torch.tensor(sampler.compute_logprobs(tokens)[1:]),
+        torch.tensor(session.forward([datum], "cross_entropy").logprobs[0]),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_ignore_eos_samples_max_tokens_past_the_end_of_sequence(tiny_model_dir):
