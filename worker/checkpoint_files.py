@@ -4,27 +4,20 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from store.models import TinkerCheckpoint
-from store.objects import ObjectStore, check_key, get_dir
-from store.private import open_private, private_dir
+from store.objects import ObjectStore, get_dir
+from store.private import open_private
+from store.tinker_files import local_copy, object_key, staging_dir
 
 log = logging.getLogger(__name__)
 #: In a checkpoint's local directory once all its files are there: which save of its name they are (the row's
 #: ``created_at``). A directory without it (a save or a fetch that died midway) or with another save's (the name
 #: saved again elsewhere since) is not read. Checkpoint names start with a letter or digit, so it names no part.
 STAMP = ".saved-at"
-#: Where each kind's files are under a checkpoint's object prefix: a training state, a sampler's Hugging Face export.
-PARTS = {"training": "state", "sampler": "model"}
-
-
-def object_key(object_prefix: str, kind: str) -> str:
-    """The key under which a ``kind`` checkpoint's files are stored."""
-    return f"{object_prefix}/{PARTS[kind]}"
 
 
 def saved_at(created_at: datetime) -> str:
@@ -71,13 +64,18 @@ class CheckpointFiles:
     """The one way a session worker reads a checkpoint: a local directory holding its files."""
 
     objects: ObjectStore
-    data_dir: Path  # this worker's: fetched copies go under it, at the checkpoint's object prefix
+    data_dir: Path  # this worker's: its saves and fetched copies go under it, at the checkpoint's object prefix
+
+    def save_dir(self, object_prefix: str) -> Path:
+        """Where this worker writes a checkpoint it saves: where it keeps a copy it fetches, so it reads its own
+        saves in place, and nothing it writes is on another host's disk."""
+        return local_copy(self.data_dir, object_prefix)
 
     def local_dir(self, ckpt: Checkpoint) -> str:
         """A directory holding the checkpoint's files as last saved: the one it was saved to, where this worker sees
         it whole, else this worker's copy under its data directory, fetched from object storage when it is absent,
         incomplete or of an earlier save of the name. FileNotFoundError where object storage has none either."""
-        copy = self.data_dir / check_key(ckpt.object_prefix)
+        copy = local_copy(self.data_dir, ckpt.object_prefix)
         for directory in (Path(ckpt.directory), copy):
             if _stamp_of(directory) == ckpt.version:
                 return str(directory)
@@ -88,7 +86,7 @@ class CheckpointFiles:
         """Download the checkpoint into a staging directory beside ``target``, stamp it, and put it in place of
         whatever ``target`` held: a reader never sees a copy half written."""
         key = object_key(ckpt.object_prefix, ckpt.kind)
-        staging = Path(tempfile.mkdtemp(prefix=".fetching-", dir=private_dir(target.parent)))
+        staging = staging_dir(target)
         try:
             get_dir(self.objects, key, staging)
             if not any(staging.iterdir()):

@@ -10,8 +10,10 @@ from typing import Any
 from gspo_core import primitives as prim
 from store.model_refs import resolve_model
 from store.objects import ObjectStore, put_dir
+from store.private import private_dir
 from store.settings import Settings
-from worker.checkpoint_files import CheckpointFiles, object_key, unstamp
+from store.tinker_files import checkpoint_prefix, object_key
+from worker.checkpoint_files import CheckpointFiles, unstamp
 from worker.session_samplers import SampleCall, SamplerEngines, sample_calls
 
 
@@ -123,10 +125,13 @@ class SessionHost:
         )
         return Outcome({"type": "optim_step", "metrics": self.trainer(model_id).optim_step(params)})
 
-    def save(self, model_id: str, payload: dict) -> tuple[Outcome, Saved]:
-        trainer, directory = self.trainer(model_id), Path(payload["directory"])
-        directory.mkdir(parents=True, exist_ok=True)
-        prefix = "tinker/" + "/".join(directory.parts[-4:])  # <tenant>/<model>/<kind>/<name>
+    def save(self, tenant_id: str, model_id: str, payload: dict) -> tuple[Outcome, Saved]:
+        """Write a checkpoint under this worker's data directory and upload it; the caller records it, then stamps
+        the directory (``worker.sessions``)."""
+        trainer = self.trainer(model_id)
+        prefix = checkpoint_prefix(tenant_id, model_id, payload["kind"], payload["name"])
+        directory = self.files.save_dir(prefix)
+        private_dir(directory)
         unstamp(directory)  # stamped once recorded (worker.sessions), so no reader takes a save half written
         if payload["kind"] == "training":
             trainer.save_state(str(directory), optimizer=True)

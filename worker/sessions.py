@@ -41,7 +41,7 @@ def run_request(host: SessionHost, db: Database, request: TinkerRequest) -> Outc
     if request.kind == "optim_step":
         return host.optim_step(model_id, payload)
     if request.kind == "save_weights":
-        outcome, saved = host.save(model_id, payload)
+        outcome, saved = host.save(request.tenant_id, model_id, payload)
         with db.session() as s:
             model = s.get(TinkerModel, model_id)
             assert model is not None

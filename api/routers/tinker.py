@@ -129,13 +129,13 @@ def optim_step(body: OptimStep, tenant: TinkerTenantDep, s: SessionDep) -> dict:
 
 
 @router.post("/save_weights", dependencies=Budgeted)
-def save_weights(body: SaveWeights, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> dict:
-    return svc.save_weights(s, settings, tenant.id, body, "training")
+def save_weights(body: SaveWeights, tenant: TinkerTenantDep, s: SessionDep) -> dict:
+    return svc.save_weights(s, tenant.id, body, "training")
 
 
 @router.post("/save_weights_for_sampler", dependencies=Budgeted)
-def save_weights_for_sampler(body: SaveWeights, tenant: TinkerTenantDep, s: SessionDep, settings: SettingsDep) -> dict:
-    return svc.save_weights(s, settings, tenant.id, body, "sampler")
+def save_weights_for_sampler(body: SaveWeights, tenant: TinkerTenantDep, s: SessionDep) -> dict:
+    return svc.save_weights(s, tenant.id, body, "sampler")
 
 
 @router.post("/load_weights", dependencies=Budgeted)

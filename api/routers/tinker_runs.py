@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
 from api.bodies import StrictJsonRoute
-from api.deps import ObjectsDep, SessionDep, TinkerTenantDep
+from api.deps import ObjectsDep, SessionDep, SettingsDep, TinkerTenantDep
 from api.services import tinker_runs as svc
 from api.services.archive import stream_tar_gz
 
@@ -59,7 +59,7 @@ def download_checkpoint(
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
 def delete_checkpoint(
-    run_id: str, checkpoint_id: str, tenant: TinkerTenantDep, s: SessionDep, objects: ObjectsDep
+    run_id: str, checkpoint_id: str, tenant: TinkerTenantDep, s: SessionDep, objects: ObjectsDep, settings: SettingsDep
 ) -> Response:
-    svc.delete_checkpoint(s, objects, tenant.id, run_id, checkpoint_id)
+    svc.delete_checkpoint(s, objects, settings.data_dir, tenant.id, run_id, checkpoint_id)
     return Response(status_code=204)

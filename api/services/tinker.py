@@ -100,11 +100,6 @@ def enqueue_on_model(s: Session, model: TinkerModel, kind: str, payload: dict) -
     return enqueue(s, session, kind, payload, model.id)
 
 
-def checkpoint_dir(settings: Settings, model: TinkerModel, kind: str, name: str) -> str:
-    """Where the worker writes a checkpoint: chosen here, never by the tenant."""
-    return str(Path(settings.data_dir) / "tinker" / model.tenant_id / model.id / kind / name)
-
-
 def checkpoint_name(path: str | None, default: str) -> str:
     name = path or default
     if not NAME.match(name):
@@ -201,14 +196,15 @@ def queue_fwdbwd(s: Session, tenant_id: str, payload: dict[str, Any]) -> dict[st
     return enqueue_on_model(s, model, kind, payload)
 
 
-def save_weights(s: Session, settings: Settings, tenant_id: str, body: SaveWeights, kind: str) -> dict[str, Any]:
-    """Queue a ``kind`` ("training" or "sampler") checkpoint, named by the tenant or here, stored where we say."""
+def save_weights(s: Session, tenant_id: str, body: SaveWeights, kind: str) -> dict[str, Any]:
+    """Queue a ``kind`` ("training" or "sampler") checkpoint, named by the tenant or here; the worker stores it
+    under its own data directory and in object storage, at a prefix made of the tenant, model, kind and name
+    (``store.tinker_files``), so the tenant names no path and the API none of its own."""
     model = model_of(s, tenant_id, body.model_id)
     name = checkpoint_name(body.path, f"{kind}-{uuid.uuid4().hex[:8]}")
     payload = {
         "kind": kind,
         "name": name,
-        "directory": checkpoint_dir(settings, model, kind, name),
         "path": tinker_path(model.id, kind, name),
     }
     if kind == "sampler" and body.path is None:  # save_weights_and_get_sampling_client: a sampler of its own

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -14,6 +14,7 @@ from api.services.tinker import resolve_path, tinker_path
 from store import tinker
 from store.models import TinkerCheckpoint, TinkerModel
 from store.objects import ObjectStore
+from store.tinker_files import remove_local_copy
 
 
 def run_of(s: Session, tenant_id: str, run_id: str) -> TinkerModel:
@@ -79,9 +80,14 @@ def archive_of(
     return members, f"{run_id}-{ckpt.name}"
 
 
-def delete_checkpoint(s: Session, objects: ObjectStore, tenant_id: str, run_id: str, checkpoint_id: str) -> None:
+def delete_checkpoint(
+    s: Session, objects: ObjectStore, data_dir: Path, tenant_id: str, run_id: str, checkpoint_id: str
+) -> None:
+    """A checkpoint's objects, its copy under the API's data directory (the one of the workers that share it: the
+    saving worker's when it does) with that name's staging directories, and its row. Copies under other data
+    directories stay on their hosts, never read again: a worker finds a checkpoint by its row."""
     ckpt = resolve_path(s, tenant_id, f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
     objects.delete_prefix(ckpt.object_prefix)
-    shutil.rmtree(ckpt.directory, ignore_errors=True)  # the worker's copy, where the API shares its disk
+    remove_local_copy(data_dir, ckpt.object_prefix)
     s.delete(ckpt)
     s.commit()

@@ -168,7 +168,7 @@ def test_a_models_resume_point_is_its_last_saved_state_and_what_it_lacks(client,
     headers = _tml(auth)
     session_id = _session(client, headers)
     model_id, _ = _model(client, headers, session_id)
-    saved = {"kind": "training", "path": "tinker://m/weights/a", "directory": "/a"}
+    saved = {"kind": "training", "name": "a", "path": "tinker://m/weights/a"}
     with app.state.db.session() as s:
         point = lambda: tinker_resume.resume_point(s, model_id)  # noqa: E731
         assert point() == tinker_resume.ResumePoint(None, False, 0)  # as made: rebuilt exactly
@@ -183,13 +183,27 @@ def test_a_models_resume_point_is_its_last_saved_state_and_what_it_lacks(client,
         _done(s, session_id, model_id, "optim_step")
         assert point().path == "tinker://m/weights/a" and point().behind == 2
         _done(s, session_id, model_id, "forward_backward")  # a gradient the next save does not hold
-        _done(s, session_id, model_id, "save_weights", {**saved, "path": "tinker://m/weights/c", "directory": "/c"})
+        _done(s, session_id, model_id, "save_weights", {**saved, "name": "c", "path": "tinker://m/weights/c"})
         assert (point().path, point().behind) == ("tinker://m/weights/c", 1)
         loaded = {"path": "tinker://x/weights/d", "optimizer": False}
         _done(s, session_id, model_id, "load_weights", loaded)
         assert point() == tinker_resume.ResumePoint("tinker://x/weights/d", False, 1)
         _done(s, session_id, model_id, "optim_step")
         assert point().behind == 2
+
+
+def test_a_queued_save_names_its_checkpoint_and_no_path_of_the_apis_host(client, app, auth):
+    """The session worker chooses where a checkpoint's files go (under its own data directory): a save's payload
+    holds the checkpoint's kind, name and tinker:// path only."""
+    headers = _tml(auth)
+    model_id, _ = _model(client, headers, _session(client, headers))
+    routes = (("save_weights", "training", "weights"), ("save_weights_for_sampler", "sampler", "sampler_weights"))
+    for route, kind, segment in routes:
+        r = client.post(f"/api/v1/{route}", json={"model_id": model_id, "path": "s-1"}, headers=headers)
+        assert r.status_code == 200, r.text
+        with app.state.db.read_session() as s:
+            payload = s.get(TinkerRequest, r.json()["request_id"]).payload
+        assert payload == {"kind": kind, "name": "s-1", "path": f"tinker://{model_id}/{segment}/s-1"}
 
 
 def test_bad_requests_name_their_field(client, auth, other_auth):

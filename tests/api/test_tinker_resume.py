@@ -1,15 +1,19 @@
 """A Tinker session outlives its worker: the unmodified `tinker` SDK (0.38) against a live `gspo api` and a session
 worker that is SIGKILLed mid-session; a second worker, with a data directory of its own, takes the session over and
 its models go on from their last save_state exactly (the losses a run that was not killed gives), reading a
-checkpoint the first worker's disk no longer holds from object storage (S3), or fail saying what was lost."""
+checkpoint the first worker's disk no longer holds from object storage (S3), or fail saying what was lost; what it
+saves goes under its own data directory, and loads and downloads from there and object storage."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import tarfile
+from io import BytesIO
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -76,6 +80,32 @@ def _queued(db: Database, session_id: str) -> int:
         return int(s.scalar(query) or 0)
 
 
+def _forward_loss(training) -> float:
+    return mean_loss(training.forward(DATA, "cross_entropy").result(), DATA)
+
+
+def _saves_of_a_worker_with_its_own_data_dir(url: str, key: str, service, saved, behind, own: Path, api: Path) -> None:
+    """What the second worker saves is written under its own data directory, not the API's, and every reader of it
+    works: load_state on the worker, the archive download (object storage) and the delete on the API."""
+    two = saved.save_state("two").result().path
+    saved.save_weights_for_sampler("s2").result()
+    mine = {**_checkpoints(own, saved.model_id, "training"), **_checkpoints(own, saved.model_id, "sampler")}
+    assert {"two", "s2"} <= set(mine) and all((d / ".saved-at").is_file() for d in mine.values())
+    assert not _checkpoints(api, saved.model_id, "training") and not _checkpoints(api, saved.model_id, "sampler")
+    behind.load_state(two).result()
+    assert _forward_loss(behind) == pytest.approx(_forward_loss(saved), abs=1e-6)
+    archive_url = f"{url}/api/v1/training_runs/{saved.model_id}/checkpoints/sampler_weights/s2/archive"
+    archive = httpx.get(archive_url, headers={"X-API-Key": f"tml-{key}"}, timeout=60)
+    assert archive.status_code == 200, archive.text
+    with tarfile.open(fileobj=BytesIO(archive.content), mode="r:gz") as tar:
+        assert any(name.endswith("config.json") for name in tar.getnames())
+    rest = service.create_rest_client()
+    rest.delete_checkpoint(saved.model_id, "sampler_weights/s2").result()
+    assert httpx.get(archive_url, headers={"X-API-Key": f"tml-{key}"}, timeout=60).status_code == 404
+    # the worker's copy stays on its host (the API cannot reach it), never read again: the row is gone
+    assert mine["s2"].is_dir()
+
+
 def test_a_killed_workers_session_goes_on_from_its_saved_state_on_another_worker(resume_service):
     url, key, tmp, env_vals = resume_service
     service = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
@@ -135,6 +165,7 @@ def test_a_killed_workers_session_goes_on_from_its_saved_state_on_another_worker
             assert not any(directory.exists() for directory in gone.values())
             assert "b1" in _checkpoints(tmp, behind.model_id, "training")
             assert not _checkpoints(own, behind.model_id, "training")
+            _saves_of_a_worker_with_its_own_data_dir(url, key, service, saved, behind, own, tmp)
     finally:
         db.dispose()
         service.close("success").result(timeout=60)

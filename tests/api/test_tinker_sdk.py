@@ -14,6 +14,7 @@ import pytest
 from store.db import Database
 from store.models import TinkerSession, UsageRecord, utcnow
 from store.settings import Settings
+from store.tinker_files import staging_dir
 from store.usage import QueuePolicy
 from tests.api.conftest import TINKER_BUDGET_H as BUDGET_H
 from tests.api.tinker_support import datum as _datum
@@ -42,7 +43,7 @@ def sdk(tinker_service):
 
 
 def test_train_sample_save_and_load_with_the_sdk(tinker_service, sdk):
-    url, keys, _ = tinker_service
+    url, keys, tmp = tinker_service
     service = sdk(keys[0])
     rest = service.create_rest_client()
     assert "toy" in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
@@ -107,8 +108,13 @@ def test_train_sample_save_and_load_with_the_sdk(tinker_service, sdk):
     assert r.status_code == 404
     with pytest.raises(tinker.NotFoundError):
         sdk(keys[1]).create_sampling_client(model_path=sampler_path).result()
+    # deleting it removes its objects and, the API sharing the worker's data dir here, the worker's copy and any
+    # staging directory of its name (a fetch cut short)
+    (local,) = tmp.glob(f"tinker/*/{run_id}/sampler/s4")
+    cut_short = staging_dir(local)
     rest.delete_checkpoint(run_id, "sampler_weights/s4").result()
     assert sampler_path not in [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+    assert not local.exists() and not cut_short.exists() and (local.parent.parent / "training" / "after-4").is_dir()
 
 
 def test_load_state_of_a_checkpoint_whose_local_copy_is_gone_reads_it_from_object_storage(tinker_service, sdk):

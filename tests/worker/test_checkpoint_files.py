@@ -1,5 +1,6 @@
 """A session worker reads a Tinker checkpoint from a local directory holding the save it is asked for: the one it was
-saved to when that is whole, else its own copy fetched from object storage (local directory and S3 stores)."""
+saved to when that is whole, else its own copy fetched from object storage (local directory and S3 stores); deleting
+a checkpoint removes a host's copy and that name's staging directories."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from store.objects import LocalObjectStore, S3ObjectStore, put_dir
-from worker.checkpoint_files import Checkpoint, CheckpointFiles, object_key, saved_at, stamp
+from store.tinker_files import checkpoint_prefix, object_key, remove_local_copy, staging_dir
+from worker.checkpoint_files import Checkpoint, CheckpointFiles, saved_at, stamp
 
 FILES = {"trainer/.metadata": b"meta", "trainer/__0_0.distcp": b"w" * 300, "adapter/config.json": b"{}"}
 
@@ -38,8 +40,8 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 def _saved(objects, saver_dir: Path, files: dict[str, bytes], when: datetime) -> Checkpoint:
     """A training checkpoint as a session worker saves it: its files in ``saver_dir``, uploaded, then stamped."""
-    prefix = f"tinker/t-{uuid.uuid4().hex[:8]}/m/training/one"
-    directory = _write(saver_dir / prefix, files)
+    prefix = checkpoint_prefix(f"t-{uuid.uuid4().hex[:8]}", "m", "training", "one")
+    directory = _write(CheckpointFiles(objects, saver_dir).save_dir(prefix), files)
     put_dir(objects, object_key(prefix, "training"), directory)
     ckpt = Checkpoint("training", str(directory), prefix, saved_at(when))
     stamp(directory, ckpt.version)
@@ -85,3 +87,16 @@ def test_a_copy_of_an_earlier_save_of_the_name_is_replaced_and_a_deleted_one_is_
     with pytest.raises(FileNotFoundError):
         reader.local_dir(gone)
     assert sorted(p.name for p in copy.parent.iterdir()) == ["one"]
+
+
+def test_deleting_removes_a_hosts_copy_and_the_names_staging_dirs_only(objects, tmp_path):
+    ckpt = _saved(objects, tmp_path / "saver", FILES, datetime(2026, 1, 1, tzinfo=UTC))
+    one = Path(ckpt.directory)
+    assert one == tmp_path / "saver" / ckpt.object_prefix  # saved where the saver keeps its fetched copies
+    other = _write(one.parent / "one-b", FILES)  # another name of the same model and kind, ...
+    cut_short = staging_dir(one)  # ... a fetch of "one" that died midway, and one of "one-b" in flight
+    in_flight = staging_dir(other)
+    remove_local_copy(tmp_path / "saver", ckpt.object_prefix)
+    assert not one.exists() and not cut_short.exists()
+    assert other.is_dir() and in_flight.is_dir() and _files(other) == FILES
+    remove_local_copy(tmp_path / "elsewhere", ckpt.object_prefix)  # no copy on this host: nothing to do
