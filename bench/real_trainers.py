@@ -26,6 +26,18 @@ TASKS: dict[str, dict] = {
     },
     "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 3},
     "letter_counting": {"min_words": 3, "max_words": 5},
+    # "Solve for x: 7 + x = 11": 0.08 held-out before (the model explains at length and is cut off), 2026-11-28.
+    "simple_equations": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "max_value": 10,
+        "operators": ["+", "-"],
+        "operators_weights": [0.5, 0.5],
+    },
+    # "Find the GCD of these numbers: 68, 76": 0.11 before (explains at length, cut off at 48 tokens).
+    "gcd": {"max_value": 100},
+    # "pick the smallest number of the following candidates: 5.2e+08 523,715,555.994": 0.13 before.
+    "number_format": {"max_num_candidates": 2},
 }
 #: The bench's trainers: ours with each loss (``grpo`` with GRPO's usual token-level clip range, its 3e-4
 #: default being GSPO's sequence-level one), and TRL's GRPOTrainer in GSPO mode.
