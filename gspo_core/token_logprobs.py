@@ -55,8 +55,9 @@ def _forward_blocks(z_CV, target_C, temperature: float, with_entropy: bool, logp
 
 def _grad_blocks_(z_FV, target_C, lse_C, grad_C, temperature: float, out_CV, positions_C=None) -> None:
     """``out_CV = d(sum_c grad_c logp_c) / dz`` = ``(onehot(target) - softmax(z / t)) * grad / t`` at the
-    positions ``z_FV[positions_C]`` (gathered a block at a time); without ``positions_C``, at every position
-    (``C = F``, and ``out_CV`` may be ``z_FV``)."""
+    positions ``z_FV[positions_C]`` (gathered a block at a time; ``out_CV`` may be rows of ``z_FV`` at or before
+    the ascending ``positions_C``); without ``positions_C``, at every position (``C = F``, and ``out_CV`` may be
+    ``z_FV``)."""
     grad_C = grad_C / temperature
     for span in _blocks(out_CV.size(0), out_CV.size(1)):
         x = z_FV[span] if positions_C is None else z_FV.index_select(0, positions_C[span])
@@ -147,8 +148,10 @@ class _HeadLogprobs(torch.autograd.Function):
         for span in _spans(len(live_C), CHUNK_ELEMENTS // V):
             positions = live_C[span]
             target_C, lse_C, grad_C = target_F[positions], lse_F[positions], grad_logp_F[positions]
-            if kept:  # gathered straight into the gradient buffer: one read and one write of the live rows
-                grad_z_CV = kept[0].new_empty(len(positions), V)
+            if kept:  # turned into their gradient in place, the live rows packed to the front (ascending
+                # positions: a row is read before a block overwrites it): no second [F, V] beside the kept one.
+                # The kept logits are then spent: autograd refuses a second backward through them (version check).
+                grad_z_CV = kept[0][span]
                 _grad_blocks_(kept[0], target_C, lse_C, grad_C, ctx.temperature, grad_z_CV, positions)
             else:  # the logits made again, and turned into their gradient in place
                 grad_z_CV = _logits(h_FH[positions], w_VH, b_V, ctx.dtype)

@@ -115,3 +115,35 @@ def test_a_tied_embeddings_gradient_is_one_buffer():
         peaks[mode] = float(rise)
     assert peaks["dense"] > 2.5 * 64, peaks
     assert peaks["one"] < 1.5 * 64, peaks
+
+
+# One backward of the fused LM head over 512 positions of a 32k vocabulary with its logits kept (64 MiB), under
+# glibc's default heap. Prints the rise of the peak RSS over the RSS after the forward, in MiB.
+_HEAD = """
+import torch
+from gspo_core.token_logprobs import head_logprobs
+
+def rss_mb(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+
+torch.manual_seed(0)
+head = torch.nn.Linear(16, 32000, bias=False)
+h = torch.randn(512, 16, requires_grad=True)
+target = torch.randint(0, 32000, (512,))
+head_logprobs(h[:8], head, target[:8])[0].sum().backward()  # first-call allocations out of the way
+logp = head_logprobs(h, head, target)[0]
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak RSS starts again from here
+base = rss_mb("VmRSS")
+logp.sum().backward()
+print(rss_mb("VmHWM") - base)
+"""
+
+
+def test_the_head_backward_makes_no_second_logits_sized_buffer():
+    """The kept logits are turned into their gradient in place (gspo_core.token_logprobs): the backward adds
+    the 2 MiB weight gradient and a few blocks, not a second 64 MiB [F, V]."""
+    out = subprocess.run([sys.executable, "-c", _HEAD], capture_output=True, text=True, check=True)
+    assert float(out.stdout) < 16, out.stdout
