@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from gspo_core.launch import launched
-from gspo_core.policy import Policy, base_model, completion_logprobs, save_hf
+from gspo_core.policy import Policy, base_model, completion_logprobs, one_tied_gradient, save_hf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -170,9 +170,11 @@ def shard(policy: Policy, device: torch.device, amp_dtype: torch.dtype | None, r
 
     One rank has nothing to share its shards with: the root is left a plain module there (FSDP2 would only
     copy every parameter into its buffers and back around each forward and backward, and run AdamW on
-    DTensors; docs/scaling.md). Everything else about the program is the same."""
+    DTensors; docs/scaling.md), and a tied embedding's gradient is made in one buffer
+    (`gspo_core.policy.one_tied_gradient`). Everything else about the program is the same."""
     root = ShardedPolicy(policy)
     if ranks.world == 1:
+        one_tied_gradient(policy)
         return root
     mixed = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

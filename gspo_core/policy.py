@@ -126,6 +126,30 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(module, name, 0.0)
 
 
+def one_tied_gradient(model: Policy) -> bool:
+    """Where the input embedding and the LM head share one trained weight (tied), make the embedding's gradient
+    sparse (the rows of the batch's tokens), so :func:`completion_logprobs` can have the head add its gradient
+    straight into the weight's ``.grad`` and the embedding's rows go into the same buffer: one ``[V, H]`` where
+    autograd holds the head's and the embedding's dense one (and, past a micro-batch, ``.grad``) at once. Not
+    under FSDP, whose reduction follows autograd's accumulation (`gspo_core.distributed.shard` calls this on
+    one rank only). Returns whether the weight is tied so."""
+    base = base_model(model)
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if not isinstance(embed, torch.nn.Embedding) or head is None or head.weight is not embed.weight:
+        return False
+    if not embed.weight.requires_grad:
+        return False
+    embed.sparse = True
+    return True
+
+
+def _head_adds_into_grad(model: Policy, head: LMHead) -> bool:
+    """Whether the head's backward adds into its weight's ``.grad``: that weight is a leaf, tied to an
+    embedding whose gradient is sparse (:func:`one_tied_gradient`)."""
+    embed = base_model(model).get_input_embeddings()
+    return bool(getattr(embed, "sparse", False)) and embed.weight is head.weight and head.weight.is_leaf
+
+
 def logit_postprocess(config: PretrainedConfig) -> tuple[float, float | None]:
     """``(scale, softcap)`` a model family's forward applies to its LM head's output ``z``: logits are
     ``scale * softcap * tanh(z / softcap)`` (or ``scale * z`` without a cap). Cohere multiplies by
@@ -231,8 +255,9 @@ def completion_logprobs(
     scale, softcap = logit_postprocess(config)
     # softmax(scale * z / t) is softmax(z / (t / scale)): a constant scale is a temperature.
     if type(head) is torch.nn.Linear and softcap is None:
+        into_grad = _head_adds_into_grad(model, head)
         logp_F, entropy_F = head_logprobs(
-            h_BTH.reshape(B * T, H), head, target_F, temperature / scale, with_entropy, amp_dtype
+            h_BTH.reshape(B * T, H), head, target_F, temperature / scale, with_entropy, amp_dtype, into_grad
         )
     else:
         with autocast:

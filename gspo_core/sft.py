@@ -20,7 +20,7 @@ from gspo_core.data import DataError, check_sft_row, spec_rows
 from gspo_core.distributed import broadcast, join_group, lead_writer, local_device
 from gspo_core.packing import pack
 from gspo_core.platform import RuntimeOptions
-from gspo_core.policy import Policy, autocast_dtype, completion_logprobs, load_policy
+from gspo_core.policy import Policy, autocast_dtype, completion_logprobs, load_policy, one_tied_gradient
 from gspo_core.primitives.core import PolicyState, optimizer_update
 from gspo_core.schedule import batch_indices, make_optimizer, seed_everything
 
@@ -185,6 +185,7 @@ class SFTTrainer:
         for line, row in enumerate([*self.rows, *self.val_rows], 1):
             check_sft_row(row, line)
         model, self.tokenizer = load_policy(spec.model, self.cfg, self.device)
+        one_tied_gradient(model)  # one device: a tied embedding's gradient in one buffer
         # One update per step: the LR schedule counts steps, not GSPO's mini-batches.
         optimizer, scheduler = make_optimizer(model, self.cfg.model_copy(update={"mini_batches": 1}))
         amp = autocast_dtype(self.cfg, self.device)

@@ -55,8 +55,9 @@ def _forward_blocks(z_CV, target_C, temperature: float, with_entropy: bool, logp
 
 def _grad_blocks_(z_FV, target_C, lse_C, grad_C, temperature: float, out_CV, positions_C=None) -> None:
     """``out_CV = d(sum_c grad_c logp_c) / dz`` = ``(onehot(target) - softmax(z / t)) * grad / t`` at the
-    positions ``z_FV[positions_C]`` (gathered a block at a time); without ``positions_C``, at every position
-    (``C = F``, and ``out_CV`` may be ``z_FV``)."""
+    positions ``z_FV[positions_C]`` (gathered a block at a time; ``out_CV`` may be rows of ``z_FV`` at or before
+    the ascending ``positions_C``); without ``positions_C``, at every position (``C = F``, and ``out_CV`` may be
+    ``z_FV``)."""
     grad_C = grad_C / temperature
     for span in _blocks(out_CV.size(0), out_CV.size(1)):
         x = z_FV[span] if positions_C is None else z_FV.index_select(0, positions_C[span])
@@ -117,7 +118,7 @@ class _HeadLogprobs(torch.autograd.Function):
     """``h_FH`` (the head's inputs at ``F`` positions), head ``w_VH`` / ``b_V`` -> ``logp_F``, ``entropy_F``."""
 
     @staticmethod
-    def forward(ctx, h_FH, w_VH, b_V, target_F, temperature: float, with_entropy: bool, dtype):
+    def forward(ctx, h_FH, w_VH, b_V, target_F, temperature: float, with_entropy: bool, dtype, into_grad: bool):
         F, V = h_FH.size(0), w_VH.size(0)
         logp_F, lse_F, entropy_F = _new_outputs(h_FH, F, with_entropy, _logit_dtype(w_VH))
         keep = F * V <= KEEP_LOGITS_ELEMENTS
@@ -128,7 +129,7 @@ class _HeadLogprobs(torch.autograd.Function):
             if keep:
                 kept.append(z_CV)
         ctx.save_for_backward(h_FH, w_VH, b_V, target_F, lse_F, *kept)
-        ctx.temperature, ctx.dtype = temperature, dtype
+        ctx.temperature, ctx.dtype, ctx.into_grad = temperature, dtype, into_grad
         ctx.mark_non_differentiable(entropy_F)
         return logp_F, entropy_F
 
@@ -138,14 +139,19 @@ class _HeadLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         live_C = grad_logp_F.nonzero().squeeze(-1)  # positions with a gradient; the rest add exactly 0
         grad_h_FH = torch.zeros_like(h_FH) if need_h else None
-        grad_w_VH = grad_b_V = None  # the first chunk's product is the gradient, later ones add to it
+        into_w = need_w and ctx.into_grad  # the weight's gradient goes straight into its .grad (head_logprobs)
+        # The first chunk's product is the gradient (or is added to the .grad it goes into), later ones add to it.
+        grad_w_VH = w_VH.grad if into_w else None
+        grad_b_V = None
         V = w_VH.size(0)
         w_cast_VH = w_VH.to(ctx.dtype)
         for span in _spans(len(live_C), CHUNK_ELEMENTS // V):
             positions = live_C[span]
             target_C, lse_C, grad_C = target_F[positions], lse_F[positions], grad_logp_F[positions]
-            if kept:  # gathered straight into the gradient buffer: one read and one write of the live rows
-                grad_z_CV = kept[0].new_empty(len(positions), V)
+            if kept:  # turned into their gradient in place, the live rows packed to the front (ascending
+                # positions: a row is read before a block overwrites it): no second [F, V] beside the kept one.
+                # The kept logits are then spent: autograd refuses a second backward through them (version check).
+                grad_z_CV = kept[0][span]
                 _grad_blocks_(kept[0], target_C, lse_C, grad_C, ctx.temperature, grad_z_CV, positions)
             else:  # the logits made again, and turned into their gradient in place
                 grad_z_CV = _logits(h_FH[positions], w_VH, b_V, ctx.dtype)
@@ -154,8 +160,7 @@ class _HeadLogprobs(torch.autograd.Function):
             if grad_h_FH is not None:  # need_h
                 grad_h_FH[positions] = (cast_grad_z_CV @ w_cast_VH).to(grad_h_FH.dtype)
             if need_w:
-                part_VH = (cast_grad_z_CV.t() @ h_FH[positions].to(ctx.dtype)).to(w_VH.dtype)
-                grad_w_VH = part_VH if grad_w_VH is None else grad_w_VH.add_(part_VH)
+                grad_w_VH = _add_product(grad_w_VH, cast_grad_z_CV.t(), h_FH[positions].to(ctx.dtype), w_VH.dtype)
             if need_b:
                 part_V = grad_z_CV.sum(0).to(b_V.dtype)
                 grad_b_V = part_V if grad_b_V is None else grad_b_V.add_(part_V)
@@ -163,7 +168,19 @@ class _HeadLogprobs(torch.autograd.Function):
             grad_w_VH = torch.zeros_like(w_VH)
         if need_b and grad_b_V is None:
             grad_b_V = torch.zeros_like(b_V)
-        return grad_h_FH, grad_w_VH, grad_b_V, None, None, None, None
+        if into_w:
+            w_VH.grad, grad_w_VH = grad_w_VH, None
+        return grad_h_FH, grad_w_VH, grad_b_V, None, None, None, None, None
+
+
+def _add_product(acc_VH: torch.Tensor | None, a_VC: torch.Tensor, b_CH: torch.Tensor, dtype) -> torch.Tensor:
+    """``acc_VH + a_VC @ b_CH`` in ``dtype``, the product added in place where the dtypes allow (no ``[V, H]``
+    product beside the sum); None as ``acc_VH``: the product itself."""
+    if acc_VH is None:
+        return (a_VC @ b_CH).to(dtype)
+    if a_VC.dtype == acc_VH.dtype:
+        return acc_VH.addmm_(a_VC, b_CH)
+    return acc_VH.add_((a_VC @ b_CH).to(dtype))
 
 
 def head_logprobs(
@@ -173,15 +190,24 @@ def head_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     dtype: torch.dtype | None = None,
+    into_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`token_logprobs` of ``head(h_FH)`` (``h_FH`` ``[F, H]``), with the head's matmul in ``dtype``
     (default: the weight's) made a chunk at a time, and its backward only over positions whose
-    log-prob gets a nonzero gradient."""
+    log-prob gets a nonzero gradient.
+
+    ``into_grad``: the backward adds the weight's gradient straight into ``head.weight.grad`` (a leaf; made if
+    None) instead of handing it to autograd. Why: a weight tied to an input embedding gets a second gradient
+    from it, and autograd holds the head's ``[V, H]`` beside that one to add them; with the embedding's made
+    sparse (`gspo_core.policy.one_tied_gradient`), the weight's gradient is one ``[V, H]`` buffer. Not for
+    :func:`torch.autograd.grad`, which never reads ``.grad``."""
     dtype = dtype or head.weight.dtype
     params = [h_FH, head.weight] + ([head.bias] if head.bias is not None else [])
     if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return _head_logprobs_no_grad(h_FH, head.weight, head.bias, target_F, float(temperature), with_entropy, dtype)
-    return _HeadLogprobs.apply(h_FH, head.weight, head.bias, target_F, float(temperature), bool(with_entropy), dtype)
+    return _HeadLogprobs.apply(
+        h_FH, head.weight, head.bias, target_F, float(temperature), bool(with_entropy), dtype, bool(into_grad)
+    )
 
 
 def _head_logprobs_no_grad(h_FH, w_VH, b_V, target_F, temperature: float, with_entropy: bool, dtype):

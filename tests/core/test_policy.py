@@ -7,7 +7,13 @@ import torch
 
 from gspo_core.config import GSPOConfig
 from gspo_core.packing import pack, pack_shared
-from gspo_core.policy import check_logit_head, completion_logprobs, export_weights, load_policy
+from gspo_core.policy import (
+    check_logit_head,
+    completion_logprobs,
+    export_weights,
+    load_policy,
+    one_tied_gradient,
+)
 from gspo_core.toy import build_tokenizer
 from tests.core.trainer_support import one_torch_thread
 
@@ -106,6 +112,45 @@ def test_dropout_is_off_in_training_mode(tmp_path):
     torch.testing.assert_close(
         completion_logprobs(model, batch, 1.0), completion_logprobs(model, batch, 1.0), atol=0, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    "family,extra",
+    [
+        ("llama", {"tie_word_embeddings": True}),  # the head's fused backward adds into .grad
+        ("gemma2", {"final_logit_softcapping": 3.0, "head_dim": 16}),  # tied; a soft-capped head runs as a module
+    ],
+)
+def test_a_tied_weights_one_gradient_buffer_gives_the_same_gradients(tmp_path, family, extra):
+    """Two micro-batches' gradients, with the tied embedding's made sparse and the head's added into .grad,
+    equal autograd's dense sum of the two (up to fp32 rounding): every parameter, and the tied one dense."""
+    model_dir, tok = _save(tmp_path, family, **extra)
+    prompts, comps = _rows()
+    grads = []
+    for one in (False, True):
+        model, _ = load_policy(str(model_dir), GSPOConfig(), torch.device("cpu"))
+        if one:
+            assert one_tied_gradient(model)
+        for rows in (slice(0, 2), slice(2, 3)):
+            batch = pack_shared(prompts[rows], comps[rows], tok.pad_token_id)
+            logp_BT = completion_logprobs(model, batch, 0.7)
+            (logp_BT * torch.linspace(-1.0, 1.0, logp_BT.numel()).view_as(logp_BT)).sum().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    dense, one_buffer = grads
+    tied = model.get_input_embeddings().weight.grad
+    assert tied is not None and tied.layout == torch.strided and tied.abs().sum() > 0
+    assert dense.keys() == one_buffer.keys()
+    for name, grad in dense.items():
+        torch.testing.assert_close(one_buffer[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_only_a_trained_tied_weight_gets_one_gradient_buffer(tmp_path):
+    model_dir, _ = _save(tmp_path, "llama")  # head and embedding untied
+    model, _ = load_policy(str(model_dir), GSPOConfig(), torch.device("cpu"))
+    assert not one_tied_gradient(model) and not model.get_input_embeddings().sparse
+    model_dir, _ = _save(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    model, _ = load_policy(str(model_dir), GSPOConfig(lora_rank=4), torch.device("cpu"))  # frozen under LoRA
+    assert not one_tied_gradient(model) and not model.get_input_embeddings().sparse
 
 
 def test_lora_dropout_is_refused_by_name():

@@ -146,3 +146,13 @@ def test_without_a_gradient_the_logits_are_made_a_small_chunk_at_a_time(monkeypa
     assert max(rows) == 5 and sum(rows) == 37
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(ent, ref_ent)
+
+
+def test_the_kept_logits_become_their_gradient_so_a_second_backward_is_refused():
+    """The backward turns the kept logits into their gradient in place (no second [F, V] buffer,
+    tests/core/test_memory.py): a second backward through the same graph must fail, not read spent logits."""
+    h, head, target, w = _head_case(7)
+    loss = (head_logprobs(h, head, target)[0] * w).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
