@@ -92,14 +92,7 @@ class NoWrites(LeadWriter):
     def save(self, obj: Any, path: Path) -> None:
         pass
 
-    def export(
-        self,
-        model: Policy,
-        tokenizer: PreTrainedTokenizerBase,
-        path: Path,
-        state: dict[str, torch.Tensor],
-        adapter_dir: Path | None = None,
-    ) -> None:
+    def export(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def remove(self, path: Path) -> None:
