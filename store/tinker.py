@@ -253,11 +253,17 @@ def find_checkpoint(s: Session, tenant_id: str, model_id: str, kind: str, name: 
     )
 
 
-def checkpoint_at(s: Session, tenant_id: str, path: str, kind: str) -> TinkerCheckpoint | None:
-    """The tenant's ``kind`` checkpoint at a ``tinker://<run>/<weights|sampler_weights>/<name>`` path the API
-    checked, else None (deleted since)."""
-    run_id, _, name = path.removeprefix("tinker://").split("/")
-    return find_checkpoint(s, tenant_id, run_id, kind, name)
+#: A ``tinker://`` path's middle segment: the kind of checkpoint it names.
+CHECKPOINT_SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def checkpoint_at(s: Session, tenant_id: str, path: str) -> TinkerCheckpoint | None:
+    """The tenant's checkpoint at a ``tinker://<run>/<weights|sampler_weights>/<name>`` path, else None;
+    ValueError where ``path`` is not of that form."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS:
+        raise ValueError(f"not a tinker://<run id>/<weights|sampler_weights>/<name> path: {path}")
+    return find_checkpoint(s, tenant_id, parts[0], CHECKPOINT_SEGMENTS[parts[1]], parts[2])
 
 
 def add_usage(

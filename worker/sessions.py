@@ -92,23 +92,25 @@ def restore(host: SessionHost, db: Database, request: TinkerRequest) -> None:
         )
 
 
-def local_checkpoint(host: SessionHost, db: Database, tenant_id: str, path: str, kind: str) -> str:
-    """A local directory holding the tenant's checkpoint at ``path``: where it was saved, or this worker's copy
-    fetched from object storage (worker.checkpoint_files); SessionRequestError where it was deleted."""
+def local_checkpoint(host: SessionHost, db: Database, tenant_id: str, path: str) -> str:
+    """A local directory holding the tenant's checkpoint at ``path`` (a path the API checked): where it was saved,
+    or this worker's copy fetched from object storage (worker.checkpoint_files); SessionRequestError where it was
+    deleted."""
+    gone = SessionRequestError(f"checkpoint {path} is gone (deleted)")
     with db.read_session() as s:
-        row = tinker.checkpoint_at(s, tenant_id, path, kind)
-        ckpt = None if row is None else Checkpoint.of(row)
+        row = tinker.checkpoint_at(s, tenant_id, path)
+        if row is None:
+            raise gone
+        ckpt = Checkpoint.of(row)
     try:
-        if ckpt is None:
-            raise FileNotFoundError(path)
         return host.files.local_dir(ckpt)
     except FileNotFoundError as exc:
-        raise SessionRequestError(f"checkpoint {path} is gone (deleted)") from exc
+        raise gone from exc
 
 
 def saved_state(host: SessionHost, db: Database, tenant_id: str, path: str, optimizer: bool) -> SavedState:
     """The training checkpoint at ``path`` to load (``load_weights``, or a restore), from a local directory."""
-    return SavedState(path, local_checkpoint(host, db, tenant_id, path, "training"), optimizer)
+    return SavedState(path, local_checkpoint(host, db, tenant_id, path), optimizer)
 
 
 def run_samples(host: SessionHost, db: Database, requests: list[TinkerRequest]) -> list[Outcome]:
@@ -126,7 +128,7 @@ def _sampler_weights(host: SessionHost, db: Database, request: TinkerRequest) ->
         sampler = s.get(TinkerModel, request.model_id)
         assert sampler is not None
         base, path = resolve_model(host.settings.models_dir, sampler.base_model), sampler.model_path
-    return base, base if path is None else local_checkpoint(host, db, request.tenant_id, path, "sampler")
+    return base, base if path is None else local_checkpoint(host, db, request.tenant_id, path)
 
 
 def _over_budget(db: Database, policy: QueuePolicy, request: TinkerRequest) -> bool:

@@ -25,7 +25,6 @@ LOSSES = frozenset(
     {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce", "gspo_token"}
 )
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-CHECKPOINT_SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
 
 
 @dataclass(frozen=True)
@@ -114,10 +113,12 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 
 def resolve_path(s: Session, tenant_id: str, path: str, field: str) -> TinkerCheckpoint:
     """A tinker://<run>/<weights|sampler_weights>/<name> path of the tenant's; 400 malformed, 404 otherwise."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS:
-        raise ApiError(400, "invalid_request", "expected tinker://<run id>/<weights|sampler_weights>/<name>", field)
-    row = tinker.find_checkpoint(s, tenant_id, parts[0], CHECKPOINT_SEGMENTS[parts[1]], parts[2])
+    try:
+        row = tinker.checkpoint_at(s, tenant_id, path)
+    except ValueError:
+        raise ApiError(
+            400, "invalid_request", "expected tinker://<run id>/<weights|sampler_weights>/<name>", field
+        ) from None
     if row is None:
         raise not_found("checkpoint", path)
     return row
