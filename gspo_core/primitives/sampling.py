@@ -120,10 +120,10 @@ class SamplingSession:
         """The log-prob of each token given those before it by the current weights (None for the first)."""
         if not tokens:
             raise ValueError("tokens: empty")
-        # A transformers engine built by the job loop samples with the trainer's own model, not a copy of ours.
-        model = self.engine.policy if isinstance(self.engine, TransformersEngine) else self.model
-        if model is None:
+        if not isinstance(self.engine, TransformersEngine):
             return self._vllm_logprobs(tokens)
+        # The engine's model: the session's own copy, or the trainer's model the job loop's engine samples with.
+        model = self.engine.policy
         ids = torch.tensor([tokens], device=next(model.parameters()).device)
         with torch.no_grad():
             logp_LV = model(input_ids=ids).logits[0].float().log_softmax(-1)
