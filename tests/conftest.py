@@ -174,6 +174,20 @@ def s3_settings():
     proc.wait(10)
 
 
+@pytest.fixture(params=["local", "s3"])
+def objects(request, tmp_path):
+    """Each object store the service runs on: a local directory, and S3 over real HTTP (moto), its test keys
+    (``t...``) removed first."""
+    from store.objects import LocalObjectStore, S3ObjectStore
+
+    if request.param == "local":
+        return LocalObjectStore(tmp_path / "objects")
+    store = S3ObjectStore(request.getfixturevalue("s3_settings"))
+    store.ensure_bucket()
+    store.delete_prefix("t")
+    return store
+
+
 def run_gspo(env: dict, *args: str) -> str:
     """The `gspo` command in a subprocess, from the checkout's root: its stdout, stripped."""
     return subprocess.run(

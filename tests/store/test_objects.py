@@ -10,35 +10,25 @@ import pytest
 from store.objects import BadKey, LocalObjectStore, ObjectStore, S3ObjectStore, get_dir, put_dir
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalObjectStore(tmp_path / "objects")
-    st = S3ObjectStore(request.getfixturevalue("s3_settings"))
-    st.ensure_bucket()
-    st.delete_prefix("t")
-    return st
-
-
-def test_roundtrip_dirs_streams_and_delete(store, tmp_path):
-    assert isinstance(store, ObjectStore)  # the one interface the API and the worker are typed against
+def test_roundtrip_dirs_streams_and_delete(objects, tmp_path):
+    assert isinstance(objects, ObjectStore)  # the one interface the API and the worker are typed against
     src = tmp_path / "src"
     (src / "model").mkdir(parents=True)
     (src / "model" / "w.bin").write_bytes(b"\x00" * 3_000_000)
     (src / "state.pt").write_bytes(b"abc")
-    assert put_dir(store, "t/ckpt", src) == 3_000_003
-    assert [k for k, _ in store.list("t/ckpt")] == ["t/ckpt/model/w.bin", "t/ckpt/state.pt"]
-    assert b"".join(store.open_stream("t/ckpt/model/w.bin")) == b"\x00" * 3_000_000
-    out = get_dir(store, "t/ckpt", tmp_path / "out")
+    assert put_dir(objects, "t/ckpt", src) == 3_000_003
+    assert [k for k, _ in objects.list("t/ckpt")] == ["t/ckpt/model/w.bin", "t/ckpt/state.pt"]
+    assert b"".join(objects.open_stream("t/ckpt/model/w.bin")) == b"\x00" * 3_000_000
+    out = get_dir(objects, "t/ckpt", tmp_path / "out")
     assert (out / "model" / "w.bin").stat().st_size == 3_000_000 and (out / "state.pt").read_bytes() == b"abc"
-    store.delete_prefix("t/ckpt")
-    assert store.list("t/ckpt") == []
+    objects.delete_prefix("t/ckpt")
+    assert objects.list("t/ckpt") == []
 
 
 @pytest.mark.parametrize("key", ["../x", "/abs", "a/../../b", "a//b", ""])
-def test_keys_cannot_escape(store, key):
+def test_keys_cannot_escape(objects, key):
     with pytest.raises(BadKey):
-        store.put_bytes(key, b"x")
+        objects.put_bytes(key, b"x")
 
 
 def test_s3_presigned_url_serves_the_object(s3_settings):

@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from store.objects import LocalObjectStore, S3ObjectStore, put_dir
+from store.objects import put_dir
 from store.tinker_files import checkpoint_prefix, object_key, remove_local_copy, staging_dir
 from worker.checkpoint_files import Checkpoint, CheckpointFiles, saved_at, stamp
 
 FILES = {"trainer/.metadata": b"meta", "trainer/__0_0.distcp": b"w" * 300, "adapter/config.json": b"{}"}
-
-
-@pytest.fixture(params=["local", "s3"])
-def objects(request, tmp_path):
-    if request.param == "local":
-        return LocalObjectStore(tmp_path / "objects")
-    store = S3ObjectStore(request.getfixturevalue("s3_settings"))
-    store.ensure_bucket()
-    return store
 
 
 def _write(directory: Path, files: dict[str, bytes]) -> Path:
