@@ -73,19 +73,25 @@ def test_start_up_transients_are_given_back_under_the_kept_heap():
     assert int(dropped_mb) >= 200, dropped_mb
 
 
-# Two micro-batches' forward + backward of a one-layer Llama whose 32k x 512 embedding (64 MiB) is its LM head
-# (tied), under glibc's default heap (blocks this large are mapped and unmapped: the peak RSS is the peak of live
-# memory). Prints the rise of the peak over the model's own RSS, in MiB.
-_TIED = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from gspo_core.packing import pack
-from gspo_core.policy import completion_logprobs, one_tied_gradient
-
+# The subprocess scripts' reading of /proc/self/status (VmRSS, VmHWM), in MiB.
+_RSS_MB = """
 def rss_mb(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
+"""
+
+
+# Two micro-batches' forward + backward of a one-layer Llama whose 32k x 512 embedding (64 MiB) is its LM head
+# (tied), under glibc's default heap (blocks this large are mapped and unmapped: the peak RSS is the peak of live
+# memory). Prints the rise of the peak over the model's own RSS, in MiB.
+_TIED = (
+    _RSS_MB
+    + """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from gspo_core.packing import pack
+from gspo_core.policy import completion_logprobs, one_tied_gradient
 
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
@@ -101,6 +107,7 @@ for _ in range(2):
     completion_logprobs(model, batch, 1.0).sum().backward()
 print(one, rss_mb("VmHWM") - base)
 """
+)
 
 
 def test_a_tied_embeddings_gradient_is_one_buffer():
@@ -119,14 +126,11 @@ def test_a_tied_embeddings_gradient_is_one_buffer():
 
 # One backward of the fused LM head over 512 positions of a 32k vocabulary with its logits kept (64 MiB), under
 # glibc's default heap. Prints the rise of the peak RSS over the RSS after the forward, in MiB.
-_HEAD = """
+_HEAD = (
+    _RSS_MB
+    + """
 import torch
 from gspo_core.token_logprobs import head_logprobs
-
-def rss_mb(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
 
 torch.manual_seed(0)
 head = torch.nn.Linear(16, 32000, bias=False)
@@ -140,6 +144,7 @@ base = rss_mb("VmRSS")
 logp.sum().backward()
 print(rss_mb("VmHWM") - base)
 """
+)
 
 
 def test_the_head_backward_makes_no_second_logits_sized_buffer():
