@@ -201,7 +201,9 @@ def test_one_tenants_slow_receivers_do_not_hold_the_others_deliveries(
             while not fast.hits:
                 assert time.monotonic() < deadline, "tenant B's delivery was not sent"
                 time.sleep(0.01)
-            assert 1 <= len(slow.hits) < 4, "tenant B's delivery waited for all of tenant A's"
+            # A's first may be taken after B's on a loaded machine: the property is that B's did not wait
+            # for all four of A's (unfair, the four threads take A's older four first and B's comes fifth).
+            assert len(slow.hits) < 4, "tenant B's delivery waited for all of tenant A's"
             assert slow.most_at_once == 1, "tenant A had more than one delivery in flight"
         finally:
             stop.set()

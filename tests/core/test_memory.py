@@ -149,6 +149,7 @@ print(rss_mb("VmHWM") - base)
 
 def test_the_head_backward_makes_no_second_logits_sized_buffer():
     """The kept logits are turned into their gradient in place (gspo_core.token_logprobs): the backward adds
-    the 2 MiB weight gradient and a few blocks, not a second 64 MiB [F, V]."""
+    the 2 MiB weight gradient and a few blocks (4 MiB on an Intel machine, 20 on an AMD one: glibc's arenas
+    differ), not a second 64 MiB [F, V] (78 MiB before)."""
     out = subprocess.run([sys.executable, "-c", _HEAD], capture_output=True, text=True, check=True)
-    assert float(out.stdout) < 16, out.stdout
+    assert float(out.stdout) < 40, out.stdout
