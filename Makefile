@@ -69,8 +69,15 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy gspo_core store api worker
 
+# The suite in TEST_WORKERS pytest-xdist processes, one file per process at a time (tests/conftest.py: each file
+# its own group; each process its own Redis databases and PostgreSQL database): about half the suite's time is
+# waits (services starting, jobs polled), which the other process fills. Schemathesis' cases share one test id,
+# which xdist runs once, so that file runs on its own after.
+TEST_WORKERS ?= 2
 test: install services lint
-	$(BIN)/python -m pytest -q -ra --durations=30 tests
+	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
+		--ignore=tests/api/test_schemathesis.py tests
+	$(BIN)/python -m pytest -q -ra tests/api/test_schemathesis.py
 
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -41,10 +41,13 @@ def result_file_ids(s: Session, job_id: str) -> list[str]:
     return list(s.scalars(select(File.id).where(File.job_id == job_id)))
 
 
-def attach(s: Session, objects: ObjectStore, job: Job) -> File | None:
+def attach(s: Session, objects: ObjectStore, job: Job, settling: bool = False) -> File | None:
     """Write the ended ``job``'s metrics CSV and its file row, once: a second call (the reaper's sweep) finds
     the row; a retried transaction rewrites the same object key. Counted in the tenant's storage quota, never
-    refused by it (the job has run). None while the job has not ended."""
+    refused by it (the job has run). None while the job has not ended.
+
+    ``settling``: in the transaction that ends the job, so that no reader sees it ended without its results
+    file; an object store that fails then leaves the outcome alone (logged, None: the reaper's sweep writes it)."""
     if job.status not in TERMINAL:
         return None
     found = s.scalar(select(File).where(File.job_id == job.id))
@@ -52,7 +55,15 @@ def attach(s: Session, objects: ObjectStore, job: Job) -> File | None:
         return found
     data, rows = metrics_csv(s, job.id)
     key = f"tenants/{job.tenant_id}/files/results-{job.id}.csv"
-    objects.put_bytes(key, data)
+    try:
+        objects.put_bytes(key, data)
+    except Exception as exc:
+        if not settling:
+            raise
+        log.warning(
+            "results file of job %s not written now (%s: %s); the reaper writes it", job.id, type(exc).__name__, exc
+        )
+        return None
     f = File(
         tenant_id=job.tenant_id,
         filename=FILENAME,

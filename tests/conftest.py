@@ -47,6 +47,18 @@ def spawn_logged(cmd: list[str], log: Path, **popen_kw) -> subprocess.Popen:
 
 POSTGRES_URL = os.environ.get("GSPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("GSPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The suite's Redis databases by use, each pytest-xdist worker (``-n``, the Makefile's ``make test``) with its
+#: own four: the API's limiter and streams, the worker rigs, the faults tests' broker, the e2e service.
+REDIS_DBS = {"api": 0, "rigs": 1, "faults": 2, "e2e": 3}
+
+
+def redis_url(use: str) -> str:
+    """``GSPO_TEST_REDIS_URL``'s server at the database of ``use`` for this xdist worker (gw0 0-3, gw1 4-7, ...):
+    two workers' Celery queues, rate limits and streams never meet."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    return REDIS_URL.rsplit("/", 1)[0] + f"/{REDIS_DBS[use] + len(REDIS_DBS) * worker}"
+
+
 ADMIN_PG = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
 
 
@@ -199,3 +211,12 @@ def run_gspo(env: dict, *args: str) -> str:
         text=True,
         timeout=120,
     ).stdout.strip()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n N --dist loadgroup``, as ``make test`` runs): one file's tests run on one xdist
+    worker, so its module and package fixtures start once and its tests keep their order."""
+    root = Path(__file__).resolve().parent
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("/".join(Path(item.fspath).resolve().relative_to(root).parts)))

@@ -112,7 +112,7 @@ def _stopped_why(reason: str | None, cb: PersistCallbacks) -> str:
 def _settle(db, objects: ObjectStore, job_id: str, worker_id: str, cb: PersistCallbacks, settings) -> str:
     """Write the outcome of a finished or stopped run (its holder only; retried while the database is
     down, so a restart at the end of a run does not turn a finished job into a failed one). A job that
-    ended gets its results file right after."""
+    ended gets its results file in the same transaction."""
     reason = cb.stop_reason
     if reason == "lease_lost":
         return "lease_lost"
@@ -123,12 +123,11 @@ def _settle(db, objects: ObjectStore, job_id: str, worker_id: str, cb: PersistCa
             if cb.usage is not None:
                 cb.usage.write(s)
             job = s.get(Job, job_id, populate_existing=True)
-            return _outcome(s, job, reason, cb)
+            outcome = _outcome(s, job, reason, cb)
+            results.attach(s, objects, job, settling=True)  # None for a paused or requeued job: not ended
+            return outcome
 
     outcome = with_db_retry(run, what="settling the job")
-    if outcome in ("succeeded", "cancelled", "wall_limit"):
-        with db.session() as s:
-            results.attach_committed(s, objects, job_id)
     if outcome == "requeued":
         try:
             enqueue_run_job(settings, job_id)
@@ -167,15 +166,15 @@ def _fail(db, objects: ObjectStore, job_id: str, worker_id: str, message: str, u
             jobs.hold(s, job_id, worker_id)
             if usage is not None:
                 usage.write(s)
-            jobs.transition(s, s.get(Job, job_id, populate_existing=True), "failed", error=message)
+            job = s.get(Job, job_id, populate_existing=True)
+            jobs.transition(s, job, "failed", error=message)
+            results.attach(s, objects, job, settling=True)
 
     try:
         with_db_retry(run, what="marking the job failed")
     except jobs.LeaseLost:  # another worker runs it now: its outcome is not ours to write
         log.warning("job %s failed here (%s), but this worker no longer holds it", job_id, message)
         return "lease_lost"
-    with db.session() as s:
-        results.attach_committed(s, objects, job_id)
     return "failed"
 
 

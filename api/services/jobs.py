@@ -187,8 +187,8 @@ def cancel_job(s: Session, settings: Settings, objects: ObjectStore, job: Job) -
     """Queued and paused jobs are cancelled at once (their results file written); running ones go to
     ``cancelling`` (the worker stops within seconds)."""
     job_state.request_cancel(s, job)
+    results.attach(s, objects, job, settling=True)  # before the commit: never seen ended without its file
     s.commit()
-    results.attach_committed(s, objects, job.id)
     return to_out(s, settings, job)
 
 

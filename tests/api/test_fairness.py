@@ -16,7 +16,7 @@ from store.models import File
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
 from tests.api.live import LiveServer
-from tests.conftest import REDIS_URL
+from tests.conftest import redis_url
 
 SLOW_GRADER = {
     "type": "python",
@@ -30,7 +30,7 @@ def _limited(settings: Settings, limiter: str) -> Settings:
     """Small caps; the limiter in this process or in Redis (a fresh key space per test: new tenants)."""
     return settings.model_copy(
         update={
-            "redis_url": REDIS_URL if limiter == "redis" else None,
+            "redis_url": redis_url("api") if limiter == "redis" else None,
             "worker_queue": f"q-{uuid.uuid4().hex[:8]}",
             "max_streams_per_tenant": 2,
             "stream_poll_seconds": 30.0,
@@ -128,7 +128,7 @@ def test_stream_cap_is_shared_by_server_processes_through_redis(settings):
     from api.app import create_app
 
     shared = settings.model_copy(
-        update={"redis_url": REDIS_URL, "max_streams_per_tenant": 1, "stream_poll_seconds": 30.0}
+        update={"redis_url": redis_url("api"), "max_streams_per_tenant": 1, "stream_poll_seconds": 30.0}
     )
     one, two = create_app(shared), create_app(shared)
     a, job_a = _tenant_with_job(one, "a")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import REDIS_URL
+from tests.conftest import redis_url
 
 
 def test_fairness_bench_smoke(tmp_path):
@@ -23,7 +23,7 @@ def test_fairness_bench_smoke(tmp_path):
             "--api-workers",
             "1",
             "--redis-url",
-            REDIS_URL,
+            redis_url("api"),
             "--run-samples",
             "2",
             "--json",

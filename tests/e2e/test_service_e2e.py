@@ -12,7 +12,8 @@ import pytest
 
 from gspo_client import ApiError, Client
 from gspo_core.toy import TOY_REWARD, write_toy_dataset
-from tests.conftest import REDIS_URL, spawn_logged
+from tests.conftest import redis_url as suite_redis_url
+from tests.conftest import spawn_logged
 from tests.worker.conftest import ROOT, build_rig, wait_for
 
 
@@ -27,7 +28,7 @@ def service(pg_database, tmp_path):
     from tests.conftest import truncate_all
 
     truncate_all(pg_database)
-    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/13"
+    redis_url = suite_redis_url("e2e")
     rig = build_rig(tmp_path, pg_database, redis_url, GSPO_ROLLOUT_ENGINE="vllm")
     port = free_port()
     api = spawn_logged(

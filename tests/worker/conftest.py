@@ -19,7 +19,8 @@ from gspo_core.toy import TOY_REWARD, build_tiny_model, write_toy_dataset
 from store.models import Job, StepMetric
 from store.settings import Settings
 from store.tenants import create_tenant_and_key
-from tests.conftest import REDIS_URL, spawn_logged, truncate_all
+from tests.conftest import redis_url as suite_redis_url
+from tests.conftest import spawn_logged, truncate_all
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_GRADER = {
@@ -176,7 +177,7 @@ def build_rig(tmp_path: Path, db_url: str, redis_url: str, lease_s: float = 6, *
 def make_rig(pg_database, tmp_path):
     """``make_rig(**env)``: a rig whose Settings (API and workers) take ``env``; stopped at the end."""
     truncate_all(pg_database)
-    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/11"
+    redis_url = suite_redis_url("rigs")
     try:
         redis.Redis.from_url(redis_url).ping()
     except redis.ConnectionError as exc:

@@ -118,12 +118,12 @@ def test_redis_restart_mid_job(redis_server, pg_database, tmp_path):
 def test_postgres_restart_mid_job_and_api_503(tmp_path):
     import tempfile
 
-    from tests.conftest import REDIS_URL
+    from tests.conftest import redis_url as suite_redis_url
 
     pg_root = Path(tempfile.mkdtemp(prefix="gspo-pg-"))  # pytest's tmp dirs are closed to the postgres user
     pg = PgCluster(pg_root)
     pg.start()
-    redis_url = REDIS_URL.rsplit("/", 1)[0] + "/12"
+    redis_url = suite_redis_url("faults")
     rig = build_rig(tmp_path / "rig", pg.url, redis_url, lease_s=20)
     try:
         rig.start_worker()

@@ -87,3 +87,39 @@ def test_a_spent_budget_stops_a_run_mid_step_and_its_first_step_after_one_budget
     cb = PersistCallbacks(db, objects, job_id, "w1", 1, threading.Event(), threading.Event(), usage)
     cb.on_step(1, {"reward/mean": 0.5})
     assert cb.should_stop() and cb.stop_reason == "budget", "from the second step at once"
+
+
+def test_an_ended_run_commits_its_results_file_with_its_outcome_and_an_object_store_outage_leaves_the_outcome(
+    db,  # noqa: F811
+    tmp_path,
+):
+    """The results file is written inside the transaction that ends the job: a reader never sees it succeeded
+    without its file (a client polled in between and found ``result_files == []``). With the object store
+    down, the job still ends, without the file, and the reaper's sweep lists it."""
+    seen: list[str] = []
+
+    class Watching(LocalObjectStore):
+        def put_bytes(self, key: str, data: bytes) -> None:
+            reader = db.read_session()
+            try:  # another connection: what the job's row says before the settle's commit
+                seen.append(reader.get(Job, job_id).status)
+            finally:
+                reader.close()
+            super().put_bytes(key, data)
+
+    class Down(LocalObjectStore):
+        def put_bytes(self, key: str, data: bytes) -> None:
+            raise OSError("object store unreachable")
+
+    for objects, files in ((Watching(tmp_path / "up"), 1), (Down(tmp_path / "down"), 0)):
+        job_id = make_job(db)
+        with db.session() as s:
+            jobs.claim(s, job_id, "w1", lease_seconds=60)
+        cb = PersistCallbacks(db, objects, job_id, "w1", 1, threading.Event(), threading.Event())
+        cb.on_step(1, {"reward/mean": 0.5})
+        assert _settle(db, objects, job_id, "w1", cb, settings=None) == "succeeded"
+        with db.session() as s:
+            assert s.get(Job, job_id).status == "succeeded"
+            assert len(results.result_file_ids(s, job_id)) == files
+            assert (job_id in results.jobs_without_results(s)) == (files == 0)
+    assert seen == ["running"], "the file was written before the commit that ended the job"
