@@ -219,4 +219,4 @@ def pytest_collection_modifyitems(config, items):
     worker, so its module and package fixtures start once and its tests keep their order."""
     root = Path(__file__).resolve().parent
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("/".join(Path(item.fspath).resolve().relative_to(root).parts)))
+        item.add_marker(pytest.mark.xdist_group("/".join(item.path.resolve().relative_to(root).parts)))

@@ -190,7 +190,8 @@ def test_a_slow_request_is_closed_at_its_deadline_however_it_trickles(tokenizer)
             return (got + rest).split(b"\r\n", 1)[0], took
 
     status_line, took = run_session(tokenizer, script, Limits(request_deadline_s=1.0))
-    assert status_line == b"HTTP/1.1 408 Request Timeout" and 1.0 <= took < 4.0, (status_line, took)
+    # The server's clock starts at its accept, a little before the client's `start` (0.998 s seen under load).
+    assert status_line == b"HTTP/1.1 408 Request Timeout" and 0.9 <= took < 4.0, (status_line, took)
 
 
 @pytest.mark.parametrize("limits", [Limits(max_connections=16), Limits(max_connections_total=16)], ids=["job", "all"])
