@@ -44,11 +44,13 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
     model, data = prepare(w, root)
     steps: list[dict] = []
     cpu_marks: list[float] = []
+    rss_marks: list[float] = [peak_rss_mb()]  # the peak so far: before train(), then at each step's end
 
     class Rec(Callbacks):
         def on_step(self, step, metrics):
             steps.append(metrics)
             cpu_marks.append(cpu_s())
+            rss_marks.append(peak_rss_mb())
 
     cfg = GSPOConfig(
         steps=w.steps,
@@ -85,6 +87,7 @@ def run_ours(w: Workload, root: Path, engine: str = "auto", **overrides) -> dict
         "tokens_sampled": [m["tokens/sampled"] for m in steps],
         "wall_s": time.perf_counter() - t0,
         "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_by_step_mb": rss_marks,  # where the peak was reached: set-up, a step, or the end (checkpoint)
         # the update leaves zero-advantage rows (tied groups) out of mini-batches 2..k: say how many
         "rows_skipped_frac": [m["update/rows_skipped_frac"] for m in steps],
         "tied_groups_frac": [m["reward/frac_zero_std"] for m in steps],

@@ -164,16 +164,17 @@ class GSPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward: less memory, more time."
     )
-    # 512, not 0: on a real model's vocabulary (49k, SmolLM2) mini-batch 0's one forward over every row of the
-    # step set the job's peak memory, which micro-batches cut with the same update (docs/algorithm.md, Real models).
-    micro_batch_tokens: int = Field(
-        default=1024,
+    # Unset: 1,024 tokens on CPU, where a real vocabulary's (49k, SmolLM2) logits over every row of mini-batch 0
+    # set the job's peak memory; 16,384 on a GPU, where forwards of a row or two leave it idle (ten times slower
+    # on an H200; docs/algorithm.md, Real models, and docs/bench.md, GPU).
+    micro_batch_tokens: int | None = Field(
+        default=None,
         ge=0,
         le=10_000_000,
         description="Most tokens (prompt + completion) one forward + backward holds: a "
         "mini-batch over it runs as micro-batches whose gradients add up to the same update (gradient "
         "accumulation), so memory, not the number of optimizer updates, is what it trades. 0 = the whole "
-        "mini-batch at once; a row longer than the budget runs alone.",
+        "mini-batch at once; a row longer than the budget runs alone. Unset: 1,024 on CPU, 16,384 on GPU.",
     )
 
     # --- LoRA (full fine-tuning when lora_rank == 0) ---

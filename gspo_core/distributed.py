@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.torch_version import TorchVersion
 
 from gspo_core.launch import launched
 from gspo_core.policy import Policy, base_model, completion_logprobs, one_tied_gradient, save_hf
@@ -233,13 +235,28 @@ def gather_state_dict(policy: Policy, everywhere: bool = False) -> dict[str, tor
 SHARDED = StateDictOptions(ignore_frozen_params=True)
 
 
+#: torch's DCP file writer (seen in 2.11 and 2.13) keeps the host copy of every tensor of a file until the whole
+#: file is written (its ``tensor_dict``, which only a safetensors file needs): one file a rank held a GPU rank's
+#: whole trainer state in host memory at once (weights and AdamW's moments, 6 GB of a 0.5B model's;
+#: docs/bench.md, GPU). Off the CPU each tensor goes to a file of its own instead, so one copy at a time is
+#: held. tests/core/test_checkpoint.py fails once torch lets the copies go.
+DCP_HOLDS_FILE_COPIES = TorchVersion(torch.__version__) < "2.15"
+
+
+def checkpoint_writer(path: Path, device: torch.device) -> FileSystemWriter:
+    """DCP's file writer for a rank whose state lies on ``device`` (see :data:`DCP_HOLDS_FILE_COPIES`)."""
+    one_file = device.type == "cpu" or not DCP_HOLDS_FILE_COPIES
+    return FileSystemWriter(path, single_file_per_rank=one_file)
+
+
 def save_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path, with_optimizer: bool = True) -> None:
     """Each rank writes its own shards of the trainable weights and (``with_optimizer``) their optimizer state
     under ``path`` with ``torch.distributed.checkpoint`` (rank 0 adds the metadata: every tensor's global shape
     and where each piece lies), so nothing is gathered. A collective; one rank writes whole tensors."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=SHARDED)
     state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
-    dcp.save(state, checkpoint_id=path)
+    device = next(policy.parameters()).device
+    dcp.save(state, checkpoint_id=path, storage_writer=checkpoint_writer(path, device))
 
 
 def load_sharded(policy: Policy, optimizer: torch.optim.Optimizer, path: Path, with_optimizer: bool = True) -> None:

@@ -326,6 +326,11 @@ def _lora_delta(layer: Any, adapter: str, state: dict[str, torch.Tensor], path: 
     return delta.T if layer.fan_in_fan_out else delta
 
 
+#: Largest safetensors file of an export: safetensors copies a file's GPU tensors to host memory all at once, so
+#: this bounds the host memory a GPU job's export takes (transformers' default, 50 GB, made one file of a model).
+EXPORT_SHARD_SIZE = "1GB"
+
+
 def save_hf(
     model: Policy,
     tokenizer: PreTrainedTokenizerBase,
@@ -343,9 +348,9 @@ def save_hf(
         model.save_pretrained(str(adapter_dir or out_dir.parent / "adapter"), state_dict=state)
         # export_weights yields the given tensors of layers without an adapter: clone them
         merged = {name: tensor.clone() for name, tensor in export_weights(model, state)}
-        base_model(model).save_pretrained(str(out_dir), state_dict=merged, safe_serialization=True)
+        base_model(model).save_pretrained(str(out_dir), state_dict=merged, max_shard_size=EXPORT_SHARD_SIZE)
     else:
-        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        model.save_pretrained(str(out_dir), state_dict=state, max_shard_size=EXPORT_SHARD_SIZE)
     tokenizer.save_pretrained(str(out_dir))
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:

@@ -14,6 +14,7 @@ import torch
 
 from gspo_core import loop
 from gspo_core import step as phases
+from gspo_core.batching import micro_batch_budget
 from gspo_core.callbacks import Callbacks
 from gspo_core.config import GSPOConfig, JobSpec
 from gspo_core.data import DataError, check_sft_row, spec_rows
@@ -257,7 +258,7 @@ def sft_step(policy: PolicyState, examples: list[Example], cfg: GSPOConfig, step
     trained = max(1, sum(sum(e.weights[1:]) for e in examples))
     policy.optimizer.zero_grad(set_to_none=True)
     nll = 0.0
-    for batch in micro_batches(examples, cfg.micro_batch_tokens):
+    for batch in micro_batches(examples, micro_batch_budget(cfg.micro_batch_tokens, policy.device)):
         loss = nll_sum(policy, batch) / trained  # micro-batches add up to the step's token mean
         loss.backward()
         nll += float(loss.detach())
@@ -284,5 +285,6 @@ def sft_step(policy: PolicyState, examples: list[Example], cfg: GSPOConfig, step
 def sft_evaluate(policy: PolicyState, examples: list[Example], cfg: GSPOConfig) -> dict[str, float]:
     """Mean loss per trained token over the held-out ``examples``."""
     trained = max(1, sum(sum(e.weights[1:]) for e in examples))
-    nll = sum(float(nll_sum(policy, batch)) for batch in micro_batches(examples, cfg.micro_batch_tokens))
+    budget = micro_batch_budget(cfg.micro_batch_tokens, policy.device)
+    nll = sum(float(nll_sum(policy, batch)) for batch in micro_batches(examples, budget))
     return {"eval/loss": nll / trained}

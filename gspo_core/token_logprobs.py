@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import torch
 
-#: Elements of one softmax block (positions x vocabulary): ~2 MiB of fp32, so a block's temporaries stay in cache.
+#: Elements of one softmax block (positions x vocabulary): ~2 MiB of fp32, so a block's temporaries stay in a
+#: CPU's cache.
 BLOCK_ELEMENTS = 1 << 19
+#: The same on a GPU, whose kernels want many positions at once (blocks of 3 positions at a 152k vocabulary made
+#: thousands of launches a forward; docs/bench.md, GPU): as large as the largest chunk kept.
+GPU_BLOCK_ELEMENTS = 1 << 28
 #: Elements of one chunk of logits the head's GEMMs make at once (512 MiB of fp32), past KEEP_LOGITS_ELEMENTS.
 CHUNK_ELEMENTS = 1 << 27
 #: Logits up to this many elements (1 GiB of fp32) are made at once and kept for the backward; more are made
@@ -38,13 +42,14 @@ def _spans(n_positions: int, per: int) -> list[slice]:
     return [slice(i, min(i + per, n_positions)) for i in range(0, n_positions, per)]
 
 
-def _blocks(n_positions: int, vocab: int) -> list[slice]:
-    return _spans(n_positions, BLOCK_ELEMENTS // max(vocab, 1))
+def _blocks(n_positions: int, vocab: int, device: torch.device) -> list[slice]:
+    per = BLOCK_ELEMENTS if device.type == "cpu" else GPU_BLOCK_ELEMENTS
+    return _spans(n_positions, per // max(vocab, 1))
 
 
 def _forward_blocks(z_CV, target_C, temperature: float, with_entropy: bool, logp_C, lse_C, entropy_C) -> None:
     """Fill ``logp_C``, ``lse_C`` (log-sum-exp of ``z / t``) and, when asked, ``entropy_C`` from ``z_CV``."""
-    for span in _blocks(z_CV.size(0), z_CV.size(1)):
+    for span in _blocks(z_CV.size(0), z_CV.size(1), z_CV.device):
         x = z_CV[span] / temperature if temperature != 1.0 else z_CV[span]
         logp = x.log_softmax(-1)
         logp_C[span] = logp.gather(-1, target_C[span].unsqueeze(-1)).squeeze(-1)
@@ -59,7 +64,7 @@ def _grad_blocks_(z_FV, target_C, lse_C, grad_C, temperature: float, out_CV, pos
     the ascending ``positions_C``); without ``positions_C``, at every position (``C = F``, and ``out_CV`` may be
     ``z_FV``)."""
     grad_C = grad_C / temperature
-    for span in _blocks(out_CV.size(0), out_CV.size(1)):
+    for span in _blocks(out_CV.size(0), out_CV.size(1), out_CV.device):
         x = z_FV[span] if positions_C is None else z_FV.index_select(0, positions_C[span])
         x = x / temperature if temperature != 1.0 else x
         out = out_CV[span]
@@ -212,10 +217,11 @@ def head_logprobs(
 
 def _head_logprobs_no_grad(h_FH, w_VH, b_V, target_F, temperature: float, with_entropy: bool, dtype):
     """:func:`head_logprobs` where nothing needs a gradient: logits a :data:`NO_GRAD_CHUNK_ELEMENTS` chunk at a
-    time, none kept."""
+    time on CPU (a :data:`CHUNK_ELEMENTS` one on a GPU), none kept."""
     F, V = h_FH.size(0), w_VH.size(0)
     logp_F, lse_F, entropy_F = _new_outputs(h_FH, F, with_entropy, _logit_dtype(w_VH))
-    for span in _spans(F, NO_GRAD_CHUNK_ELEMENTS // V):
+    per = NO_GRAD_CHUNK_ELEMENTS if h_FH.device.type == "cpu" else CHUNK_ELEMENTS  # a GPU's GEMMs want more rows
+    for span in _spans(F, per // V):
         z_CV = _logits(h_FH[span], w_VH, b_V, dtype)
         _forward_blocks(z_CV, target_F[span], temperature, with_entropy, logp_F[span], lse_F[span], entropy_F[span])
     return logp_F, entropy_F

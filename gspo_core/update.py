@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gspo_core.batching import lengths_N, micro_batches
+from gspo_core.batching import lengths_N, micro_batch_budget, micro_batches
 from gspo_core.config import GSPOConfig
 from gspo_core.distributed import gather, merge_loss_metrics, most
 from gspo_core.losses import LossMetrics
@@ -206,7 +206,8 @@ def _minibatch_grads(
     logp_BT = torch.zeros(len(mine), width) if first else None
     mask_BT = torch.zeros(len(mine), width) if first else None
     metrics, filled = LossMetrics(loss_fn, n_rows), 0
-    micros = [part for part in micro_batches(rollout.completions, mine, cfg.micro_batch_tokens) if len(part)]
+    budget = micro_batch_budget(cfg.micro_batch_tokens, policy.device)
+    micros = [part for part in micro_batches(rollout.completions, mine, budget) if len(part)]
     # Forwards and backwards are collective: a rank with fewer micro-batches runs the rest on a stand-in row
     # with a zero loss scale (a zero gradient).
     micros += [rows[:0]] * (most(len(micros), policy.ranks) - len(micros))

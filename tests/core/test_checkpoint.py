@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import gspo_core.distributed
 from gspo_core.checkpoint import latest_checkpoint, load_trainer_state
 from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, train
 
@@ -147,3 +150,61 @@ def test_resuming_a_finished_run_returns_its_checkpoint(tiny_model_dir, tmp_path
     rec = Recorder()
     again = train(spec, rec, resume_from=done.final_checkpoint)
     assert again.final_step == 1 and again.final_checkpoint == done.final_checkpoint and rec.steps == []
+
+
+class _HostCopyPlanner(DefaultSavePlanner):
+    """Hands DCP's writer a fresh copy of each tensor, as a GPU rank's tensors reach it (copied to host memory)."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        return data.clone() if isinstance(data, torch.Tensor) else data
+
+
+def _peak_rise_mib(fn) -> float:
+    def status(key: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
+        return int(line.split()[1])
+
+    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident memory
+    before = status("VmRSS")
+    fn()
+    return (status("VmHWM") - before) / 1024
+
+
+def test_upstream_dcp_holds_every_host_copy_of_a_file_until_it_is_written(tmp_path):
+    """Why a GPU rank writes a file a tensor (`gspo_core.distributed.DCP_HOLDS_FILE_COPIES`): in one file, all 24
+    copies of 8 MiB are held at once; a file each, one or two. When the first bound fails, torch lets each copy
+    go once written: drop the workaround."""
+    state = {f"t{i}": torch.full((2**21,), float(i)) for i in range(24)}
+
+    def save(name: str, one_file: bool) -> None:
+        writer = FileSystemWriter(tmp_path / name, single_file_per_rank=one_file)
+        dcp.save(state, checkpoint_id=tmp_path / name, storage_writer=writer, planner=_HostCopyPlanner())
+
+    assert _peak_rise_mib(lambda: save("one", True)) > 150
+    assert _peak_rise_mib(lambda: save("each", False)) < 64
+    assert gspo_core.distributed.DCP_HOLDS_FILE_COPIES
+
+
+def test_a_gpu_ranks_file_a_tensor_layout_resumes_exactly(tmp_path, monkeypatch):
+    """The trainer state written as a GPU rank writes it (a file a tensor) loads back whole, optimizer included."""
+    from gspo_core.distributed import checkpoint_writer, load_sharded, save_sharded
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, optimizer = make()
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    as_on_a_gpu = lambda path, device: checkpoint_writer(path, torch.device("cuda"))  # noqa: E731
+    monkeypatch.setattr(gspo_core.distributed, "checkpoint_writer", as_on_a_gpu)
+    save_sharded(model, optimizer, tmp_path / "trainer")
+    assert len(list((tmp_path / "trainer").glob("*.distcp"))) >= 12  # weights and moments, a file each
+    fresh, fresh_optimizer = make()
+    load_sharded(fresh, fresh_optimizer, tmp_path / "trainer")
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(optimizer.state.values(), fresh_optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))

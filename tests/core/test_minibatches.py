@@ -83,3 +83,14 @@ def test_length_order_keeps_groups_whole_where_prompts_are_shared():
             assert prompts == [2, 2, 2, 2], prompts
         else:  # rows sorted by their own length: groups scattered (less padding, no prompt to share)
             assert max(prompts) > 2, prompts
+
+
+def test_an_unset_micro_batch_budget_is_the_devices_default():
+    """Unset, the budget is small on CPU (a real vocabulary's logits set the memory) and large on a GPU (forwards of
+    a row or two left an H200 idle: the update ran 12x slower, docs/bench.md); a job's own value always wins."""
+    from gspo_core.batching import micro_batch_budget
+
+    assert micro_batch_budget(None, torch.device("cpu")) == 1024
+    assert micro_batch_budget(None, torch.device("cuda")) == 16_384
+    assert micro_batch_budget(0, torch.device("cuda")) == 0
+    assert micro_batch_budget(300, torch.device("cpu")) == 300

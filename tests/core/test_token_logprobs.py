@@ -156,3 +156,14 @@ def test_the_kept_logits_become_their_gradient_so_a_second_backward_is_refused()
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_softmax_blocks_are_cache_sized_on_cpu_and_whole_chunks_on_a_gpu():
+    """On a GPU a block of 3 positions (a 152k vocabulary's share of a CPU block) meant thousands of kernel
+    launches a forward (the H200's update 12x slower, docs/bench.md); there a kept chunk is one block."""
+    from gspo_core.token_logprobs import KEEP_LOGITS_ELEMENTS, _blocks
+
+    V = 151_936
+    positions = KEEP_LOGITS_ELEMENTS // V
+    assert len(_blocks(positions, V, torch.device("cpu"))) > 500
+    assert _blocks(positions, V, torch.device("cuda")) == [slice(0, positions)]
