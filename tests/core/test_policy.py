@@ -183,3 +183,21 @@ def test_lora_export_is_base_plus_delta_and_leaves_the_base_untouched(tiny_model
     assert not torch.equal(exported[q], base_before[q.replace("q_proj.", "q_proj.base_layer.")])
     for name, tensor in merged.items():
         torch.testing.assert_close(exported[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_an_export_past_the_shard_size_is_split_and_loads_whole(tiny_model_dir, tmp_path, monkeypatch):
+    """An export is written in files of at most `EXPORT_SHARD_SIZE` (safetensors copies a file's GPU tensors to
+    host memory at once): split, it loads whole in transformers and in a resume."""
+    from transformers import AutoModelForCausalLM
+
+    import gspo_core.policy
+    from gspo_core.checkpoint import _saved_weights
+
+    model, tokenizer = load_policy(str(tiny_model_dir), GSPOConfig(), torch.device("cpu"))
+    monkeypatch.setattr(gspo_core.policy, "EXPORT_SHARD_SIZE", "100KB")  # the toy's 0.4 MB in several files
+    gspo_core.policy.save_hf(model, tokenizer, tmp_path / "model")
+    assert len(list((tmp_path / "model").glob("*.safetensors"))) > 1
+    want = model.state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[name], want[name]) for name in want)
+    assert all(torch.equal(tensor, want[name]) for name, tensor in _saved_weights(tmp_path).items())
