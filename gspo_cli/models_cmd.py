@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -33,7 +32,8 @@ def run_import(args) -> int:
         print(f"--name: {name!r} is not a model name (letters, digits, '.', '_', '-')", file=sys.stderr)
         return 2
     try:
-        report = import_model(source, models_dir / name, tolerance=args.tolerance)
+        tolerance = {} if args.tolerance is None else {"tolerance": args.tolerance}
+        report = import_model(source, models_dir / name, **tolerance)
     except ModelImportError as exc:
         print(f"gspo models import: {exc}", file=sys.stderr)
         return 1
@@ -43,14 +43,12 @@ def run_import(args) -> int:
 
 
 def register(sub) -> None:
-    from gspo_core.model_import import DEFAULT_TOLERANCE
-
+    # Nothing of gspo_core here: every `gspo` command builds this parser, and the importer brings torch (2 s).
     models = sub.add_parser("models", help="manage the models directory that jobs name models from")
     models_sub = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
     p = models_sub.add_parser(
         "import",
         help="turn a GGUF file or a Hugging Face directory into a trainable model (fp32 safetensors)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("path", help="a .gguf file (dequantized by transformers) or a Hugging Face model directory")
     p.add_argument("--name", help="the model's name in the models directory (default: the file's stem)")
@@ -58,7 +56,8 @@ def register(sub) -> None:
     p.add_argument(
         "--tolerance",
         type=float,
-        default=DEFAULT_TOLERANCE,
-        help="largest |logit| difference accepted between the source and the saved model",
+        default=None,
+        help="largest |logit| difference accepted between the source and the saved model (default: the "
+        "importer's, gspo_core.model_import.DEFAULT_TOLERANCE)",
     )
     p.set_defaults(func=run_import)

@@ -100,6 +100,8 @@ def test_gspo_models_import_copies_a_hugging_face_directory(tiny_model_dir, tmp_
     assert (tmp_path / "mine" / "model.safetensors").exists()
     again = _gspo(str(tiny_model_dir), "--models-dir", str(tmp_path), "--name", "mine")
     assert again.returncode == 1 and "already exists" in again.stderr
+    strict = _gspo(str(tiny_model_dir), "--models-dir", str(tmp_path), "--name", "strict", "--tolerance", "-1")
+    assert strict.returncode == 1 and "> tolerance -1)" in strict.stderr, strict.stderr
 
 
 def _write_gguf(path: Path, architecture: str) -> Path:
