@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import gspo_core.distributed
 from gspo_core.checkpoint import latest_checkpoint, load_trainer_state
 from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, train
+from tests.embedded_service import ROOT
 
 
 @pytest.fixture(autouse=True)
@@ -171,18 +175,28 @@ def _peak_rise_mib(fn) -> float:
     return (status("VmHWM") - before) / 1024
 
 
+def dcp_host_copies_mib(root: str) -> list[float]:
+    """The peak rise of resident memory while DCP writes 24 host copies of 8 MiB in one file, then a file each.
+    Run in a fresh process (`test_upstream_dcp_...`): a heap that keeps freed memory (the trainer's policy,
+    `gspo_core.platform.heap`, which other tests turn on in theirs) would hide the rise."""
+    state = {f"t{i}": torch.full((2**21,), float(i)) for i in range(24)}
+
+    def save(name: str, one_file: bool) -> None:
+        writer = FileSystemWriter(Path(root) / name, single_file_per_rank=one_file)
+        dcp.save(state, checkpoint_id=Path(root) / name, storage_writer=writer, planner=_HostCopyPlanner())
+
+    return [_peak_rise_mib(lambda: save("one", True)), _peak_rise_mib(lambda: save("each", False))]
+
+
 def test_upstream_dcp_holds_every_host_copy_of_a_file_until_it_is_written(tmp_path):
     """Why a GPU rank writes a file a tensor (`gspo_core.distributed.DCP_HOLDS_FILE_COPIES`): in one file, all 24
     copies of 8 MiB are held at once; a file each, one or two. When the first bound fails, torch lets each copy
     go once written: drop the workaround."""
-    state = {f"t{i}": torch.full((2**21,), float(i)) for i in range(24)}
-
-    def save(name: str, one_file: bool) -> None:
-        writer = FileSystemWriter(tmp_path / name, single_file_per_rank=one_file)
-        dcp.save(state, checkpoint_id=tmp_path / name, storage_writer=writer, planner=_HostCopyPlanner())
-
-    assert _peak_rise_mib(lambda: save("one", True)) > 150
-    assert _peak_rise_mib(lambda: save("each", False)) < 64
+    probe = f"from tests.core.test_checkpoint import dcp_host_copies_mib; print(dcp_host_copies_mib({str(tmp_path)!r}))"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    one_file, file_each = json.loads(run.stdout.strip().splitlines()[-1])
+    assert one_file > 150 and file_each < 64, (one_file, file_each)
     assert gspo_core.distributed.DCP_HOLDS_FILE_COPIES
 
 
