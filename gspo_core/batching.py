@@ -52,8 +52,8 @@ def minibatches(
     return [chunks[i] for i in torch.randperm(len(chunks), generator=generator)]
 
 
-#: Micro-batch budgets where a job leaves ``micro_batch_tokens`` unset, by device type (`GSPOConfig`'s comment).
-DEFAULT_MICRO_BATCH_TOKENS = {"cpu": 1024}
+#: Micro-batch budgets where a job leaves ``micro_batch_tokens`` unset (`GSPOConfig`'s comment says why).
+CPU_MICRO_BATCH_TOKENS = 1024
 GPU_MICRO_BATCH_TOKENS = 16_384
 
 
@@ -61,7 +61,7 @@ def micro_batch_budget(tokens: int | None, device: torch.device) -> int:
     """The job's ``micro_batch_tokens``, or the default of ``device``'s type where it is unset."""
     if tokens is not None:
         return tokens
-    return DEFAULT_MICRO_BATCH_TOKENS.get(device.type, GPU_MICRO_BATCH_TOKENS)
+    return CPU_MICRO_BATCH_TOKENS if device.type == "cpu" else GPU_MICRO_BATCH_TOKENS
 
 
 def micro_batches(completions: list[Completion], idx: torch.Tensor, budget: int) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import gspo_core.distributed
+from bench.checkpoint_memory import measured
 from gspo_core.checkpoint import latest_checkpoint, load_trainer_state
 from tests.core.trainer_support import Recorder, one_torch_thread, toy_spec, train
 from tests.embedded_service import ROOT
@@ -164,17 +165,6 @@ class _HostCopyPlanner(DefaultSavePlanner):
         return data.clone() if isinstance(data, torch.Tensor) else data
 
 
-def _peak_rise_mib(fn) -> float:
-    def status(key: str) -> int:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
-        return int(line.split()[1])
-
-    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident memory
-    before = status("VmRSS")
-    fn()
-    return (status("VmHWM") - before) / 1024
-
-
 def dcp_host_copies_mib(root: str) -> list[float]:
     """The peak rise of resident memory while DCP writes 24 host copies of 8 MiB in one file, then a file each.
     Run in a fresh process (`test_upstream_dcp_...`): a heap that keeps freed memory (the trainer's policy,
@@ -185,7 +175,8 @@ def dcp_host_copies_mib(root: str) -> list[float]:
         writer = FileSystemWriter(Path(root) / name, single_file_per_rank=one_file)
         dcp.save(state, checkpoint_id=Path(root) / name, storage_writer=writer, planner=_HostCopyPlanner())
 
-    return [_peak_rise_mib(lambda: save("one", True)), _peak_rise_mib(lambda: save("each", False))]
+    one_file = measured(lambda: save("one", True))["peak_rise_mb"]
+    return [one_file, measured(lambda: save("each", False))["peak_rise_mb"]]
 
 
 def test_upstream_dcp_holds_every_host_copy_of_a_file_until_it_is_written(tmp_path):
