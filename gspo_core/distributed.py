@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.torch_version import TorchVersion
 
 from gspo_core.launch import launched
 from gspo_core.policy import Policy, base_model, completion_logprobs, one_tied_gradient, save_hf
@@ -240,7 +239,7 @@ SHARDED = StateDictOptions(ignore_frozen_params=True)
 #: whole trainer state in host memory at once (weights and AdamW's moments, 6 GB of a 0.5B model's;
 #: docs/bench.md, GPU). Off the CPU each tensor goes to a file of its own instead, so one copy at a time is
 #: held. tests/core/test_checkpoint.py fails once torch lets the copies go.
-DCP_HOLDS_FILE_COPIES = TorchVersion(torch.__version__) < "2.15"
+DCP_HOLDS_FILE_COPIES = torch.__version__ < "2.15"  # a TorchVersion: compared as a version
 
 
 def checkpoint_writer(path: Path, device: torch.device) -> FileSystemWriter:
