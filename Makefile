@@ -69,15 +69,21 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy gspo_core store api worker
 
-# The suite in TEST_WORKERS pytest-xdist processes, one file per process at a time (tests/conftest.py: each file
-# its own group; each process its own Redis databases and PostgreSQL database): about half the suite's time is
-# waits (services starting, jobs polled), which the other process fills. Schemathesis' cases share one test id,
-# which xdist runs once, so that file runs on its own after.
+# The suite in TEST_WORKERS pytest-xdist processes, whole files (--dist loadfile: a file's module fixtures start
+# once and its tests keep their order; each process has its own Redis databases and PostgreSQL database), longest
+# files first (tests/file_seconds.json, which tests/conftest.py sorts by; --no-loadscope-reorder keeps that order
+# instead of xdist's by test count), so both processes end together. Schemathesis' cases share one test id, which
+# xdist runs once, so that file runs in a process of its own beside them (its output after theirs).
 TEST_WORKERS ?= 2
+SCHEMATHESIS_LOG := .cache/schemathesis.log
 test: install services lint
-	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
-		--ignore=tests/api/test_schemathesis.py tests
-	$(BIN)/python -m pytest -q -ra tests/api/test_schemathesis.py
+	mkdir -p .cache
+	$(BIN)/python -m pytest -q -ra -p no:cacheprovider tests/api/test_schemathesis.py >$(SCHEMATHESIS_LOG) 2>&1 & \
+	fuzz=$$!; \
+	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--ignore=tests/api/test_schemathesis.py tests; \
+	rc=$$?; wait $$fuzz; fuzz_rc=$$?; cat $(SCHEMATHESIS_LOG); \
+	test $$rc -eq 0 && test $$fuzz_rc -eq 0
 
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

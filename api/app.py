@@ -94,20 +94,25 @@ def _purge_leftovers(app: FastAPI) -> None:
         log.warning("could not remove partial objects: %s", exc)
 
 
-_frozen = threading.Lock()
+_freezing = threading.Lock()
+_unfreeze_at_exit = threading.Event()
 
 
 def _freeze_loaded_objects() -> None:
     """Everything loaded so far lives as long as the process: keep it out of the cyclic GC, whose full passes
-    over it stalled every request (the load test's p99 spikes; docs/bench.md). Once per process: a later
-    app in the same process (tests, `gspo up` restarting its API) finds it done. Frozen objects are never
+    over it stalled every request (the load test's p99 spikes; docs/bench.md). Done where nothing is frozen: a
+    later app in the same process (tests, `gspo up` restarting its API) finds it done, unless other code
+    unfroze the heap meanwhile (an in-process vLLM engine does at its shutdown). Frozen objects are never
     collected, not even at exit, where an extension loaded in the process then reports them as leaks
     (triton's, which transformers loads in `gspo demo`'s process: "nanobind: leaked ..."): they are
     unfrozen at the process's exit."""
-    if _frozen.acquire(blocking=False):
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)
+    with _freezing:
+        if gc.get_freeze_count() == 0:
+            gc.collect()
+            gc.freeze()
+        if not _unfreeze_at_exit.is_set():
+            _unfreeze_at_exit.set()
+            atexit.register(gc.unfreeze)
 
 
 @asynccontextmanager

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import subprocess
 import sys
 import uuid
@@ -213,10 +215,13 @@ def run_gspo(env: dict, *args: str) -> str:
     ).stdout.strip()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n N --dist loadgroup``, as ``make test`` runs): one file's tests run on one xdist
-    worker, so its module and package fixtures start once and its tests keep their order."""
+    """Under pytest-xdist, as ``make test`` runs it (``--dist loadfile``: one file's tests in one process, so its
+    module fixtures start once and its tests keep their order), files start longest first
+    (tests/file_seconds.json; ``--no-loadscope-reorder`` keeps that order): the last file to start is a short
+    one, so the processes finish together instead of one running a long file alone at the end."""
     root = Path(__file__).resolve().parent
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("/".join(item.path.resolve().relative_to(root).parts)))
+    seconds = json.loads((root / "file_seconds.json").read_text())
+    unknown = statistics.median(seconds.values())  # a new file: neither first nor last
+    # Stable: a file's own order is kept.
+    items.sort(key=lambda item: -seconds.get("/".join(item.path.resolve().relative_to(root).parts), unknown))

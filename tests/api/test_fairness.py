@@ -283,7 +283,9 @@ def test_streams_end_after_their_maximum_and_the_client_resumes(settings):
 
 def test_api_process_gil_switch_interval_is_the_operators_while_it_serves(settings):
     """The event loop waits at most the switch interval behind a busy thread: the API sets the operator's
-    value for as long as it serves, and gives the process its own back afterwards."""
+    value for as long as it serves, and gives the process its own back afterwards. What was loaded is kept
+    out of the cyclic GC's passes, also by an app that starts after other code unfroze the heap (an in-process
+    vLLM engine does at its shutdown)."""
     import gc
     import sys
 
@@ -292,15 +294,17 @@ def test_api_process_gil_switch_interval_is_the_operators_while_it_serves(settin
     from api.app import create_app
 
     before = sys.getswitchinterval()
-    app = create_app(settings.model_copy(update={"api_switch_interval_ms": 2.0}))
-    try:
-        with TestClient(app) as client:
-            assert client.get("/healthz").status_code == 200
-            assert sys.getswitchinterval() == pytest.approx(0.002)
-            assert gc.get_freeze_count() > 0  # what was loaded is kept out of the cyclic GC's passes
-        assert sys.getswitchinterval() == before
-    finally:
-        app.state.db.dispose()
+    for _ in range(2):
+        gc.unfreeze()
+        app = create_app(settings.model_copy(update={"api_switch_interval_ms": 2.0}))
+        try:
+            with TestClient(app) as client:
+                assert client.get("/healthz").status_code == 200
+                assert sys.getswitchinterval() == pytest.approx(0.002)
+                assert gc.get_freeze_count() > 0
+            assert sys.getswitchinterval() == before
+        finally:
+            app.state.db.dispose()
 
 
 def test_an_upload_is_read_at_the_operators_rate(settings):

@@ -174,8 +174,14 @@ def test_no_network():
     assert run(src, ["a"])[0].reward == 0.25
 
 
-def test_files_go_to_a_private_capped_tmp_that_is_gone_afterwards():
-    before = set(os.listdir(tempfile.gettempdir()))
+def test_files_go_to_a_private_capped_tmp_that_is_gone_afterwards(tmp_path, monkeypatch):
+    host_tmp = tempfile.gettempdir()
+    before = set(os.listdir(host_tmp))
+    # Where a sandbox without bubblewrap makes its directory: this test's own, as other xdist processes' graders
+    # make theirs in the host's tmp meanwhile.
+    sandbox_dirs = tmp_path / "tmp"
+    sandbox_dirs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(sandbox_dirs))
     src = (
         "import os\n"
         "def grade(sample, item):\n"
@@ -192,9 +198,10 @@ def test_files_go_to_a_private_capped_tmp_that_is_gone_afterwards():
     assert res[0].reward == 1.0 and not res[0].errors
     assert res[1].reward == 0.0 and "File too large" in res[1].errors["py"]
     assert res[2].reward == 0.0 and "No space left on device" in res[2].errors["py"]
+    assert list(sandbox_dirs.iterdir()) == []
     # Only the grader's own names: under pytest-xdist another worker's tests make files in the host's tmp too.
-    new = set(os.listdir(tempfile.gettempdir())) - before
-    assert not {n for n in new if n in ("note.txt", "big.bin") or n.startswith(("fill", "gspo-sandbox-"))}, new
+    new = set(os.listdir(host_tmp)) - before
+    assert not {n for n in new if n in ("note.txt", "big.bin") or n.startswith("fill")}, new
 
 
 def test_bad_output_and_exceptions_are_recorded():
