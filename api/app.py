@@ -95,7 +95,6 @@ def _purge_leftovers(app: FastAPI) -> None:
 
 
 _freezing = threading.Lock()
-_unfreeze_at_exit = threading.Event()
 
 
 def _freeze_loaded_objects() -> None:
@@ -110,8 +109,7 @@ def _freeze_loaded_objects() -> None:
         if gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()
-        if not _unfreeze_at_exit.is_set():
-            _unfreeze_at_exit.set()
+            atexit.unregister(gc.unfreeze)  # registered once, however often the heap is frozen
             atexit.register(gc.unfreeze)
 
 
