@@ -220,8 +220,9 @@ def pytest_collection_modifyitems(config, items):
     module fixtures start once and its tests keep their order), files start longest first
     (tests/file_seconds.json; ``--no-loadscope-reorder`` keeps that order): the last file to start is a short
     one, so the processes finish together instead of one running a long file alone at the end."""
-    root = Path(__file__).resolve().parent
-    seconds = json.loads((root / "file_seconds.json").read_text())
+    from tests.support.file_seconds import FILE_SECONDS, TESTS
+
+    seconds = json.loads(FILE_SECONDS.read_text())
     unknown = statistics.median(seconds.values())  # a new file: neither first nor last
     # Stable: a file's own order is kept.
-    items.sort(key=lambda item: -seconds.get("/".join(item.path.resolve().relative_to(root).parts), unknown))
+    items.sort(key=lambda item: -seconds.get(item.path.resolve().relative_to(TESTS).as_posix(), unknown))
