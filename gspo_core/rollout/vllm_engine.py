@@ -175,7 +175,11 @@ class VLLMEngine:
             warnings.filterwarnings(
                 "ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning
             )
-            llm = LLM(**kwargs)
+            try:
+                llm = LLM(**kwargs)
+            except BaseException:
+                gc.unfreeze()  # what `weight_transfer.register` froze for a start that failed: no shutdown will
+                raise
         #: The engine; None once :meth:`close` released it.
         self.llm: LLM | None = llm
         self.max_model_len = max_model_len
