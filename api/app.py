@@ -11,9 +11,11 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import cache
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.routing import BaseRoute
 
 from api import errors
 from api.limits import Limits
@@ -131,6 +133,41 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.grading_pool.shutdown(wait=False, cancel_futures=True)
 
 
+#: The routers of the API, in the order their routes are matched.
+ROUTERS = (
+    files.router,
+    jobs.router,
+    metrics.router,
+    checkpoints.router,
+    rewards.router,
+    fine_tuning.router,
+    usage.router,
+    webhooks.router,
+    openai_webhooks.router,
+    health.router,
+    tinker.router,
+    tinker_sessions.router,  # before tinker_runs: its checkpoint routes end in /publish, /ttl
+    tinker_sessions.dashboard,
+    tinker_runs.router,
+    ui.router,
+)
+#: The error responses every route documents.
+ERROR_RESPONSES = error_responses(400, 401, 404, 413, 422, 429, 503)
+
+
+@cache
+def _routes() -> tuple[BaseRoute, ...]:
+    """The API's routes, built once per process. `include_router` builds every route of a router anew (its
+    signature analysed, a pydantic adapter made per field: 0.2 CPU s for ours) in each app it is called on,
+    and a process may build many apps (the suite builds ~700). Built here as the app's own router would build
+    them (its error responses merged into each), for `FastAPI(routes=...)`; they keep no app state (handlers
+    read ``request.app.state``). What they do not see is an app's ``dependency_overrides``: nothing sets any."""
+    router = APIRouter(responses=ERROR_RESPONSES)
+    for each in ROUTERS:
+        router.include_router(each)
+    return tuple(router.routes)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the database, object store and settings live on ``app.state``."""
     settings = settings or get_settings()
@@ -138,7 +175,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
         title="GSPO training service",
         version="0.1.0",
-        responses=error_responses(400, 401, 404, 413, 422, 429, 503),
+        routes=list(_routes()),
+        responses=ERROR_RESPONSES,
         lifespan=_lifespan,
         description="Reinforcement-learning fine-tuning (GSPO) of open-weight LMs as a service.",
     )
@@ -148,23 +186,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _per_lifespan(app)  # again at each start of the lifespan
     errors.install(app)
     _instrument(app)
-    for router in (
-        files.router,
-        jobs.router,
-        metrics.router,
-        checkpoints.router,
-        rewards.router,
-        fine_tuning.router,
-        usage.router,
-        webhooks.router,
-        openai_webhooks.router,
-        health.router,
-        tinker.router,
-        tinker_sessions.router,  # before tinker_runs: its checkpoint routes end in /publish, /ttl
-        tinker_sessions.dashboard,
-        tinker_runs.router,
-    ):
-        app.include_router(router)
-    app.include_router(ui.router)
     app.mount("/static", ui.static_app, name="static")
     return app
