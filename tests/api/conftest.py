@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from gspo_core.toy import build_tiny_model, write_toy_dataset
+from gspo_core.toy import write_toy_dataset
 from store import jobs, progress
 from store.db import run_migrations
 from store.models import Job
@@ -77,8 +78,9 @@ def toy_dataset(tmp_path_factory):
 
 
 @pytest.fixture()
-def model_name(settings) -> str:
-    build_tiny_model(settings.models_dir / "toy", shape="toy")
+def model_name(settings, tiny_model_dir) -> str:
+    """The session's toy model, copied under this test's models directory (a copy costs far less than a build)."""
+    shutil.copytree(tiny_model_dir, settings.models_dir / "toy")
     return "toy"
 
 
