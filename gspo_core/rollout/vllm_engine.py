@@ -127,7 +127,8 @@ class VLLMEngine:
 
         # vLLM starts its workers with the plugins its entry points name; in this process that may have
         # happened before this package was installed, and registering twice is harmless.
-        weight_transfer.register()
+        frozen_before = gc.get_freeze_count()
+        weight_transfer.register()  # freezes the heap for the engine's start-up collections
         # On CPU, vLLM reads gpu_memory_utilization as the share of host memory it requires free at
         # start (default 0.92): always pass ours, or a busy machine refuses to start the engine.
         # processed_logprobs makes vLLM's sampler run a full-vocabulary log_softmax at every decode
@@ -178,8 +179,13 @@ class VLLMEngine:
             try:
                 llm = LLM(**kwargs)
             except BaseException:
-                gc.unfreeze()  # what `weight_transfer.register` froze for a start that failed: no shutdown will
+                if not frozen_before:  # no engine shutdown will unfreeze what `register` froze
+                    gc.unfreeze()
                 raise
+        if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and not frozen_before:
+            # The engine's core runs in a process of its own, which freezes and unfreezes its own heap: this
+            # one keeps nothing frozen (at exit, an extension would report the frozen objects as leaks).
+            gc.unfreeze()
         #: The engine; None once :meth:`close` released it.
         self.llm: LLM | None = llm
         self.max_model_len = max_model_len

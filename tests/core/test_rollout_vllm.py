@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from tests.core.test_rollout_hf import adapted_lora, check_contract, check_logpr
 
 pytestmark = pytest.mark.vllm
 DEVICE = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +70,25 @@ def test_vllms_start_up_collections_scan_only_what_the_engine_allocates(engine, 
     those collections scans the imports (0.4-1 CPU s each in a job's process)."""
     counts = START_COLLECTIONS[request.node.callspec.params["engine"]]
     assert len(counts) >= 3 and min(counts) > 100_000, counts
+
+
+def test_a_client_of_an_engine_core_in_its_own_process_keeps_nothing_frozen(tiny_model_dir):
+    """With vLLM's core in a process of its own (its default on GPU), this process is only its client: what our
+    plugin froze for the start-up is unfrozen, since no engine shutdown here would (at exit, an extension
+    reports frozen objects as leaks)."""
+    probe = (
+        "import gc, sys\n"
+        "from gspo_core.rollout.vllm_engine import VLLMEngine\n"
+        "engine = VLLMEngine(sys.argv[1], max_model_len=64, max_num_seqs=2, max_new_tokens=4)\n"
+        "print('frozen', gc.get_freeze_count())\n"
+        "engine.close()\n"
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", probe, str(tiny_model_dir)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "frozen 0" in run.stdout.splitlines(), run.stdout
 
 
 @pytest.fixture(scope="module")
