@@ -204,6 +204,11 @@ def test_one_tenants_slow_receivers_do_not_hold_the_others_deliveries(
             # A's first may be taken after B's on a loaded machine: the property is that B's did not wait
             # for all four of A's (unfair, the four threads take A's older four first and B's comes fifth).
             assert len(slow.hits) < 4, "tenant B's delivery waited for all of tenant A's"
+            # Until two of A's have arrived (on a loaded machine none may have when B's was sent): had the free
+            # threads taken A's together, the second would have come while the first was in flight.
+            while len(slow.hits) < 2:
+                assert time.monotonic() < deadline + 10, "tenant A's deliveries were not sent"
+                time.sleep(0.01)
             assert slow.most_at_once == 1, "tenant A had more than one delivery in flight"
         finally:
             stop.set()
