@@ -9,7 +9,8 @@ from api.app import ERROR_RESPONSES, ROUTERS, create_app
 from store.settings import Settings
 
 
-def settings(tmp_path, name: str) -> Settings:
+def own_settings(tmp_path, name: str) -> Settings:
+    """Settings of an app of its own (not the package fixture `settings`, which runs each test on two databases)."""
     return Settings(data_dir=tmp_path / name, database_url=f"sqlite:///{tmp_path / name}.db", models_dir=tmp_path)
 
 
@@ -22,7 +23,7 @@ def route_table(app: FastAPI) -> list[tuple]:
 def test_apps_share_routes_that_are_what_include_router_builds(tmp_path):
     """Two apps of one process hold the same route objects (built once: `include_router` builds every route anew
     in each app), and their OpenAPI document and route table are those of an app that includes the routers."""
-    first, second = create_app(settings(tmp_path, "a")), create_app(settings(tmp_path, "b"))
+    first, second = create_app(own_settings(tmp_path, "a")), create_app(own_settings(tmp_path, "b"))
     ours = [r for r in first.routes if isinstance(r, APIRoute)]
     assert len(ours) > 50 and all(any(r is s for s in second.routes) for r in ours)
     reference = FastAPI(
